@@ -1,0 +1,167 @@
+"""Service configuration: one TOML file, read into frozen dataclasses.
+
+Every process (broker, ingest, worker, CLI) loads the same file so they agree on
+endpoints, the shm namespace and limits without talking to each other first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CONFIG = Path(__file__).with_name("default.toml")
+CONFIG_ENV = "STREAMASR_CONFIG"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "whisper-tiny.en"  # a registered name, "null", or a CTranslate2 model directory
+    backend: str = "onnxruntime"  # "onnxruntime" | "tensorrt" | "null"
+    precision: str = "fp32"  # "fp32" | "int8"
+    threads: int = 1  # intra-op threads per worker process
+    arena: bool = True  # ONNX Runtime CPU memory arena
+    cache_dir: str = ""  # exported graphs; "" = $XDG_CACHE_HOME/streamasr
+    beam_size: int = 1
+    max_batch: int = 8  # dynamic batching: most requests per backend call
+    max_wait_ms: float = 5.0  # dynamic batching: longest wait for a batch to fill
+    partial_window: str = "short"  # "short" (audio context sliced to the speech) | "full"
+    null_text: str = "null model"  # text the null backend returns
+
+
+@dataclass(frozen=True)
+class ShmConfig:
+    ring_seconds: float = 60.0  # capacity of one stream's ring
+    streams_per_ingest: int = 256  # rings preallocated per ingest process
+
+
+@dataclass(frozen=True)
+class VadConfig:
+    threshold: float = 0.5
+    min_silence_ms: int = 500  # a pause this long ends a segment
+    min_speech_ms: int = 150  # shorter bursts are not segments
+    max_segment_s: float = 25.0  # cut a segment that runs this long
+    pad_ms: int = 200  # audio kept before speech starts and after it ends
+
+
+@dataclass(frozen=True)
+class IngestConfig:
+    address: str = "tcp://127.0.0.1:7700"  # the one address clients know (front door)
+    host: str = "127.0.0.1"  # interface the ingest processes bind
+    port_base: int = 7701  # ingest process N binds port_base + N
+    processes: int = 1
+    partial_interval_ms: int = 500  # a partial decode per this much new speech
+    max_frame_bytes: int = 262_144
+    max_message_bytes: int = 1_048_576
+    max_streams_per_client: int = 64
+    max_streams: int = 1000  # total over the service
+    idle_timeout_s: float = 30.0  # a stream silent this long is closed (vanished client)
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    heartbeat_ms: int = 1000
+    liveness: int = 3  # missed heartbeats before a peer is declared dead
+    partial_deadline_ms: int = 2000  # a queued partial older than this is skipped
+    final_deadline_ms: int = 10000  # finals are never dropped; past this they are logged late
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    processes: int = 0  # 0 = one per CPU core
+
+
+@dataclass(frozen=True)
+class Config:
+    instance: str = "default"  # namespaces shm segments and the run directory
+    run_dir: str = ""  # ipc sockets, supervisord files, logs; "" = /tmp/streamasr-<instance>
+    log_level: str = "info"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    shm: ShmConfig = field(default_factory=ShmConfig)
+    vad: VadConfig = field(default_factory=VadConfig)
+    ingest: IngestConfig = field(default_factory=IngestConfig)
+    broker: BrokerConfig = field(default_factory=BrokerConfig)
+    workers: WorkerConfig = field(default_factory=WorkerConfig)
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run_dir or f"/tmp/streamasr-{self.instance}")
+
+    @property
+    def broker_ingest_endpoint(self) -> str:
+        return f"ipc://{self.run_path}/broker-ingest.sock"
+
+    @property
+    def broker_worker_endpoint(self) -> str:
+        return f"ipc://{self.run_path}/broker-workers.sock"
+
+    @property
+    def worker_count(self) -> int:
+        return self.workers.processes or (os.cpu_count() or 1)
+
+    def ingest_endpoint(self, index: int) -> str:
+        return f"tcp://{self.ingest.host}:{self.ingest.port_base + index}"
+
+    def shm_name(self, index: int) -> str:
+        return f"streamasr.{self.instance}.ingest{index}"
+
+
+def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+    """Construct dataclass `cls` from a TOML table, refusing unknown keys (typos)."""
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in known:
+            raise ValueError(f"unknown config key {where}{key}")
+        sub = known[key].default_factory if known[key].default_factory is not dataclasses.MISSING else None
+        if isinstance(value, dict) and sub is not None and dataclasses.is_dataclass(sub):
+            kwargs[key] = _build(sub, value, f"{where}{key}.")
+        else:
+            kwargs[key] = value
+    return cls(**kwargs)
+
+
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def load(path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Load the default config, then `path` (or $STREAMASR_CONFIG) on top, then `overrides`."""
+    data = tomllib.loads(DEFAULT_CONFIG.read_text())
+    path = path or os.environ.get(CONFIG_ENV)
+    if path:
+        data = merge(data, tomllib.loads(Path(path).read_text()))
+    if overrides:
+        data = merge(data, overrides)
+    return _build(Config, data, "")
+
+
+def dump(cfg: Config) -> str:
+    """Render `cfg` as TOML so `serve` can hand every process the exact same settings."""
+    lines: list[str] = []
+    tables: list[tuple[str, Any]] = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            tables.append((f.name, value))
+        else:
+            lines.append(f"{f.name} = {_toml_value(value)}")
+    for name, table in tables:
+        lines.append(f"\n[{name}]")
+        for f in dataclasses.fields(table):
+            lines.append(f"{f.name} = {_toml_value(getattr(table, f.name))}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
