@@ -1,0 +1,67 @@
+"""Client audio to the one format everything downstream uses: 16 kHz float32 mono.
+
+Converting once at the edge means VAD, the shm rings and Whisper never see another format.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import soxr
+
+TARGET_RATE = 16000
+ENCODINGS = ("pcm_s16le", "f32le")
+RATES = (8000, 16000, 22050, 44100, 48000)
+
+_DTYPES = {"pcm_s16le": np.dtype("<i2"), "f32le": np.dtype("<f4")}
+_S16_SCALE = np.float32(1 / 32768)
+
+
+class AudioFormatError(ValueError):
+    """The client's audio does not match the format it declared."""
+
+
+def decode_pcm(payload: bytes | memoryview, encoding: str, channels: int) -> np.ndarray:
+    """Interleaved little-endian PCM to float32 mono in [-1, 1] (for s16).
+
+    Mono f32le comes back as a read-only view of `payload`: no copy on the common path.
+    """
+    dtype = _DTYPES.get(encoding)
+    if dtype is None:
+        raise AudioFormatError(f"unknown encoding {encoding!r}; expected one of {ENCODINGS}")
+    if channels < 1:
+        raise AudioFormatError(f"channels must be >= 1, got {channels}")
+    nbytes = memoryview(payload).nbytes
+    if nbytes % (dtype.itemsize * channels):
+        raise AudioFormatError(f"{nbytes} bytes is not a whole number of {channels}-channel {encoding} frames")
+    raw = np.frombuffer(payload, dtype=dtype)
+    if encoding == "f32le" and not np.isfinite(raw).all():
+        raise AudioFormatError("f32le audio contains NaN or infinity")
+    if channels > 1:
+        mono = raw.reshape(-1, channels).mean(axis=1, dtype=np.float32)
+    elif encoding == "f32le":
+        return raw.astype(np.float32, copy=False)
+    else:
+        mono = raw.astype(np.float32)
+    if encoding == "pcm_s16le":
+        mono *= _S16_SCALE
+    return mono
+
+
+class Resampler:
+    """Streaming resampler to 16 kHz for one stream; keeps filter state across chunks.
+
+    Output lags input by the filter delay; `process(..., last=True)` drains it so the total
+    output length matches the input duration.
+    """
+
+    def __init__(self, rate: int) -> None:
+        if rate not in RATES:
+            raise AudioFormatError(f"unsupported sample rate {rate}; expected one of {RATES}")
+        self.rate = rate
+        self._stream = None if rate == TARGET_RATE else soxr.ResampleStream(rate, TARGET_RATE, 1, dtype="float32")
+
+    def process(self, x: np.ndarray, last: bool = False) -> np.ndarray:
+        """Resample a float32 mono chunk; at 16 kHz returns `x` itself."""
+        if self._stream is None:
+            return x
+        return self._stream.resample_chunk(x, last=last)

@@ -1,0 +1,136 @@
+"""Speech segments from per-chunk VAD probabilities, for one stream. Pure: no I/O, no clock.
+
+Follows Silero's get_speech_timestamps, made incremental: speech switches on at
+`threshold` and off below `threshold - 0.15` (hysteresis keeps a wobbling probability from
+chopping words), a pause must last `min_silence_ms` to end a segment, and bursts shorter
+than `min_speech_ms` never become segments. A "start" is announced only once the speech is
+long enough, so a cough costs no decode. Segments longer than `max_segment_s` are cut at the
+quietest recent chunk, because Whisper sees at most 30 s.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from config.settings import VadConfig
+
+CUT_WINDOW_S = 2.0  # how far back a forced cut looks for the quietest chunk
+
+
+@dataclass(slots=True)
+class SegmentEvent:
+    kind: str  # "start" | "end"
+    start: int  # absolute 16 kHz sample
+    end: int | None = None  # only for "end"
+    forced: bool = False  # cut by max_segment_s, not by a pause
+
+
+class Segmenter:
+    """Turns one stream's VAD probabilities into segment start/end events."""
+
+    def __init__(self, cfg: VadConfig, sample_rate: int = 16000) -> None:
+        ms = sample_rate / 1000
+        self.threshold = cfg.threshold
+        self.neg_threshold = max(cfg.threshold - 0.15, 0.01)
+        self.min_silence = int(cfg.min_silence_ms * ms)
+        self.min_speech = int(cfg.min_speech_ms * ms)
+        self.max_segment = int(cfg.max_segment_s * sample_rate)
+        self.pad = int(cfg.pad_ms * ms)
+        self.cut_window = int(CUT_WINDOW_S * sample_rate)
+        self.in_speech = False  # a "start" was emitted and its "end" not yet
+        self.segment_start: int | None = None
+        self._triggered = False  # speech detected, maybe not yet long enough to be a segment
+        self._speech_start = 0
+        self._silence_from: int | None = None  # start of the pause now running, if any
+        self._prev_end = 0  # end of the previous segment: the next one never overlaps it
+        self._pos = 0  # end of the last chunk pushed
+        self._recent: deque[tuple[float, int, int]] = deque()  # (prob, start, end) in the open segment
+
+    @property
+    def earliest_start(self) -> int:
+        """Oldest sample an open or future segment can start at: audio before it is no longer needed."""
+        if self.in_speech:
+            assert self.segment_start is not None
+            return self.segment_start
+        origin = self._speech_start if self._triggered else self._pos
+        return max(origin - self.pad, self._prev_end, 0)
+
+    def push(self, prob: float, chunk_end: int) -> list[SegmentEvent]:
+        """Feed the probability of the chunk ending at absolute sample `chunk_end`."""
+        chunk_start, self._pos = self._pos, chunk_end
+        events: list[SegmentEvent] = []
+        if prob >= self.threshold:
+            self._silence_from = None
+            if not self._triggered:
+                self._triggered = True
+                self._speech_start = chunk_start
+        elif prob < self.neg_threshold and self._triggered and self._silence_from is None:
+            self._silence_from = chunk_start
+        if not self._triggered:
+            return events
+        if self._silence_from is None:
+            if not self.in_speech and chunk_end - self._speech_start >= self.min_speech:
+                events.append(self._open(max(self._speech_start - self.pad, self._prev_end, 0)))
+        elif chunk_end - self._silence_from >= self.min_silence:
+            if self.in_speech:
+                events.append(self._close(self._silence_from + self.pad, forced=False))
+            self._end_speech()
+            return events
+        if self.in_speech:
+            self._recent.append((prob, chunk_start, chunk_end))
+            while self._recent[0][2] <= chunk_end - self.cut_window:
+                self._recent.popleft()
+            assert self.segment_start is not None
+            if chunk_end - self.segment_start < self.max_segment:
+                return events
+            if self._silence_from is None:
+                events.extend(self._force_cut())
+            else:  # already in a pause: end there rather than start a segment of silence
+                events.append(self._close(self._silence_from + self.pad, forced=True))
+                self._end_speech()
+        return events
+
+    def flush(self, stream_end: int) -> list[SegmentEvent]:
+        """The stream ended at `stream_end`: close the open segment (or one long enough to open)."""
+        events: list[SegmentEvent] = []
+        if self._triggered:
+            # Audio after the last full VAD chunk is taken to continue whatever was going on.
+            speech_end = stream_end if self._silence_from is None else self._silence_from
+            if not self.in_speech and speech_end - self._speech_start >= self.min_speech:
+                events.append(self._open(max(self._speech_start - self.pad, self._prev_end, 0)))
+            if self.in_speech:
+                self._pos = max(self._pos, stream_end)
+                events.append(self._close(speech_end + self.pad, forced=False))
+        self._end_speech()
+        return events
+
+    def _open(self, start: int) -> SegmentEvent:
+        self.in_speech = True
+        self.segment_start = start
+        self._recent.clear()
+        return SegmentEvent("start", start)
+
+    def _close(self, end: int, forced: bool) -> SegmentEvent:
+        """End the open segment at `end`, capped to the audio seen and to max_segment_s."""
+        assert self.segment_start is not None
+        end = min(end, self._pos, self.segment_start + self.max_segment)
+        event = SegmentEvent("end", self.segment_start, end, forced)
+        self._prev_end = end
+        self.in_speech = False
+        self.segment_start = None
+        return event
+
+    def _end_speech(self) -> None:
+        self._triggered = False
+        self._silence_from = None
+        self._recent.clear()
+
+    def _force_cut(self) -> list[SegmentEvent]:
+        """Split at the quietest chunk of the last CUT_WINDOW_S; speech carries on after it."""
+        assert self.segment_start is not None
+        # min over (prob, -end): the latest of equally quiet chunks keeps the segment longest
+        _, start, end = min(self._recent, key=lambda r: (r[0], -r[2]))
+        cut = max((start + end) // 2, self.segment_start + 1)
+        closed = self._close(cut, forced=True)
+        return [closed, self._open(cut)]

@@ -1,0 +1,73 @@
+"""LocalAgreement-2: which words of a partial transcript are safe to show as final.
+
+Each partial decode re-transcribes the segment so far, and Whisper's last words flicker
+between decodes. A word is committed once two consecutive hypotheses agree on it and on
+everything before it; committed words are never taken back, so clients can print them.
+"""
+
+from __future__ import annotations
+
+
+def _norm(word: str) -> str:
+    """Comparison key: case and punctuation differ between decodes of the same word."""
+    return "".join(c for c in word.casefold() if c.isalnum())
+
+
+class LocalAgreement:
+    """Commits the longest common word prefix of the last two hypotheses; never retracts a commit."""
+
+    def __init__(self) -> None:
+        self._committed: list[str] = []
+        self._committed_keys: list[str] = []
+        self._pending: list[str] | None = None  # previous hypothesis past the committed words
+
+    @property
+    def committed(self) -> str:
+        return " ".join(self._committed)
+
+    def reset(self) -> None:
+        """Start a new segment."""
+        self._committed.clear()
+        self._committed_keys.clear()
+        self._pending = None
+
+    def update(self, hypothesis: str) -> tuple[str, str]:
+        """Feed the newest full-segment hypothesis; returns (text, stable).
+
+        `stable` is the committed words; `text` is those followed by the rest of this hypothesis.
+        """
+        tail = self._after_committed(hypothesis.split())
+        if self._pending is not None:
+            agreed = 0
+            for old, new in zip(self._pending, tail):
+                if _norm(old) != _norm(new):
+                    break
+                agreed += 1
+            self._committed += tail[:agreed]  # spelled as in the newest hypothesis
+            self._committed_keys += [_norm(w) for w in tail[:agreed]]
+            tail = tail[agreed:]
+        self._pending = tail
+        return " ".join(self._committed + tail), self.committed
+
+    def finalize(self, final_text: str) -> str:
+        """The segment's final text: the committed words, then the final hypothesis after them."""
+        return " ".join(self._committed + self._after_committed(final_text.split()))
+
+    def _after_committed(self, words: list[str]) -> list[str]:
+        """The words of `words` that come after the committed ones.
+
+        Usually the hypothesis repeats the committed words verbatim; when the decoder changed
+        its mind about them, cut where its prefix is closest (word edit distance) to them.
+        """
+        k = len(self._committed_keys)
+        keys = [_norm(w) for w in words]
+        if keys[:k] == self._committed_keys:
+            return words[k:]
+        # dist[j] = edit distance between the committed words and keys[:j], one row per committed word
+        dist = list(range(len(keys) + 1))
+        for i, committed in enumerate(self._committed_keys, 1):
+            prev, dist = dist, [i] + [0] * len(keys)
+            for j, key in enumerate(keys, 1):
+                dist[j] = min(prev[j] + 1, dist[j - 1] + 1, prev[j - 1] + (committed != key))
+        best = min(range(len(dist)), key=lambda j: (dist[j], -j))  # ties: later, so words don't repeat
+        return words[best:]

@@ -1,0 +1,222 @@
+"""A POSIX shared-memory segment carved once into many stream rings.
+
+One segment per ingest process, preallocated, so opening a stream never maps or allocates
+anything: `acquire` pops a free slot. Workers attach the same segment read-only by name.
+
+Layout (little-endian, every part 64-byte aligned):
+    segment header   64 bytes: magic, layout version, slots, capacity, sample rate
+    slot headers     64 bytes per slot: generation int64, written int64, padding. One cache
+                     line each, so writers of neighbouring slots don't false-share.
+    data             per slot: capacity float32 samples, padded to 64 bytes
+
+Segments are files under /dev/shm opened with os.open: that is POSIX shm on Linux, and
+unlike multiprocessing.shared_memory no resource tracker unlinks them behind our back.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import struct
+import time
+from pathlib import Path
+
+import numpy as np
+import structlog
+
+from shm.ring import GENERATION, SAMPLE_RATE, Ring
+
+SHM_DIR = Path("/dev/shm")
+MAGIC = b"SASRRING"
+VERSION = 1
+ALIGN = 64
+HEADER_BYTES = 64
+SLOT_HEADER_BYTES = 64
+_HEADER = struct.Struct("<8sIIQI")  # magic, version, slots, capacity, sample_rate
+
+log = structlog.get_logger(__name__)
+
+
+class PoolExhausted(Exception):
+    """Every slot of the pool holds a live stream."""
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _slot_stride(capacity: int) -> int:
+    return _align(capacity * 4)
+
+
+def _data_offset(slots: int) -> int:
+    return _align(HEADER_BYTES + slots * SLOT_HEADER_BYTES)
+
+
+def _segment_size(slots: int, capacity: int) -> int:
+    return _data_offset(slots) + slots * _slot_stride(capacity)
+
+
+def _path(name: str) -> Path:
+    if not name or "/" in name or name in (".", ".."):
+        raise ValueError(f"invalid shm segment name {name!r}")
+    return SHM_DIR / name
+
+
+class RingPool:
+    """One POSIX shm segment carved into `slots` rings of `capacity` float32 samples."""
+
+    def __init__(self, name: str, mm: mmap.mmap, slots: int, capacity: int, sample_rate: int, inode: int, writable: bool) -> None:
+        self.name = name
+        self.slots = slots
+        self.capacity = capacity
+        self.sample_rate = sample_rate
+        self._mmap: mmap.mmap | None = mm
+        self._inode = inode
+        self._writable = writable
+        headers = np.frombuffer(mm, dtype=np.int64, count=slots * SLOT_HEADER_BYTES // 8, offset=HEADER_BYTES)
+        headers = headers.reshape(slots, SLOT_HEADER_BYTES // 8)
+        stride = _slot_stride(capacity) // 4
+        data = np.frombuffer(mm, dtype=np.float32, count=slots * stride, offset=_data_offset(slots)).reshape(slots, stride)
+        self._rings = [Ring(i, headers[i], data[i, :capacity], sample_rate) for i in range(slots)]
+        self._free = list(range(slots - 1, -1, -1))  # a stack: pop() hands out low slots first
+        self._busy = bytearray(slots)
+
+    def __repr__(self) -> str:
+        return f"RingPool({self.name!r}, slots={self.slots}, capacity={self.capacity}, in_use={self.in_use})"
+
+    @classmethod
+    def create(cls, name: str, slots: int, capacity: int, sample_rate: int = SAMPLE_RATE) -> "RingPool":
+        """Create and map the segment; a leftover of the same name (a crash) is replaced."""
+        if slots <= 0 or capacity <= 0:
+            raise ValueError(f"slots and capacity must be positive, got {slots}, {capacity}")
+        path = _path(name)
+        size = _segment_size(slots, capacity)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileExistsError:
+            log.warning("shm.leftover_unlinked", segment=name)
+            path.unlink(missing_ok=True)
+            fd = os.open(path, flags, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # exactly 0600, whatever the umask
+            # tmpfs pages are allocated on first touch; running out then is SIGBUS, not an error.
+            vfs = os.fstatvfs(fd)
+            if vfs.f_bavail * vfs.f_frsize < size:
+                raise OSError(errno.ENOSPC, f"{SHM_DIR} has {vfs.f_bavail * vfs.f_frsize} bytes free, segment {name} needs {size}")
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
+            inode = os.fstat(fd).st_ino
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(fd)
+        pool = cls(name, mm, slots, capacity, sample_rate, inode, writable=True)
+        # Generations start at the creation time in microseconds, so a worker still mapping a
+        # predecessor segment of the same name sees a generation mismatch, never old audio.
+        base = time.time_ns() // 1000
+        for ring in pool._rings:
+            ring._header[GENERATION] = base
+        # Magic last: an attacher racing creation sees either no pool or a complete header.
+        header = _HEADER.pack(MAGIC, VERSION, slots, capacity, sample_rate)
+        mm[len(MAGIC) : _HEADER.size] = header[len(MAGIC) :]
+        mm[: len(MAGIC)] = MAGIC
+        return pool
+
+    @classmethod
+    def attach(cls, name: str) -> "RingPool":
+        """Map an existing segment read-only, taking the layout from its header."""
+        fd = os.open(_path(name), os.O_RDONLY)
+        try:
+            st = os.fstat(fd)
+            if st.st_size < HEADER_BYTES:
+                raise ValueError(f"shm segment {name} is {st.st_size} bytes: not a streamasr ring pool")
+            mm = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        magic, version, slots, capacity, sample_rate = _HEADER.unpack_from(mm, 0)
+        problem = None
+        if magic != MAGIC:
+            problem = f"bad magic {magic!r}: not a streamasr ring pool"
+        elif version != VERSION:
+            problem = f"layout version {version}, this code reads version {VERSION}"
+        elif st.st_size != _segment_size(slots, capacity):
+            problem = f"size {st.st_size} does not match {slots} slots x {capacity} samples"
+        if problem:
+            mm.close()
+            raise ValueError(f"shm segment {name}: {problem}")
+        return cls(name, mm, slots, capacity, sample_rate, st.st_ino, writable=False)
+
+    def acquire(self) -> Ring:
+        """A free ring with a new generation and empty counters (O(1), no allocation)."""
+        if not self._writable:
+            raise RuntimeError(f"pool {self.name} is attached read-only")
+        if not self._free:
+            raise PoolExhausted(f"all {self.slots} rings of {self.name} are in use")
+        slot = self._free.pop()
+        self._busy[slot] = 1
+        ring = self._rings[slot]
+        ring._reset()
+        return ring
+
+    def release(self, ring: Ring) -> None:
+        """Return a ring to the pool. Its samples stay readable until the slot is reused."""
+        if not self._writable:
+            raise RuntimeError(f"pool {self.name} is attached read-only")
+        if self._rings[ring.slot] is not ring or not self._busy[ring.slot]:
+            raise ValueError(f"{ring!r} is not an acquired ring of {self.name}")
+        self._busy[ring.slot] = 0
+        self._free.append(ring.slot)
+
+    @property
+    def in_use(self) -> int:
+        return self.slots - len(self._free)
+
+    def ring(self, slot: int) -> Ring:
+        """Reader-side access to a slot named by a job."""
+        return self._rings[slot]
+
+    def is_current(self) -> bool:
+        """False once the name points at a different segment (the ingest restarted): reattach."""
+        try:
+            return _path(self.name).stat().st_ino == self._inode
+        except FileNotFoundError:
+            return False
+
+    def close(self) -> None:
+        """Unmap. Views a caller still holds keep the mapping alive until they are dropped."""
+        if self._mmap is None:
+            return
+        self._rings = []
+        self._free = []
+        mm, self._mmap = self._mmap, None
+        try:
+            mm.close()
+        except BufferError:
+            pass  # exported views remain; the mapping goes when the last of them does
+
+    def unlink(self) -> None:
+        """Remove the segment's name; existing mappings stay valid until closed."""
+        _path(self.name).unlink(missing_ok=True)
+
+
+def _prefix(instance: str) -> str:
+    return f"streamasr.{instance}."
+
+
+def segments(instance: str) -> list[str]:
+    """Names of this instance's segments currently present."""
+    prefix = _prefix(instance)
+    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
+
+
+def reclaim(instance: str) -> list[str]:
+    """Unlink every segment this instance left behind (after a crash); returns their names."""
+    names = segments(instance)
+    for name in names:
+        (SHM_DIR / name).unlink(missing_ok=True)
+        log.warning("shm.reclaimed", segment=name)
+    return names

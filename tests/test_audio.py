@@ -1,0 +1,81 @@
+"""Decoding client PCM and resampling to 16 kHz."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ingest.audio import RATES, AudioFormatError, Resampler, decode_pcm
+
+
+def test_s16_is_scaled_to_unit_range() -> None:
+    pcm = np.array([0, 16384, -32768, 32767], dtype="<i2")
+    x = decode_pcm(pcm.tobytes(), "pcm_s16le", 1)
+    assert x.dtype == np.float32
+    np.testing.assert_allclose(x, [0.0, 0.5, -1.0, 32767 / 32768])
+
+
+def test_channels_are_averaged() -> None:
+    stereo = np.array([[1000, 3000], [-2000, 2000], [0, 32767]], dtype="<i2")
+    x = decode_pcm(memoryview(stereo.tobytes()), "pcm_s16le", 2)
+    np.testing.assert_allclose(x, [2000 / 32768, 0.0, 32767 / 65536], rtol=1e-6)
+    quad = np.arange(12, dtype="<f4").reshape(3, 4) / 12
+    np.testing.assert_allclose(decode_pcm(quad.tobytes(), "f32le", 4), quad.mean(axis=1), rtol=1e-6)
+
+
+def test_mono_f32_is_a_view_of_the_payload() -> None:
+    payload = np.linspace(-1, 1, 100, dtype="<f4").tobytes()
+    x = decode_pcm(payload, "f32le", 1)
+    assert x.dtype == np.float32 and not x.flags.owndata
+    np.testing.assert_array_equal(x, np.linspace(-1, 1, 100, dtype=np.float32))
+
+
+@pytest.mark.parametrize(
+    ("payload", "encoding", "channels"),
+    [
+        (b"\0" * 3, "pcm_s16le", 1),  # half a sample
+        (b"\0" * 6, "pcm_s16le", 2),  # a frame and a half
+        (b"\0" * 10, "f32le", 1),
+        (b"\0" * 8, "mp3", 1),
+        (b"\0" * 8, "f32le", 0),
+        (np.array([0.0, np.nan], dtype="<f4").tobytes(), "f32le", 1),
+        (np.array([np.inf, 0.0], dtype="<f4").tobytes(), "f32le", 2),
+    ],
+)
+def test_malformed_audio_is_rejected(payload: bytes, encoding: str, channels: int) -> None:
+    with pytest.raises(AudioFormatError):
+        decode_pcm(payload, encoding, channels)
+
+
+def test_empty_payload_is_empty_audio() -> None:
+    assert len(decode_pcm(b"", "pcm_s16le", 2)) == 0
+
+
+def test_16k_passes_through_without_copy() -> None:
+    x = np.ones(320, dtype=np.float32)
+    assert Resampler(16000).process(x) is x
+
+
+def test_unsupported_rate() -> None:
+    with pytest.raises(AudioFormatError):
+        Resampler(11025)
+
+
+@pytest.mark.parametrize("rate", [r for r in RATES if r != 16000])
+def test_chunked_resampling_keeps_duration_and_pitch(rate: int) -> None:
+    seconds, freq = 2.0, 440.0
+    t = np.arange(int(seconds * rate)) / rate
+    x = (0.5 * np.sin(2 * np.pi * freq * t)).astype(np.float32)
+    resampler = Resampler(rate)
+    chunk = int(rate * 0.02) + 3  # odd sizes, like a network would deliver
+    parts = [resampler.process(x[i : i + chunk]) for i in range(0, len(x), chunk)]
+    parts.append(resampler.process(np.zeros(0, dtype=np.float32), last=True))
+    y = np.concatenate(parts)
+    assert y.dtype == np.float32
+    assert abs(len(y) - seconds * 16000) <= 2
+    spectrum = np.abs(np.fft.rfft(y[4000:-4000] * np.hanning(len(y) - 8000)))
+    peak_hz = np.argmax(spectrum) * 16000 / (len(y) - 8000)
+    assert abs(peak_hz - freq) < 2
+    # The filter delay is compensated: the output is aligned with the input in time.
+    ref = (0.5 * np.sin(2 * np.pi * freq * np.arange(len(y)) / 16000)).astype(np.float32)
+    np.testing.assert_allclose(y[2000:-2000], ref[2000:-2000], atol=0.02)

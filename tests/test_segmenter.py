@@ -1,0 +1,195 @@
+"""Segmentation from VAD probabilities: synthetic sequences, invariants, and one real recording."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from config.settings import VadConfig
+from ingest.segmenter import SegmentEvent, Segmenter
+from ingest.vad import CHUNK, VadBank
+
+CFG = VadConfig()  # threshold 0.5, min_silence 500 ms, min_speech 150 ms, max 25 s, pad 200 ms
+PAD = 3200
+
+
+def run(probs: list[float], cfg: VadConfig = CFG, flush: bool = False) -> list[tuple[int, SegmentEvent]]:
+    """(index of the chunk whose push emitted it, event) for every event."""
+    seg = Segmenter(cfg)
+    out = [(i, e) for i, p in enumerate(probs) for e in seg.push(p, (i + 1) * CHUNK)]
+    if flush:
+        out += [(len(probs), e) for e in seg.flush(len(probs) * CHUNK)]
+    return out
+
+
+def spans(events: list[tuple[int, SegmentEvent]]) -> list[tuple[int, int, bool]]:
+    return [(e.start, e.end, e.forced) for _, e in events if e.kind == "end"]
+
+
+def test_speech_between_silences() -> None:
+    events = run([0.05] * 20 + [0.9] * 50 + [0.05] * 40)
+    assert [(i, e.kind) for i, e in events] == [(24, "start"), (85, "end")]
+    # start announced once 150 ms of speech is seen; end once 500 ms of pause is
+    assert events[0][1] == SegmentEvent("start", 20 * CHUNK - PAD)
+    assert events[1][1] == SegmentEvent("end", 20 * CHUNK - PAD, 70 * CHUNK + PAD)
+
+
+def test_short_bursts_are_not_segments() -> None:
+    assert run([0.05] * 10 + [0.95] * 4 + [0.05] * 30) == []
+    # two bursts with a short gap count as one speech run (like get_speech_timestamps)
+    assert [e.kind for _, e in run([0.95] * 3 + [0.1] * 5 + [0.95] * 3 + [0.1] * 30)] == ["start", "end"]
+
+
+def test_start_is_not_before_zero() -> None:
+    events = run([0.9] * 10 + [0.0] * 20)
+    assert spans(events) == [(0, 10 * CHUNK + PAD, False)]
+
+
+def test_hysteresis() -> None:
+    assert run([0.45] * 100) == []  # below threshold never triggers
+    # once speaking, probabilities above threshold - 0.15 keep the segment open
+    assert spans(run([0.9] * 10 + [0.4] * 100)) == []
+    # and a dip below it shorter than min_silence does not end it
+    events = run([0.9] * 10 + [0.2] * 15 + [0.9] * 10 + [0.2] * 16)
+    assert spans(events) == [(0, 35 * CHUNK + PAD, False)]
+    # a pause only ends once it has been below the low threshold for min_silence
+    events = run([0.9] * 10 + [0.3] * 15 + [0.45] * 10)  # 0.45 neither resumes speech nor restarts the pause
+    assert spans(events) == [(0, 10 * CHUNK + PAD, False)]
+
+
+def test_padding_never_overlaps_previous_segment() -> None:
+    cfg = VadConfig(pad_ms=400)
+    events = run([0.9] * 10 + [0.0] * 17 + [0.9] * 10 + [0.0] * 30, cfg)
+    (s1, e1, _), (s2, e2, _) = spans(events)
+    assert e1 == 10 * CHUNK + 6400
+    assert s2 == e1  # 27 * CHUNK - 6400 would overlap
+    assert e2 == 37 * CHUNK + 6400
+
+
+def test_end_capped_to_audio_seen() -> None:
+    cfg = VadConfig(pad_ms=800)  # longer than min_silence
+    events = run([0.9] * 10 + [0.0] * 20, cfg)
+    i, end = next((i, e) for i, e in events if e.kind == "end")
+    assert end.end == (i + 1) * CHUNK
+
+
+def test_forced_cut_at_quietest_recent_chunk() -> None:
+    cfg = VadConfig(max_segment_s=5.0)  # 80000 samples = 156.25 chunks
+    probs = [0.95] * 400
+    probs[60] = 0.51  # quietest overall, but more than 2 s before the limit
+    probs[140] = 0.6  # quietest within the last 2 s
+    probs[150] = 0.7
+    events = run(probs, cfg, flush=True)
+    first_end = next(e for _, e in events if e.kind == "end")
+    assert first_end.forced and first_end.end == 140 * CHUNK + CHUNK // 2
+    segs = spans(events)
+    assert len(segs) == 3
+    for (_, e1, _), (s2, _, _) in zip(segs, segs[1:]):
+        assert s2 == e1  # continuous speech: the next segment starts at the cut
+    assert all(e - s <= 80000 for s, e, _ in segs)
+    assert segs[-1] == (segs[1][1], 400 * CHUNK, False)
+
+
+def test_forced_cut_during_a_pause_ends_there() -> None:
+    cfg = VadConfig(max_segment_s=5.0)
+    events = run([0.95] * 150 + [0.0] * 40, cfg)
+    assert [(e.kind, e.start, e.end, e.forced) for _, e in events] == [
+        ("start", 0, None, False),
+        ("end", 0, 150 * CHUNK + PAD, True),
+    ]
+
+
+def test_flush() -> None:
+    seg = Segmenter(CFG)
+    for i in range(20):
+        seg.push(0.9, (i + 1) * CHUNK)
+    assert seg.in_speech and seg.segment_start == 0
+    assert seg.flush(20 * CHUNK + 100) == [SegmentEvent("end", 0, 20 * CHUNK + 100)]
+    assert not seg.in_speech and seg.segment_start is None
+
+    seg = Segmenter(CFG)  # stream ends during a pause: padded end
+    for i, p in enumerate([0.9] * 20 + [0.0] * 10):
+        seg.push(p, (i + 1) * CHUNK)
+    assert seg.flush(30 * CHUNK) == [SegmentEvent("end", 0, 20 * CHUNK + PAD)]
+
+    seg = Segmenter(CFG)  # speech long enough only counting the tail after the last chunk
+    for i, p in enumerate([0.0] * 10 + [0.9] * 4):
+        seg.push(p, (i + 1) * CHUNK)
+    assert seg.flush(14 * CHUNK + 400) == [
+        SegmentEvent("start", 10 * CHUNK - PAD),
+        SegmentEvent("end", 10 * CHUNK - PAD, 14 * CHUNK + 400),
+    ]
+
+    seg = Segmenter(CFG)  # too short: nothing
+    for i, p in enumerate([0.0] * 10 + [0.9] * 2):
+        seg.push(p, (i + 1) * CHUNK)
+    assert seg.flush(12 * CHUNK) == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.sampled_from([0.0, 0.1, 0.3, 0.4, 0.45, 0.5, 0.7, 1.0]), max_size=600),
+    st.integers(0, 600),
+    st.sampled_from([0.0, 0.3, 0.9]),
+)
+def test_invariants(probs: list[float], tail: int, run_prob: float) -> None:
+    cfg = VadConfig(max_segment_s=3.0, pad_ms=300)
+    probs = probs + [run_prob] * 100  # long runs reach the forced cut
+    seg = Segmenter(cfg)
+    events: list[SegmentEvent] = []
+    previous = 0
+    for i, p in enumerate(probs):
+        earliest = seg.earliest_start
+        assert earliest >= previous  # ingest can release audio monotonically
+        previous = earliest
+        new = seg.push(p, (i + 1) * CHUNK)
+        for e in new:
+            assert e.start >= earliest  # audio before earliest_start was safe to drop
+            if e.kind == "end":
+                assert e.end is not None and e.start < e.end <= (i + 1) * CHUNK
+                assert e.end - e.start <= 48000
+        events += new
+    stream_end = len(probs) * CHUNK + tail % CHUNK
+    events += seg.flush(stream_end)
+    assert not seg.in_speech
+    kinds = [e.kind for e in events]
+    assert kinds == ["start", "end"] * (len(kinds) // 2)
+    ends = [e for e in events if e.kind == "end"]
+    assert all(e.end <= stream_end for e in ends)
+    for a, b in zip(ends, ends[1:]):
+        assert b.start >= a.end  # segments never overlap
+    for s, e in zip(events[::2], events[1::2]):
+        assert s.start == e.start
+
+
+LIBRIVOX = Path("/usr/share/pocketsphinx/test/data/librivox")
+
+
+@pytest.mark.skipif(not LIBRIVOX.is_dir(), reason="librivox test recordings not installed")
+def test_real_recordings_separated_by_a_pause() -> None:
+    a, _ = sf.read(LIBRIVOX / "sense_and_sensibility_01_austen_64kb-0880.wav", dtype="float32")
+    b, _ = sf.read(LIBRIVOX / "sense_and_sensibility_01_austen_64kb-0890.wav", dtype="float32")
+    gap = np.zeros(32000, dtype=np.float32)
+    x = np.concatenate([gap[:8000], a, gap, b, gap[:16000]])
+    b_start = 8000 + len(a) + len(gap)
+    bank, seg = VadBank(), Segmenter(CFG)
+    bank.add("s")
+    events: list[SegmentEvent] = []
+    for end in range(CHUNK, len(x) + 1, CHUNK):
+        events += seg.push(float(bank.process([("s", x[end - CHUNK : end])])[0]), end)
+    events += seg.flush(len(x))
+    segs = [(e.start, e.end) for e in events if e.kind == "end"]
+    assert len(segs) >= 2
+    # every segment is in one recording, and together they cover the speech of both
+    assert all(e <= 8000 + len(a) + PAD or s >= b_start - PAD for s, e in segs)
+    first = [s for s in segs if s[1] <= b_start]
+    second = [s for s in segs if s[0] >= b_start - PAD]
+    assert first and second and len(first) + len(second) == len(segs)
+    assert first[0][0] <= 8000 + 3200 and first[-1][1] >= 8000 + len(a) - 3200
+    assert second[0][0] <= b_start + 3200 and second[-1][1] >= b_start + len(b) - 3200
+    assert not seg.in_speech

