@@ -59,6 +59,7 @@ class IngestConfig:
     max_streams_per_client: int = 64
     max_streams: int = 1000  # total over the service
     idle_timeout_s: float = 30.0  # a stream silent this long is closed (vanished client)
+    drain_timeout_s: float = 8.0  # on SIGTERM, time to finish open streams (below supervisord's stopwaitsecs)
 
 
 @dataclass(frozen=True)

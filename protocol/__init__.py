@@ -1,0 +1,1 @@
+"""The client-facing wire protocol, shared by the ingest processes, the broker's front door and clients."""

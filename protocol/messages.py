@@ -1,0 +1,301 @@
+"""The client wire protocol (version 1): msgpack maps over ZeroMQ, audio in its own frame.
+
+A message is one ZeroMQ multipart message: frame 0 is a msgpack map with a "type" key; an
+`audio` message carries its samples in frame 1 as raw bytes, so neither side ever copies
+audio through msgpack. docs/PROTOCOL.md is the human-readable form of this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar, Sequence
+
+import msgpack
+
+VERSION = 1
+RATES = (8000, 16000, 22050, 44100, 48000)
+ENCODINGS = ("pcm_s16le", "f32le")
+PRIORITIES = ("realtime", "batch")
+MAX_STREAM_ID = 64
+MAX_PROMPT_CHARS = 1000
+
+# error codes (ErrorMsg.code)
+BAD_MESSAGE = "bad_message"  # not msgpack, not a map, unknown type, wrong field types
+UNSUPPORTED_VERSION = "unsupported_version"
+BAD_FORMAT = "bad_format"  # sample rate, encoding or channels not supported, or audio bytes not whole frames
+FRAME_TOO_LARGE = "frame_too_large"
+UNKNOWN_STREAM = "unknown_stream"
+DUPLICATE_STREAM = "duplicate_stream"
+OUT_OF_ORDER = "out_of_order"  # an audio seq that is not the next expected one
+TOO_MANY_STREAMS = "too_many_streams"
+OVERLOADED = "overloaded"  # audio refused: the stream's buffer is full; resend later
+UNKNOWN_MODEL = "unknown_model"
+NOT_READY = "not_ready"
+UNAUTHORIZED = "unauthorized"
+INTERNAL = "internal"
+
+
+class ProtocolError(Exception):
+    """A message the receiver refuses; carries what the error reply needs."""
+
+    def __init__(self, code: str, message: str, stream: str | None = None, seq: int | None = None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.stream = stream
+        self.seq = seq
+
+    def reply(self) -> "ErrorMsg":
+        return ErrorMsg(code=self.code, message=self.message, stream=self.stream, seq=self.seq)
+
+
+@dataclass(slots=True)
+class Limits:
+    max_frame_bytes: int = 262_144
+    max_message_bytes: int = 1_048_576
+
+
+# ---------------------------------------------------------------- client -> server
+
+
+@dataclass(slots=True)
+class Hello:
+    type: ClassVar[str] = "hello"
+    version: int = VERSION
+
+
+@dataclass(slots=True)
+class Open:
+    type: ClassVar[str] = "open"
+    stream: str
+    rate: int = 16000
+    encoding: str = "pcm_s16le"
+    channels: int = 1
+    language: str | None = None
+    model: str | None = None
+    partials: bool = True
+    priority: str = "realtime"
+    prompt: str | None = None
+
+
+@dataclass(slots=True)
+class Audio:
+    type: ClassVar[str] = "audio"
+    stream: str
+    seq: int
+    data: bytes | memoryview = b""  # travels as frame 1, not inside the map
+
+
+@dataclass(slots=True)
+class End:
+    type: ClassVar[str] = "end"
+    stream: str
+
+
+@dataclass(slots=True)
+class Status:
+    """Ops query on the front door; answered with a StatusReply."""
+
+    type: ClassVar[str] = "status"
+
+
+# ---------------------------------------------------------------- server -> client
+
+
+@dataclass(slots=True)
+class Welcome:
+    type: ClassVar[str] = "welcome"
+    ingest: str  # endpoint of the ingest process this client should stream to
+    version: int = VERSION
+    limits: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Ready:
+    type: ClassVar[str] = "ready"
+    stream: str
+    window: int  # the client may send input frames (per channel) up to this index before the next ack
+
+
+@dataclass(slots=True)
+class Ack:
+    type: ClassVar[str] = "ack"
+    stream: str
+    seq: int  # last accepted audio seq
+    samples: int  # input frames accepted so far
+    window: int
+
+
+@dataclass(slots=True)
+class Partial:
+    type: ClassVar[str] = "partial"
+    stream: str
+    seg: int
+    text: str
+    stable: str  # committed prefix of text: later partials and the final keep it
+    start: float  # seconds from stream start
+    end: float  # last second of audio this partial covers
+
+
+@dataclass(slots=True)
+class Final:
+    type: ClassVar[str] = "final"
+    stream: str
+    seg: int
+    text: str
+    start: float
+    end: float
+    avg_logprob: float = 0.0
+    no_speech_prob: float = 0.0
+
+
+@dataclass(slots=True)
+class ErrorMsg:
+    type: ClassVar[str] = "error"
+    code: str
+    message: str
+    stream: str | None = None
+    seq: int | None = None
+
+
+@dataclass(slots=True)
+class Closed:
+    type: ClassVar[str] = "closed"
+    stream: str
+    reason: str = "end"  # end | idle_timeout | error | shutdown
+    audio_s: float = 0.0
+    segments: int = 0
+
+
+@dataclass(slots=True)
+class StatusReply:
+    type: ClassVar[str] = "status"
+    ready: bool
+    ingests: list[dict[str, Any]] = field(default_factory=list)
+    workers: list[dict[str, Any]] = field(default_factory=list)
+    queued: dict[str, int] = field(default_factory=dict)
+    inflight: int = 0
+    jobs_done: int = 0
+    expired: int = 0
+
+
+ClientMessage = Hello | Open | Audio | End | Status
+ServerMessage = Welcome | Ready | Ack | Partial | Final | ErrorMsg | Closed | StatusReply
+_CLIENT = {cls.type: cls for cls in (Hello, Open, Audio, End, Status)}
+_SERVER = {cls.type: cls for cls in (Welcome, Ready, Ack, Partial, Final, ErrorMsg, Closed, StatusReply)}
+
+_packer = msgpack.Packer(use_bin_type=True)
+
+
+def encode(msg: ClientMessage | ServerMessage) -> list[bytes | memoryview]:
+    """Frames for `msg`: the msgpack header, plus the audio frame for Audio."""
+    header = {"type": msg.type}
+    for f in fields(msg):
+        if f.name != "data":
+            header[f.name] = getattr(msg, f.name)
+    frames: list[bytes | memoryview] = [_packer.pack(header)]
+    if isinstance(msg, Audio):
+        frames.append(msg.data)
+    return frames
+
+
+def _unpack_header(frame: bytes | memoryview, limits: Limits) -> dict[str, Any]:
+    if len(frame) > limits.max_message_bytes:
+        raise ProtocolError(FRAME_TOO_LARGE, f"header of {len(frame)} bytes exceeds {limits.max_message_bytes}")
+    try:
+        header = msgpack.unpackb(
+            frame,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=4096,
+            max_bin_len=1024,
+            max_array_len=64,
+            max_map_len=32,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises several types for corrupt input
+        raise ProtocolError(BAD_MESSAGE, f"header is not valid msgpack: {type(exc).__name__}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("type"), str):
+        raise ProtocolError(BAD_MESSAGE, "header must be a map with a string 'type'")
+    return header
+
+
+def _build(cls: type, header: dict[str, Any], strict: bool = True) -> Any:
+    """`strict` refuses unknown fields (server side); clients drop them, so servers may add fields within a version."""
+    known = {f.name for f in fields(cls)} - {"data"}  # audio samples travel in frame 1, never in the map
+    kwargs = {k: v for k, v in header.items() if k != "type" and k in known}
+    unknown = set(header) - known - {"type"}
+    stream = header.get("stream") if isinstance(header.get("stream"), str) else None
+    if unknown and strict:
+        raise ProtocolError(BAD_MESSAGE, f"{cls.type}: unknown fields {sorted(map(repr, unknown))}", stream)
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ProtocolError(BAD_MESSAGE, f"{cls.type}: {exc}", stream) from None
+
+
+def _check(cond: bool, code: str, message: str, stream: str | None = None, seq: int | None = None) -> None:
+    if not cond:
+        raise ProtocolError(code, message, stream, seq)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _optional_str(v: Any, limit: int) -> bool:
+    return v is None or (isinstance(v, str) and len(v) <= limit)
+
+
+def decode_client(frames: Sequence[bytes | memoryview], limits: Limits = Limits()) -> ClientMessage:
+    """Parse and validate one client message; raises ProtocolError with the code to answer."""
+    if not frames or len(frames) > 2:
+        raise ProtocolError(BAD_MESSAGE, f"expected 1 or 2 frames, got {len(frames)}")
+    header = _unpack_header(frames[0], limits)
+    cls = _CLIENT.get(header["type"])
+    if cls is None:
+        raise ProtocolError(BAD_MESSAGE, f"unknown message type {header['type'][:40]!r}")
+    if cls is not Audio and len(frames) != 1:
+        raise ProtocolError(BAD_MESSAGE, f"{cls.type} takes no payload frame")
+    msg = _build(cls, header)
+    if isinstance(msg, Hello):
+        _check(_is_int(msg.version), BAD_MESSAGE, "hello: version must be an integer")
+        _check(msg.version == VERSION, UNSUPPORTED_VERSION, f"protocol version {msg.version} not supported (server speaks {VERSION})")
+        return msg
+    if isinstance(msg, Status):
+        return msg
+    sid = msg.stream
+    _check(isinstance(sid, str) and 0 < len(sid) <= MAX_STREAM_ID, BAD_MESSAGE, f"stream id must be a string of 1..{MAX_STREAM_ID} characters")
+    if isinstance(msg, Open):
+        _check(_is_int(msg.rate) and msg.rate in RATES, BAD_FORMAT, f"sample rate {msg.rate!r} not supported; use one of {list(RATES)}", sid)
+        _check(msg.encoding in ENCODINGS, BAD_FORMAT, f"encoding {msg.encoding!r} not supported; use one of {list(ENCODINGS)}", sid)
+        _check(_is_int(msg.channels) and 1 <= msg.channels <= 8, BAD_FORMAT, f"channels {msg.channels!r} not supported (1..8)", sid)
+        _check(msg.priority in PRIORITIES, BAD_MESSAGE, f"priority must be one of {list(PRIORITIES)}", sid)
+        _check(isinstance(msg.partials, bool), BAD_MESSAGE, "partials must be a boolean", sid)
+        _check(_optional_str(msg.language, 16), BAD_MESSAGE, "language must be a language code or nil", sid)
+        _check(_optional_str(msg.model, 256), BAD_MESSAGE, "model must be a string or nil", sid)
+        _check(_optional_str(msg.prompt, MAX_PROMPT_CHARS), BAD_MESSAGE, f"prompt must be a string of at most {MAX_PROMPT_CHARS} characters", sid)
+    elif isinstance(msg, Audio):
+        _check(_is_int(msg.seq) and 0 <= msg.seq < 2**63, BAD_MESSAGE, "audio: seq must be a non-negative integer", sid)
+        _check(len(frames) == 2, BAD_MESSAGE, "audio: the samples must follow in frame 1", sid, msg.seq)
+        payload = frames[1]
+        size = len(payload)
+        _check(size <= limits.max_frame_bytes, FRAME_TOO_LARGE, f"audio frame of {size} bytes exceeds {limits.max_frame_bytes}", sid, msg.seq)
+        msg.data = payload
+    return msg
+
+
+def decode_server(frames: Sequence[bytes | memoryview]) -> ServerMessage:
+    """Parse a server message (client side); the server is trusted, so only the shape is checked."""
+    header = _unpack_header(frames[0], Limits())
+    cls = _SERVER.get(header["type"])
+    if cls is None:
+        raise ProtocolError(BAD_MESSAGE, f"unknown server message type {header['type']!r}")
+    return _build(cls, header, strict=False)
+
+
+def as_dict(msg: ClientMessage | ServerMessage) -> dict[str, Any]:
+    out = {"type": msg.type}
+    out.update(asdict(msg))
+    out.pop("data", None)
+    return out
