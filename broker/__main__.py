@@ -1,0 +1,28 @@
+"""`python -m broker [--config PATH]`: run the broker until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from broker.broker import Broker
+from config import settings
+from streamasr import logs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m broker", description=__doc__)
+    parser.add_argument("--config", help=f"TOML config (default: ${settings.CONFIG_ENV}, then built-in defaults)")
+    args = parser.parse_args(argv)
+    cfg = settings.load(args.config)
+    log = logs.configure("broker", cfg.log_level)
+    try:
+        Broker(cfg).run()
+    except Exception:
+        log.exception("broker.crashed")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

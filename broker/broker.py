@@ -1,0 +1,321 @@
+"""The broker process: the front door for clients and the load balancer between ingest processes
+and workers.
+
+Jobs name audio by slot range in shm, so only a few hundred bytes per job pass through here. One
+thread polls three ROUTER sockets (ZeroMQ guide's load-balancing broker, with credit instead of
+one-job-at-a-time), heartbeats both ways Paranoid Pirate style, and re-queues the jobs of a
+worker that dies.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import zmq
+
+from broker import jobs as wire
+from broker.jobs import BATCH, REALTIME, JobResult
+from broker.queue import Dispatcher, JobQueue
+from broker.signals import StopSignal
+from config.settings import Config
+from protocol import messages as m
+
+log = structlog.get_logger()
+
+DRAIN_MAX = 512  # messages taken from one socket per loop turn, so heartbeats stay on time
+
+
+@dataclass(slots=True)
+class Link:
+    """Paranoid Pirate bookkeeping for one registered peer."""
+
+    seen: float  # last message from the peer
+    sent: float  # last message to the peer
+
+
+@dataclass(slots=True)
+class IngestState:
+    index: int
+    endpoint: str  # where clients reach it
+    pid: int
+    streams: int  # its load, from READY and heartbeats
+    registered: float
+    link: Link
+
+
+def ingest_identity(index: int) -> bytes:
+    return b"ingest-%d" % index
+
+
+def ingest_index(identity: bytes) -> int | None:
+    prefix = b"ingest-"
+    if identity.startswith(prefix) and identity[len(prefix):].isdigit():
+        return int(identity[len(prefix):])
+    return None
+
+
+class Broker:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self._interval_s = cfg.broker.heartbeat_ms / 1000
+        self._patience_s = self._interval_s * cfg.broker.liveness
+        self.dispatcher = Dispatcher(JobQueue(
+            partial_deadline_s=cfg.broker.partial_deadline_ms / 1000,
+            final_deadline_s=cfg.broker.final_deadline_ms / 1000,
+        ))
+        self.ingests: dict[int, IngestState] = {}
+        self.worker_links: dict[bytes, Link] = {}
+        self._outbox: dict[int, list[JobResult]] = {}  # results per ingest, sent once per loop turn
+        self._ctx = zmq.Context()
+        self._ingest_sock = self._ctx.socket(zmq.ROUTER)
+        self._worker_sock = self._ctx.socket(zmq.ROUTER)
+        self._front = self._ctx.socket(zmq.ROUTER)
+        for sock in (self._ingest_sock, self._worker_sock):
+            # Sending to a peer that is gone raises EHOSTUNREACH instead of vanishing silently:
+            # for a worker that means its jobs must be re-queued now, not at the next timeout.
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.LINGER, 0)
+        self._front.setsockopt(zmq.LINGER, 0)
+        self._front.setsockopt(zmq.MAXMSGSIZE, cfg.ingest.max_message_bytes)
+        # Replies to clients that left are dropped: one vanished client must not stall the loop.
+        self._front.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self._limits = m.Limits(max_frame_bytes=cfg.ingest.max_frame_bytes, max_message_bytes=cfg.ingest.max_message_bytes)
+
+    def run(self) -> None:
+        """Serve until SIGTERM/SIGINT."""
+        self.cfg.run_path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            self._ingest_sock.bind(self.cfg.broker_ingest_endpoint)
+            self._worker_sock.bind(self.cfg.broker_worker_endpoint)
+            self._front.bind(self.cfg.ingest.address)
+            log.info(
+                "broker.started", front=self.cfg.ingest.address, ingests=self.cfg.broker_ingest_endpoint,
+                workers=self.cfg.broker_worker_endpoint,
+            )
+            with StopSignal() as stop:
+                self._serve(stop)
+        finally:
+            self.close()
+        log.info("broker.stopped", queued=len(self.dispatcher.queue), inflight=self.dispatcher.inflight)
+
+    def close(self) -> None:
+        for sock in (self._ingest_sock, self._worker_sock, self._front):
+            sock.close(linger=0)
+        self._ctx.term()
+
+    def _serve(self, stop: StopSignal) -> None:
+        poller = zmq.Poller()
+        handlers = {
+            self._worker_sock: self._on_worker,
+            self._ingest_sock: self._on_ingest,
+            self._front: self._on_client,
+        }
+        for sock in handlers:
+            poller.register(sock, zmq.POLLIN)
+        poller.register(stop.fileno(), zmq.POLLIN)
+        tick = time.monotonic() + self._interval_s
+        while not stop.stopping:
+            events = dict(poller.poll(max(0.0, tick - time.monotonic()) * 1000))
+            stop.drain()
+            for sock, handle in handlers.items():
+                if sock in events:
+                    for _ in range(DRAIN_MAX):
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        handle(frames, time.monotonic())
+            now = time.monotonic()
+            if now >= tick:
+                self._check_peers(now)
+                tick = now + self._interval_s
+            self._dispatch(now)
+            self._flush_results(now)
+
+    # -- workers -----------------------------------------------------------------------------
+
+    def _on_worker(self, frames: list[bytes], now: float) -> None:
+        ident, kind, body = frames[0], frames[1] if len(frames) > 1 else b"", frames[2:]
+        link = self.worker_links.get(ident)
+        if link is not None:
+            link.seen = now
+        try:
+            if kind == wire.READY:
+                info = wire.unpack(body[0])
+                self._answer(self.dispatcher.add_worker(
+                    ident, int(info["capacity"]), now, pid=int(info.get("pid", 0)), model=str(info.get("model", "")),
+                ))
+                self.worker_links[ident] = Link(seen=now, sent=now)
+                log.info("broker.worker_ready", worker=ident.decode(errors="replace"), capacity=info["capacity"], model=info.get("model"))
+            elif kind == wire.RESULTS:
+                self._answer(self.dispatcher.complete(ident, wire.unpack_results(body[0])))
+            elif kind != wire.HEARTBEAT:
+                raise ValueError(f"unknown kind {kind[:16]!r}")
+        except Exception as exc:
+            log.warning("broker.bad_worker_message", worker=ident.decode(errors="replace"), error=repr(exc))
+
+    def _lose_worker(self, ident: bytes, why: str, now: float) -> None:
+        worker = self.dispatcher.workers.get(ident)
+        held = len(worker.inflight) if worker else 0
+        self.worker_links.pop(ident, None)
+        self._answer(self.dispatcher.remove_worker(ident, now))
+        log.warning("broker.worker_lost", worker=ident.decode(errors="replace"), why=why, requeued=held)
+
+    def _dispatch(self, now: float) -> None:
+        """Hand out queued jobs, one JOBS message per worker; a worker found gone on the way
+        loses its jobs to the queue and the round is repeated without it."""
+        while True:
+            sent, expired = self.dispatcher.dispatch(now)
+            self._answer(expired)
+            lost = False
+            for ident, batch in sent.items():
+                for job in batch:
+                    if job.final and now > job.deadline:
+                        log.warning("broker.final_late", job=job.job_id, stream=job.stream, late_s=round(now - job.deadline, 3))
+                if self._send(self._worker_sock, ident, [wire.JOBS, wire.pack_jobs(batch)]):
+                    self.worker_links[ident].sent = now
+                else:
+                    self._lose_worker(ident, "unreachable", now)
+                    lost = True
+            if not lost:
+                return
+
+    # -- ingests -----------------------------------------------------------------------------
+
+    def _on_ingest(self, frames: list[bytes], now: float) -> None:
+        ident, kind, body = frames[0], frames[1] if len(frames) > 1 else b"", frames[2:]
+        index = ingest_index(ident)
+        state = self.ingests.get(index) if index is not None else None
+        if state is not None:
+            state.link.seen = now
+        try:
+            if index is None:
+                raise ValueError("identity is not ingest-<index>")
+            if kind == wire.READY:
+                self._register_ingest(index, wire.unpack(body[0]), now)
+            elif kind == wire.JOBS:
+                # Accepted from an ingest not (yet) registered too: after a broker restart its
+                # jobs arrive before its new READY and would otherwise be lost.
+                self._answer(self.dispatcher.submit(wire.unpack_jobs(body[0]), now))
+            elif kind == wire.CANCEL:
+                self.dispatcher.cancel(index, [str(s) for s in wire.unpack(body[0])])
+            elif kind == wire.HEARTBEAT:
+                if state is not None and body:
+                    state.streams = int(wire.unpack(body[0]).get("streams", state.streams))
+            else:
+                raise ValueError(f"unknown kind {kind[:16]!r}")
+        except Exception as exc:
+            log.warning("broker.bad_ingest_message", ingest=ident.decode(errors="replace"), error=repr(exc))
+
+    def _register_ingest(self, index: int, info: dict[str, Any], now: float) -> None:
+        pid = int(info.get("pid", 0))
+        old = self.ingests.get(index)
+        if old is not None and old.pid != pid:
+            dropped = self.dispatcher.drop_ingest(index)
+            log.warning("broker.ingest_replaced", ingest=index, old_pid=old.pid, ingest_pid=pid, dropped=len(dropped))
+        self.ingests[index] = IngestState(
+            index=index, endpoint=str(info["endpoint"]), pid=pid, streams=int(info.get("streams", 0)),
+            registered=old.registered if old is not None and old.pid == pid else now,
+            link=Link(seen=now, sent=now),
+        )
+        log.info("broker.ingest_ready", ingest=index, endpoint=info["endpoint"], ingest_pid=pid)
+
+    def _answer(self, results: list[JobResult]) -> None:
+        for result in results:
+            self._outbox.setdefault(result.ingest, []).append(result)
+
+    def _flush_results(self, now: float) -> None:
+        for index, results in self._outbox.items():
+            if self._send(self._ingest_sock, ingest_identity(index), [wire.RESULTS, wire.pack_results(results)]):
+                state = self.ingests.get(index)
+                if state is not None:
+                    state.link.sent = now
+            else:
+                log.warning("broker.results_undeliverable", ingest=index, results=len(results))
+        self._outbox.clear()
+
+    # -- liveness ------------------------------------------------------------------------------
+
+    def _check_peers(self, now: float) -> None:
+        """Declare silent peers dead and heartbeat the idle links."""
+        for ident, link in list(self.worker_links.items()):
+            if now - link.seen > self._patience_s:
+                self._lose_worker(ident, "silent", now)
+            elif now - link.sent >= self._interval_s / 2:
+                if self._send(self._worker_sock, ident, [wire.HEARTBEAT]):
+                    link.sent = now
+                else:
+                    self._lose_worker(ident, "unreachable", now)
+        for index, state in list(self.ingests.items()):
+            if now - state.link.seen > self._patience_s:
+                del self.ingests[index]
+                dropped = self.dispatcher.drop_ingest(index)
+                log.warning("broker.ingest_lost", ingest=index, ingest_pid=state.pid, dropped=len(dropped))
+            elif now - state.link.sent >= self._interval_s / 2:
+                if self._send(self._ingest_sock, ingest_identity(index), [wire.HEARTBEAT]):
+                    state.link.sent = now
+
+    @staticmethod
+    def _send(sock: zmq.Socket, ident: bytes, frames: list[bytes]) -> bool:
+        try:
+            sock.send_multipart([ident, *frames], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: not connected; EAGAIN: not reading
+            if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                raise
+            return False
+
+    # -- front door ------------------------------------------------------------------------------
+
+    def _on_client(self, frames: list[bytes], now: float) -> None:
+        """Answer one client request. REQ clients put an empty delimiter after their identity;
+        the envelope is echoed either way so both REQ and DEALER clients work."""
+        split = 2 if len(frames) > 2 and frames[1] == b"" else 1
+        envelope, body = frames[:split], frames[split:]
+        try:
+            reply = self._client_reply(m.decode_client(body, self._limits), now)
+        except m.ProtocolError as exc:
+            log.warning("broker.bad_client_message", client=envelope[0].hex(), code=exc.code, error=exc.message)
+            reply = exc.reply()
+        try:
+            self._front.send_multipart([*envelope, *m.encode(reply)], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the client is gone or not reading
+
+    def _client_reply(self, msg: m.ClientMessage, now: float) -> m.ServerMessage:
+        if isinstance(msg, m.Status):
+            return self.status(now)
+        if not isinstance(msg, m.Hello):
+            raise m.ProtocolError(m.BAD_MESSAGE, f"{msg.type} goes to the ingest endpoint named in the welcome")
+        if not self.ingests or not self.dispatcher.ready:
+            missing = "ingest process" if not self.ingests else "worker"
+            return m.ErrorMsg(code=m.NOT_READY, message=f"no {missing} is ready yet, retry shortly")
+        ingest = min(self.ingests.values(), key=lambda s: (s.streams, s.index))
+        ingest.streams += 1  # until its next heartbeat, so a burst of clients spreads out
+        limits = self.cfg.ingest
+        return m.Welcome(ingest=ingest.endpoint, limits={
+            "max_frame_bytes": limits.max_frame_bytes,
+            "max_message_bytes": limits.max_message_bytes,
+            "max_streams_per_client": limits.max_streams_per_client,
+        })
+
+    def status(self, now: float) -> m.StatusReply:
+        queued = self.dispatcher.queue.counts()
+        return m.StatusReply(
+            ready=bool(self.ingests) and self.dispatcher.ready,
+            ingests=[
+                {"index": s.index, "endpoint": s.endpoint, "pid": s.pid, "streams": s.streams, "alive_s": round(now - s.registered, 3)}
+                for s in sorted(self.ingests.values(), key=lambda s: s.index)
+            ],
+            workers=[
+                {"id": w.ident.decode(errors="replace"), "pid": w.pid, "capacity": w.capacity, "inflight": len(w.inflight), "model": w.model, "jobs_done": w.jobs_done}
+                for w in self.dispatcher.workers.values()
+            ],
+            queued={"realtime": queued.get(REALTIME, 0), "batch": queued.get(BATCH, 0)},
+            inflight=self.dispatcher.inflight,
+            jobs_done=self.dispatcher.jobs_done,
+            expired=self.dispatcher.expired,
+        )

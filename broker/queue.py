@@ -1,0 +1,273 @@
+"""The broker's dispatch logic, kept free of sockets so every rule can be tested directly.
+
+`JobQueue` orders waiting jobs; `Dispatcher` adds the workers: credit (how many jobs each may
+hold), in-flight tracking, re-queueing when a worker dies and de-duplication of the results that
+re-queueing can produce.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from broker.jobs import BATCH, EXPIRED, REALTIME, Job, JobResult
+
+JobKey = tuple[int, int]  # (ingest, job_id): job ids are unique only within one ingest
+StreamKey = tuple[int, str]  # (ingest, stream)
+
+
+def job_key(job: Job | JobResult) -> JobKey:
+    return (job.ingest, job.job_id)
+
+
+def expired(job: Job, why: str) -> JobResult:
+    """The answer for a job that will never run, so its ingest is not left waiting."""
+    return JobResult(job_id=job.job_id, ingest=job.ingest, status=EXPIRED, error=why)
+
+
+@dataclass(slots=True)
+class _Entry:
+    job: Job
+    alive: bool = True  # removal is lazy: dead entries are skipped when they reach the heap top
+
+
+class JobQueue:
+    """Waiting jobs in dispatch order: REALTIME before BATCH, re-queued jobs first within their
+    priority (they have waited longest), then finals before partials, earliest deadline, FIFO.
+
+    Only the newest partial of a stream is worth running: a newer partial (or a final of the same
+    or a later segment) replaces a queued older one, which is answered EXPIRED.
+    """
+
+    def __init__(self, partial_deadline_s: float, final_deadline_s: float) -> None:
+        self._partial_deadline_s = partial_deadline_s
+        self._final_deadline_s = final_deadline_s
+        self._heap: list[tuple[tuple[int, int, int, float, int], _Entry]] = []
+        self._seq = itertools.count()
+        self._entries: dict[JobKey, _Entry] = {}
+        self._partials: dict[StreamKey, _Entry] = {}  # the queued partial of each stream
+        self._counts = {REALTIME: 0, BATCH: 0}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: JobKey) -> bool:
+        return key in self._entries
+
+    def counts(self) -> dict[int, int]:
+        """Queued jobs per priority."""
+        return dict(self._counts)
+
+    def push(self, job: Job, now: float, front: bool = False) -> list[JobResult]:
+        """Queue `job`; returns EXPIRED answers for the partials it supersedes (or for itself)."""
+        if job.deadline <= 0:  # the ingest left it to the broker's configured deadlines
+            budget = self._final_deadline_s if job.final else self._partial_deadline_s
+            job.deadline = (job.created or now) + budget
+        answers: list[JobResult] = []
+        stream = (job.ingest, job.stream)
+        queued = self._partials.get(stream)
+        if queued is not None:
+            old = queued.job
+            if job.final and old.seg <= job.seg:
+                self._discard(queued)
+                answers.append(expired(old, "superseded by the segment's final"))
+            elif not job.final and old.end <= job.end:
+                self._discard(queued)
+                answers.append(expired(old, "superseded by a newer partial"))
+            elif not job.final:  # a re-queued partial older than the one waiting
+                answers.append(expired(job, "superseded by a newer partial"))
+                return answers
+        entry = _Entry(job)
+        order = (job.priority, 0 if front else 1, 0 if job.final else 1, job.deadline, next(self._seq))
+        heapq.heappush(self._heap, (order, entry))
+        self._entries[job_key(job)] = entry
+        self._counts[job.priority] = self._counts.get(job.priority, 0) + 1
+        if not job.final:
+            self._partials[stream] = entry
+        return answers
+
+    def pop(self, now: float) -> tuple[Job | None, list[JobResult]]:
+        """The next job to run, skipping (and answering) partials whose deadline has passed."""
+        answers: list[JobResult] = []
+        while self._heap:
+            _, entry = heapq.heappop(self._heap)
+            if not entry.alive:
+                continue
+            self._discard(entry)
+            job = entry.job
+            if not job.final and job.deadline < now:
+                answers.append(expired(job, "deadline passed before a worker was free"))
+                continue
+            return job, answers
+        return None, answers
+
+    def remove(self, key: JobKey) -> Job | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        self._discard(entry)
+        return entry.job
+
+    def remove_where(self, ingest: int, streams: Iterable[str] | None = None) -> list[Job]:
+        """Drop the queued jobs of `streams` of `ingest` (all its streams when None)."""
+        wanted = None if streams is None else set(streams)
+        gone = [
+            e for e in self._entries.values()
+            if e.job.ingest == ingest and (wanted is None or e.job.stream in wanted)
+        ]
+        for entry in gone:
+            self._discard(entry)
+        return [e.job for e in gone]
+
+    def _discard(self, entry: _Entry) -> None:
+        if not entry.alive:
+            return
+        entry.alive = False
+        job = entry.job
+        del self._entries[job_key(job)]
+        self._counts[job.priority] -= 1
+        stream = (job.ingest, job.stream)
+        if self._partials.get(stream) is entry:
+            del self._partials[stream]
+        if not self._entries:  # drop the dead entries at once rather than one pop at a time
+            self._heap.clear()
+
+
+@dataclass(slots=True)
+class WorkerState:
+    ident: bytes
+    capacity: int  # jobs the worker may hold at once (queued in it plus running)
+    pid: int = 0
+    model: str = ""
+    inflight: dict[JobKey, Job] = field(default_factory=dict)
+    jobs_done: int = 0
+
+    @property
+    def free(self) -> int:
+        return max(0, self.capacity - len(self.inflight))
+
+
+class Dispatcher:
+    """Credit-based load balancing over the ready workers.
+
+    A worker is never sent more jobs than its announced capacity minus the jobs it holds; each
+    result returns one credit. Jobs of a worker that dies go back to the front of the queue. The
+    first worker may still answer after all, so for re-queued jobs the broker remembers which
+    were answered and forwards one result per job.
+    """
+
+    def __init__(self, queue: JobQueue, remember: int = 65_536) -> None:
+        self.queue = queue
+        self.workers: dict[bytes, WorkerState] = {}
+        self.jobs_done = 0
+        self.expired = 0
+        self._requeued: set[JobKey] = set()  # jobs that may be answered twice
+        self._answered: OrderedDict[JobKey, None] = OrderedDict()  # answered re-queued jobs
+        self._remember = remember
+
+    @property
+    def inflight(self) -> int:
+        return sum(len(w.inflight) for w in self.workers.values())
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.workers)
+
+    def submit(self, jobs: Iterable[Job], now: float) -> list[JobResult]:
+        """Queue new jobs. An ingest that reconnects re-sends the jobs it still waits for; those
+        the broker already holds (queued or at a worker) are not queued twice."""
+        answers: list[JobResult] = []
+        for job in jobs:
+            key = job_key(job)
+            if key in self.queue or any(key in w.inflight for w in self.workers.values()):
+                continue
+            self._answered.pop(key, None)  # asked again: its next result is not a duplicate
+            answers += self.queue.push(job, now)
+        return self._answer(answers)
+
+    def add_worker(self, ident: bytes, capacity: int, now: float, pid: int = 0, model: str = "") -> list[JobResult]:
+        """Register a (re)connected worker; whatever it held before is re-queued because a READY
+        means it started afresh or its socket was replaced and queued messages may be lost."""
+        answers = self.remove_worker(ident, now) if ident in self.workers else []
+        self.workers[ident] = WorkerState(ident=ident, capacity=max(1, capacity), pid=pid, model=model)
+        return answers
+
+    def remove_worker(self, ident: bytes, now: float) -> list[JobResult]:
+        """Forget a dead worker; its in-flight jobs go back to the front of the queue."""
+        worker = self.workers.pop(ident, None)
+        if worker is None:
+            return []
+        answers: list[JobResult] = []
+        for key, job in worker.inflight.items():
+            self._requeued.add(key)
+            answers += self.queue.push(job, now, front=True)
+        return self._answer(answers)
+
+    def dispatch(self, now: float) -> tuple[dict[bytes, list[Job]], list[JobResult]]:
+        """Hand queued jobs to workers, each job to the worker with the most free credit.
+
+        Returns one job list per worker (one message each) and the answers for jobs that expired.
+        """
+        free = {ident: w.free for ident, w in self.workers.items() if w.free > 0}
+        sent: dict[bytes, list[Job]] = {}
+        answers: list[JobResult] = []
+        while free:
+            job, skipped = self.queue.pop(now)
+            answers += skipped
+            if job is None:
+                break
+            ident = max(free, key=free.__getitem__)
+            sent.setdefault(ident, []).append(job)
+            self.workers[ident].inflight[job_key(job)] = job
+            free[ident] -= 1
+            if not free[ident]:
+                del free[ident]
+        return sent, self._answer(answers)
+
+    def complete(self, ident: bytes, results: Iterable[JobResult]) -> list[JobResult]:
+        """Take results from worker `ident`; returns those to forward to their ingests."""
+        worker = self.workers.get(ident)
+        forward: list[JobResult] = []
+        for result in results:
+            key = job_key(result)
+            if worker is not None and worker.inflight.pop(key, None) is not None:
+                worker.jobs_done += 1
+            if key in self._answered:
+                continue
+            if key in self._requeued:
+                # Still queued for another try, or held by another worker whose credit returns
+                # when it answers.
+                self.queue.remove(key)
+                self._mark_answered(key)
+            forward.append(result)
+        self.jobs_done += len(forward)
+        return forward
+
+    def cancel(self, ingest: int, streams: Iterable[str]) -> list[Job]:
+        return self._forget(self.queue.remove_where(ingest, streams))
+
+    def drop_ingest(self, ingest: int) -> list[Job]:
+        return self._forget(self.queue.remove_where(ingest))
+
+    def _forget(self, jobs: list[Job]) -> list[Job]:
+        for job in jobs:
+            self._requeued.discard(job_key(job))
+        return jobs
+
+    def _answer(self, answers: list[JobResult]) -> list[JobResult]:
+        """Count EXPIRED answers and make sure a late result of the same job is not forwarded."""
+        for result in answers:
+            key = job_key(result)
+            if key in self._requeued:
+                self._mark_answered(key)
+        self.expired += len(answers)
+        return answers
+
+    def _mark_answered(self, key: JobKey) -> None:
+        self._requeued.discard(key)
+        self._answered[key] = None
+        if len(self._answered) > self._remember:
+            self._answered.popitem(last=False)

@@ -1,0 +1,48 @@
+"""Structured logs: one JSON object per line on stderr, so supervisord's log files can be grepped
+and joined across processes by `process`, `pid`, `stream` and `job`.
+
+Modules take `log = structlog.get_logger()` at import time; the logger is resolved on first use,
+so `configure` only has to run before the first event, not before the imports.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+import structlog
+
+
+def configure(process: str, level: str = "info") -> Any:
+    """Route every structlog logger of this process to JSON on stderr, tagged with `process` and `pid`.
+
+    The tags are added by a processor rather than contextvars because new threads start with an
+    empty context: the worker's IO thread would lose them.
+    """
+    tags = {"process": process, "pid": os.getpid()}
+
+    def add_tags(_logger: Any, _method: str, event: dict[str, Any]) -> dict[str, Any]:
+        for key, value in tags.items():
+            event.setdefault(key, value)
+        return event
+
+    threshold = logging.getLevelNamesMapping().get(level.upper())
+    if threshold is None:
+        raise ValueError(f"unknown log level {level!r}")
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            add_tags,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.StackInfoRenderer(),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(threshold),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    return structlog.get_logger()

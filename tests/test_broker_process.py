@@ -1,0 +1,368 @@
+"""The broker and workers as real processes, driven by a fake ingest over the real sockets.
+
+The fake ingest writes audio into a real shm pool and sends jobs naming slot ranges, exactly as
+an ingest process does; workers run the null backend, so the tests time the plumbing only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from broker import jobs as wire
+from broker.jobs import OK, REALTIME, Job, JobResult
+from config import settings
+from config.settings import Config
+from shm import RingPool, reclaim
+
+ROOT = Path(__file__).resolve().parents[1]
+HEARTBEAT_MS = 100
+MAX_BATCH = 4  # capacity 8 per worker
+SAMPLES = 16_000
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+class FakeIngest(threading.Thread):
+    """Ingest process `index` as the broker sees it: READY, heartbeats, JOBS; collects RESULTS."""
+
+    def __init__(self, cfg: Config, index: int = 0) -> None:
+        super().__init__(daemon=True)
+        self.cfg = cfg
+        self.index = index
+        self.endpoint = cfg.ingest_endpoint(index)
+        self.results: list[JobResult] = []
+        self._out: queue.Queue[list[bytes]] = queue.Queue()
+        self._lock = threading.Lock()
+        self._stop_event = threading.Event()
+        self.register()
+
+    def register(self) -> None:
+        self.send([wire.READY, wire.pack({"index": self.index, "endpoint": self.endpoint, "pid": os.getpid(), "streams": 0})])
+
+    def send(self, frames: list[bytes]) -> None:
+        self._out.put(frames)
+
+    def submit(self, jobs: list[Job]) -> None:
+        self.send([wire.JOBS, wire.pack_jobs(jobs)])
+
+    def answers(self) -> list[JobResult]:
+        with self._lock:
+            return list(self.results)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(2)
+
+    def run(self) -> None:
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"ingest-{self.index}".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.cfg.broker_ingest_endpoint)
+        next_hb = 0.0
+        try:
+            while not self._stop_event.is_set():
+                while not self._out.empty():
+                    sock.send_multipart(self._out.get())
+                if time.monotonic() >= next_hb:
+                    sock.send_multipart([wire.HEARTBEAT, wire.pack({"streams": 0})])
+                    next_hb = time.monotonic() + HEARTBEAT_MS / 1000
+                if sock.poll(10):
+                    while sock.poll(0):
+                        frames = sock.recv_multipart()
+                        if frames[0] == wire.RESULTS:
+                            with self._lock:
+                                self.results += wire.unpack_results(frames[1])
+        finally:
+            sock.close()
+
+
+@dataclass
+class Cluster:
+    cfg: Config
+    config_file: Path
+    dir: Path
+    pool: RingPool
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    ingest: FakeIngest | None = None
+    _ids: Iterator[int] = field(default_factory=lambda: iter(range(1, 10**9)))
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(self.dir / f"{name}.log", "ab")
+        proc = subprocess.Popen([sys.executable, *args, "--config", str(self.config_file)], cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=log)
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def start_broker(self) -> subprocess.Popen:
+        return self.start("broker", "-m", "broker")
+
+    def start_worker(self, index: int) -> subprocess.Popen:
+        return self.start(f"worker{index}", "-m", "workers", "--index", str(index))
+
+    def log_events(self, name: str) -> list[dict[str, Any]]:
+        lines = (self.dir / f"{name}.log").read_text().splitlines()
+        return [json.loads(line) for line in lines if line.startswith("{")]
+
+    def front(self, payload: bytes, timeout: float = 2.0) -> dict[str, Any]:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.cfg.ingest.address)
+        try:
+            sock.send(payload)
+            assert sock.poll(int(timeout * 1000)), "no answer from the front door"
+            return msgpack.unpackb(sock.recv(), raw=False)
+        finally:
+            sock.close()
+
+    def status(self) -> dict[str, Any]:
+        return self.front(msgpack.packb({"type": "status"}))
+
+    def try_front(self, payload: bytes) -> dict[str, Any] | None:
+        """The reply, or None while the broker is not (yet) answering."""
+        try:
+            return self.front(payload, timeout=0.5)
+        except AssertionError:
+            return None
+
+    def wait_workers(self, n: int, timeout: float = 20) -> dict[str, Any]:
+        def check() -> dict[str, Any] | None:
+            status = self.try_front(msgpack.packb({"type": "status"}))
+            return status if status and status["ready"] and len(status["workers"]) == n else None
+
+        return wait_for(check, timeout, f"{n} workers registered")
+
+    def jobs(self, n: int, **over: Any) -> list[Job]:
+        """`n` finals (never expired, so every one must be run) over one second of audio."""
+        now = time.monotonic()
+        fields = {"ingest": 0, "shm": self.pool.name, "slot": 0, "generation": self.pool.ring(0).generation,
+                  "start": 0, "end": SAMPLES, "final": True, "priority": REALTIME, "deadline": now + 60,
+                  "created": now, **over}
+        return [Job(job_id=next(self._ids), stream=f"s{i % 5}", seg=i, **fields) for i in range(n)]
+
+    def wait_answers(self, jobs: list[Job], timeout: float = 20) -> dict[int, list[JobResult]]:
+        wanted = {j.job_id for j in jobs}
+        assert self.ingest is not None
+        wait_for(lambda: wanted <= {r.job_id for r in self.ingest.answers()}, timeout, f"answers to {len(jobs)} jobs")
+        time.sleep(3 * HEARTBEAT_MS / 1000)  # let duplicates, if any, arrive
+        by_job: dict[int, list[JobResult]] = {}
+        for r in self.ingest.answers():
+            if r.job_id in wanted:
+                by_job.setdefault(r.job_id, []).append(r)
+        return by_job
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    # A short directory: ipc socket paths are limited to about 100 bytes.
+    run = Path(tempfile.mkdtemp(prefix="sasr-"))
+    instance = f"t{uuid.uuid4().hex[:8]}"
+    cfg = settings.load(None, {
+        "instance": instance,
+        "run_dir": str(run / "run"),
+        "log_level": "info",
+        "model": {"name": "null", "backend": "null", "max_batch": MAX_BATCH, "max_wait_ms": 2.0},
+        "ingest": {"address": f"tcp://127.0.0.1:{free_port()}", "port_base": free_port()},
+        "broker": {"heartbeat_ms": HEARTBEAT_MS, "liveness": 3},
+    })
+    config_file = run / "config.toml"
+    config_file.write_text(settings.dump(cfg))
+    pool = RingPool.create(cfg.shm_name(0), slots=2, capacity=4 * SAMPLES)
+    pool.acquire().write(np.zeros(2 * SAMPLES, dtype=np.float32))
+    c = Cluster(cfg=cfg, config_file=config_file, dir=run, pool=pool)
+    try:
+        yield c
+    finally:
+        if c.ingest is not None:
+            c.ingest.stop()
+        for proc in c.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        pool.close()
+        reclaim(instance)
+        shutil.rmtree(run, ignore_errors=True)
+
+
+@pytest.fixture
+def running(cluster: Cluster) -> Cluster:
+    cluster.start_broker()
+    cluster.start_worker(0)
+    cluster.start_worker(1)
+    cluster.ingest = FakeIngest(cluster.cfg)
+    cluster.ingest.start()
+    cluster.wait_workers(2)
+    return cluster
+
+
+def assert_exactly_once(by_job: dict[int, list[JobResult]], jobs: list[Job]) -> None:
+    assert sorted(by_job) == sorted(j.job_id for j in jobs)
+    dupes = {k: len(v) for k, v in by_job.items() if len(v) != 1}
+    assert not dupes, f"jobs answered more than once: {dupes}"
+
+
+def test_every_job_answered_spread_over_workers_within_credit(running: Cluster) -> None:
+    jobs = running.jobs(400)
+    running.ingest.submit(jobs)
+    peak: Counter[str] = Counter()
+    while len(running.ingest.answers()) < len(jobs):
+        for w in running.status()["workers"]:
+            assert w["inflight"] <= w["capacity"] == 2 * MAX_BATCH
+            peak[w["id"]] = max(peak[w["id"]], w["inflight"])
+    by_job = running.wait_answers(jobs)
+    assert_exactly_once(by_job, jobs)
+    results = [r[0] for r in by_job.values()]
+    assert {r.status for r in results} == {OK}
+    assert {r.text for r in results} == {"null model"}
+    assert all(1 <= r.batch_size <= MAX_BATCH for r in results)
+    assert len(Counter(r.worker for r in results)) == 2, "both workers should have served"
+    status = running.status()
+    assert status["jobs_done"] >= len(jobs) and status["inflight"] == 0
+    assert sum(w["jobs_done"] for w in status["workers"]) >= len(jobs)
+
+
+def test_front_door(running: Cluster) -> None:
+    welcome = running.front(msgpack.packb({"type": "hello", "version": 1}))
+    assert welcome["type"] == "welcome" and welcome["version"] == 1
+    assert welcome["ingest"] == running.cfg.ingest_endpoint(0)
+    assert welcome["limits"] == {
+        "max_frame_bytes": running.cfg.ingest.max_frame_bytes,
+        "max_message_bytes": running.cfg.ingest.max_message_bytes,
+        "max_streams_per_client": running.cfg.ingest.max_streams_per_client,
+    }
+    wrong = running.front(msgpack.packb({"type": "hello", "version": 99}))
+    assert (wrong["type"], wrong["code"]) == ("error", "unsupported_version")
+    for junk in (b"\xc1 not msgpack", msgpack.packb([1, 2]), msgpack.packb({"type": "dance"}),
+                 msgpack.packb({"type": "open", "stream": "a"})):
+        reply = running.front(junk)
+        assert (reply["type"], reply["code"]) == ("error", "bad_message"), junk
+    status = running.status()
+    assert status["type"] == "status" and status["ready"] is True
+    [ingest] = status["ingests"]
+    assert ingest["index"] == 0 and ingest["endpoint"] == running.cfg.ingest_endpoint(0) and ingest["pid"] == os.getpid()
+    assert {"streams", "alive_s"} <= set(ingest)
+    assert {w["model"] for w in status["workers"]} == {"null"}
+    assert set(status["queued"]) == {"realtime", "batch"}
+    assert {"inflight", "jobs_done", "expired"} <= set(status)
+    too_big = running.try_front(b"\x00" * (running.cfg.ingest.max_message_bytes + 1))
+    assert too_big is None  # MAXMSGSIZE: the connection is dropped, nothing is parsed
+    assert running.status()["ready"] is True
+    events = running.log_events("broker")
+    bad = [e["code"] for e in events if e["event"] == "broker.bad_client_message"]
+    assert sorted(bad) == ["bad_message"] * 4 + ["unsupported_version"]
+    assert all(e["process"] == "broker" and e["pid"] == running.procs["broker"].pid and "timestamp" in e and "level" in e
+               for e in events)
+    assert running.procs["broker"].poll() is None
+
+
+def test_not_ready_without_ingest_or_worker(cluster: Cluster) -> None:
+    cluster.start_broker()
+    hello = msgpack.packb({"type": "hello", "version": 1})
+    reply = wait_for(lambda: cluster.try_front(hello), 10, "the front door")
+    assert (reply["type"], reply["code"]) == ("error", "not_ready")
+    cluster.ingest = FakeIngest(cluster.cfg)
+    cluster.ingest.start()
+    wait_for(lambda: cluster.status()["ingests"], 5, "the ingest registered")
+    assert cluster.front(hello)["code"] == "not_ready"  # still no worker
+    assert cluster.status()["ready"] is False
+
+
+def test_killed_worker_jobs_are_redispatched(running: Cluster) -> None:
+    victim = running.procs["worker0"]
+    first = running.jobs(100)
+    running.ingest.submit(first)
+    wait_for(lambda: len(running.ingest.answers()) >= 50, 10, "some answers")
+    victim.send_signal(signal.SIGSTOP)  # it holds its in-flight jobs, unanswered
+    second = running.jobs(100)
+    running.ingest.submit(second)
+    time.sleep(0.05)
+    victim.kill()
+    by_job = running.wait_answers(first + second)
+    assert_exactly_once(by_job, first + second)
+    lost = [e for e in running.log_events("broker") if e["event"] == "broker.worker_lost"]
+    assert lost and lost[0]["requeued"] > 0
+    assert [w["id"].split("-")[1] for w in running.status()["workers"]] == ["1"]
+
+
+def test_worker_back_from_the_dead_does_not_duplicate_results(running: Cluster) -> None:
+    """Frozen longer than the broker's patience, its jobs went to the other worker; when it
+    wakes up and answers them too, each job still gets one result."""
+    frozen = running.procs["worker0"]
+    frozen.send_signal(signal.SIGSTOP)
+    jobs = running.jobs(60)
+    running.ingest.submit(jobs)
+    wait_for(lambda: any(e["event"] == "broker.worker_lost" for e in running.log_events("broker")), 5, "worker declared dead")
+    frozen.send_signal(signal.SIGCONT)
+    by_job = running.wait_answers(jobs)
+    assert_exactly_once(by_job, jobs)
+    running.wait_workers(2)  # it re-registered
+
+
+def test_broker_restart_workers_reregister(running: Cluster) -> None:
+    before = {w["id"] for w in running.status()["workers"]}
+    running.procs["broker"].kill()
+    running.procs["broker"].wait()
+    running.start_broker()
+    running.ingest.register()
+    status = running.wait_workers(2)
+    assert {w["id"] for w in status["workers"]} == before
+    jobs = running.jobs(20)
+    running.ingest.submit(jobs)
+    assert_exactly_once(running.wait_answers(jobs), jobs)
+
+
+def test_failed_job_for_reused_slot(running: Cluster) -> None:
+    [stale] = running.jobs(1, generation=running.pool.ring(0).generation - 1)
+    [beyond] = running.jobs(1, end=10 * SAMPLES)
+    running.ingest.submit([stale, beyond])
+    by_job = running.wait_answers([stale, beyond])
+    assert [r.status for r in by_job[stale.job_id]] == [wire.FAILED]
+    assert "reused" in by_job[stale.job_id][0].error
+    assert by_job[beyond.job_id][0].status == wire.FAILED
+
+
+def test_sigterm_stops_cleanly(running: Cluster) -> None:
+    for name in ("worker0", "broker"):
+        proc = running.procs[name]
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(5) == 0
+        assert time.monotonic() - started < (1.0 if name == "broker" else 3.0)
+    assert any(e["event"] == "broker.stopped" for e in running.log_events("broker"))
+    assert any(e["event"] == "worker.stopped" for e in running.log_events("worker0"))

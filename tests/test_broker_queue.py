@@ -1,0 +1,255 @@
+"""The broker's dispatch rules, without sockets: order, superseding, expiry, cancel, credit."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from broker.jobs import BATCH, EXPIRED, OK, REALTIME, Job, JobResult
+from broker.queue import Dispatcher, JobQueue, job_key
+
+NOW = 1000.0
+_ids = itertools.count(1)
+
+
+def job(stream: str = "s", *, final: bool = False, priority: int = REALTIME, deadline: float = NOW + 5,
+        end: int = 16_000, seg: int = 0, ingest: int = 0, job_id: int | None = None) -> Job:
+    return Job(
+        job_id=next(_ids) if job_id is None else job_id, ingest=ingest, stream=stream, shm="shm", slot=0,
+        generation=1, start=0, end=end, final=final, priority=priority, deadline=deadline, seg=seg, created=NOW,
+    )
+
+
+def drain(q: JobQueue, now: float = NOW) -> tuple[list[Job], list[JobResult]]:
+    out, answers = [], []
+    while True:
+        j, skipped = q.pop(now)
+        answers += skipped
+        if j is None:
+            return out, answers
+        out.append(j)
+
+
+def queue() -> JobQueue:
+    return JobQueue(partial_deadline_s=2.0, final_deadline_s=10.0)
+
+
+def done(j: Job, status: int = OK) -> JobResult:
+    return JobResult(job_id=j.job_id, ingest=j.ingest, status=status, text="x")
+
+
+def test_order_realtime_then_finals_then_deadline_then_fifo() -> None:
+    q = queue()
+    batch_final = job("a", final=True, priority=BATCH, deadline=NOW + 1)
+    late_partial = job("b", deadline=NOW + 3)
+    early_partial = job("c", deadline=NOW + 2)
+    final = job("d", final=True, deadline=NOW + 9)
+    fifo1 = job("e", deadline=NOW + 4)
+    fifo2 = job("f", deadline=NOW + 4)
+    for j in (batch_final, late_partial, early_partial, final, fifo1, fifo2):
+        assert q.push(j, NOW) == []
+    order, answers = drain(q)
+    assert [j.stream for j in order] == ["d", "c", "b", "e", "f", "a"]
+    assert answers == []
+
+
+def test_newer_partial_supersedes_queued_partial_of_same_stream() -> None:
+    q = queue()
+    old = job("s", end=16_000)
+    other_stream = job("t", end=8_000)
+    other_ingest = job("s", end=8_000, ingest=1)
+    for j in (old, other_stream, other_ingest):
+        q.push(j, NOW)
+    newer = job("s", end=24_000)
+    answers = q.push(newer, NOW)
+    assert [(a.job_id, a.status) for a in answers] == [(old.job_id, EXPIRED)]
+    assert "superseded" in (answers[0].error or "")
+    order, _ = drain(q)
+    assert {j.job_id for j in order} == {newer.job_id, other_stream.job_id, other_ingest.job_id}
+
+
+def test_older_partial_arriving_late_is_expired_not_queued() -> None:
+    q = queue()
+    newer = job("s", end=32_000)
+    q.push(newer, NOW)
+    older = job("s", end=16_000)  # e.g. re-queued from a dead worker
+    answers = q.push(older, NOW, front=True)
+    assert [a.job_id for a in answers] == [older.job_id]
+    assert [j.job_id for j in drain(q)[0]] == [newer.job_id]
+
+
+def test_final_supersedes_queued_partial_of_its_segment_and_finals_are_kept() -> None:
+    q = queue()
+    partial = job("s", seg=3)
+    q.push(partial, NOW)
+    final = job("s", final=True, seg=3)
+    assert [a.job_id for a in q.push(final, NOW)] == [partial.job_id]
+    final2 = job("s", final=True, seg=4)
+    assert q.push(final2, NOW) == []  # finals never replace finals
+    assert [j.job_id for j in drain(q)[0]] == [final.job_id, final2.job_id]
+
+
+def test_expired_partials_are_answered_and_finals_never_dropped() -> None:
+    q = queue()
+    stale = job("a", deadline=NOW - 0.1)
+    fresh = job("b", deadline=NOW + 1)
+    late_final = job("c", final=True, deadline=NOW - 5)
+    for j in (stale, fresh, late_final):
+        q.push(j, NOW - 1)
+    order, answers = drain(q, NOW)
+    assert [j.job_id for j in order] == [late_final.job_id, fresh.job_id]
+    assert [(a.job_id, a.status) for a in answers] == [(stale.job_id, EXPIRED)]
+    assert "deadline" in (answers[0].error or "")
+
+
+def test_missing_deadline_comes_from_config() -> None:
+    q = queue()
+    partial = job("a", deadline=0.0)
+    final = job("b", final=True, deadline=0.0)
+    q.push(partial, NOW)
+    q.push(final, NOW)
+    assert partial.deadline == pytest.approx(NOW + 2.0)
+    assert final.deadline == pytest.approx(NOW + 10.0)
+
+
+def test_cancel_removes_only_those_streams() -> None:
+    d = Dispatcher(queue())
+    keep = job("keep")
+    gone = [job("gone", seg=1, final=True), job("gone", seg=2), job("also")]
+    other_ingest = job("gone", ingest=1)
+    d.submit([keep, *gone, other_ingest], NOW)
+    assert {j.job_id for j in d.cancel(0, ["gone", "also"])} == {j.job_id for j in gone}
+    assert len(d.queue) == 2
+    assert d.queue.counts() == {REALTIME: 2, BATCH: 0}
+    assert {j.job_id for j in drain(d.queue)[0]} == {keep.job_id, other_ingest.job_id}
+
+
+def test_drop_ingest_removes_all_its_queued_jobs() -> None:
+    d = Dispatcher(queue())
+    d.submit([job("a"), job("b", final=True), job("c", ingest=2)], NOW)
+    assert len(d.drop_ingest(0)) == 2
+    assert [j.ingest for j in drain(d.queue)[0]] == [2]
+
+
+def test_credit_never_exceeded_and_spread_by_free_credit() -> None:
+    d = Dispatcher(queue())
+    d.add_worker(b"w1", capacity=4, now=NOW)
+    d.add_worker(b"w2", capacity=2, now=NOW)
+    d.submit([job(f"s{i}") for i in range(10)], NOW)
+    sent, _ = d.dispatch(NOW)
+    assert {k: len(v) for k, v in sent.items()} == {b"w1": 4, b"w2": 2}
+    assert len(d.queue) == 4
+    assert d.dispatch(NOW)[0] == {}  # no credit left: nothing more
+    # one result returns one credit
+    forwarded = d.complete(b"w2", [done(sent[b"w2"][0])])
+    assert len(forwarded) == 1
+    again, _ = d.dispatch(NOW)
+    assert {k: len(v) for k, v in again.items()} == {b"w2": 1}
+
+
+def test_most_free_credit_first() -> None:
+    d = Dispatcher(queue())
+    d.add_worker(b"w1", capacity=8, now=NOW)
+    d.add_worker(b"w2", capacity=8, now=NOW)
+    d.submit([job(f"s{i}") for i in range(6)], NOW)
+    sent, _ = d.dispatch(NOW)
+    assert {k: len(v) for k, v in sent.items()} == {b"w1": 3, b"w2": 3}
+
+
+def test_credit_property_random_traffic() -> None:
+    rng = random.Random(7)
+    d = Dispatcher(queue())
+    caps = {b"a": 3, b"b": 5, b"c": 1}
+    for ident, cap in caps.items():
+        d.add_worker(ident, capacity=cap, now=NOW)
+    held: dict[bytes, list[Job]] = {ident: [] for ident in caps}
+    for _ in range(300):
+        d.submit([job(f"s{rng.randrange(50)}", final=rng.random() < 0.3, deadline=NOW + 60) for _ in range(rng.randrange(4))], NOW)
+        sent, _ = d.dispatch(NOW)
+        for ident, jobs in sent.items():
+            held[ident] += jobs
+        for ident, jobs in held.items():
+            assert len(jobs) <= caps[ident]
+            assert len(d.workers[ident].inflight) == len(jobs)
+            if jobs and rng.random() < 0.5:
+                d.complete(ident, [done(jobs.pop(rng.randrange(len(jobs))))])
+
+
+def test_dead_worker_jobs_requeued_at_front_of_their_priority() -> None:
+    d = Dispatcher(queue())
+    d.add_worker(b"w1", capacity=2, now=NOW)
+    first = [job("a", final=True), job("b", final=True)]
+    d.submit(first, NOW)
+    sent, _ = d.dispatch(NOW)
+    assert len(sent[b"w1"]) == 2
+    waiting = [job("c", final=True, deadline=NOW), job("d", final=True, deadline=NOW)]  # earlier deadlines
+    batch = job("e", final=True, priority=BATCH)
+    d.submit([*waiting, batch], NOW)
+    assert d.remove_worker(b"w1", NOW) == []
+    assert d.inflight == 0
+    order, _ = drain(d.queue)
+    assert [j.stream for j in order] == ["a", "b", "c", "d", "e"]
+
+
+def test_redispatched_job_is_answered_once() -> None:
+    d = Dispatcher(queue())
+    d.add_worker(b"w1", capacity=1, now=NOW)
+    j = job("a", final=True)
+    d.submit([j], NOW)
+    d.dispatch(NOW)
+    d.remove_worker(b"w1", NOW)  # declared dead while still computing
+    d.add_worker(b"w2", capacity=1, now=NOW)
+    sent, _ = d.dispatch(NOW)
+    assert sent[b"w2"][0].job_id == j.job_id
+    assert len(d.complete(b"w1", [done(j)])) == 1  # the first worker was alive after all
+    assert d.workers[b"w2"].inflight  # w2 still computes: its credit stays taken
+    assert d.complete(b"w2", [done(j)]) == []  # the duplicate is not forwarded
+    assert d.workers[b"w2"].free == 1
+    assert d.jobs_done == 1
+
+
+def test_answer_while_requeued_removes_it_from_queue() -> None:
+    d = Dispatcher(queue())
+    d.add_worker(b"w1", capacity=1, now=NOW)
+    j = job("a", final=True)
+    d.submit([j], NOW)
+    d.dispatch(NOW)
+    d.remove_worker(b"w1", NOW)
+    assert job_key(j) in d.queue
+    assert len(d.complete(b"w1", [done(j)])) == 1
+    assert len(d.queue) == 0
+
+
+def test_requeued_partial_superseded_is_not_answered_twice() -> None:
+    d = Dispatcher(queue())
+    d.add_worker(b"w1", capacity=1, now=NOW)
+    old = job("a", end=16_000)
+    d.submit([old], NOW)
+    d.dispatch(NOW)
+    d.submit([job("a", end=32_000)], NOW)
+    answers = d.remove_worker(b"w1", NOW)
+    assert [(a.job_id, a.status) for a in answers] == [(old.job_id, EXPIRED)]
+    assert d.complete(b"w1", [done(old)]) == []  # already answered EXPIRED
+
+
+def test_resent_jobs_are_not_queued_twice() -> None:
+    d = Dispatcher(queue())
+    d.add_worker(b"w1", capacity=1, now=NOW)
+    a, b = job("a", final=True), job("b", final=True)
+    d.submit([a, b], NOW)
+    d.dispatch(NOW)  # a at the worker, b queued
+    d.submit([Job.from_wire(list(a.to_wire())), Job.from_wire(list(b.to_wire()))], NOW)  # ingest reconnected
+    assert len(d.queue) == 1
+    assert d.inflight == 1
+
+
+def test_worker_ready_again_requeues_what_it_held() -> None:
+    d = Dispatcher(queue())
+    d.add_worker(b"w1", capacity=2, now=NOW)
+    d.submit([job("a", final=True)], NOW)
+    d.dispatch(NOW)
+    d.add_worker(b"w1", capacity=2, now=NOW)  # reconnected: messages in its old socket may be lost
+    assert d.inflight == 0
+    assert len(d.queue) == 1

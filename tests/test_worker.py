@@ -1,0 +1,141 @@
+"""A worker's compute side in-process: audio from a real shm pool, the null backend, failures."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Sequence
+
+import numpy as np
+import pytest
+
+from broker.jobs import FAILED, OK, REALTIME, Job
+from config import settings
+from shm import RingPool, reclaim
+from speech.backend import Backend, DecodeRequest, DecodeResult
+from speech.null_backend import NullBackend
+from workers.worker import Worker
+
+
+@pytest.fixture
+def pool() -> Iterator[RingPool]:
+    instance = f"test{uuid.uuid4().hex[:12]}"
+    p = RingPool.create(f"streamasr.{instance}.ingest0", slots=2, capacity=16_000)
+    yield p
+    p.close()
+    reclaim(instance)
+
+
+@pytest.fixture
+def worker() -> Iterator[Worker]:
+    cfg = settings.load(None, {"model": {"name": "null", "backend": "null", "null_text": "hello"}})
+    w = Worker(cfg, 0)
+    w.backend = NullBackend(cfg.model)
+    yield w
+    for p in w._pools.values():
+        p.close()
+
+
+def job(p: RingPool, slot: int, generation: int, start: int, end: int, job_id: int = 1) -> Job:
+    return Job(job_id=job_id, ingest=0, stream="s", shm=p.name, slot=slot, generation=generation, start=start,
+               end=end, final=True, priority=REALTIME, deadline=0.0, seg=0)
+
+
+class Recording(Backend):
+    """Remembers the audio it was given (copied: the views are only valid during the call)."""
+
+    def __init__(self) -> None:
+        self.seen: list[np.ndarray] = []
+
+    def transcribe_batch(self, requests: Sequence[DecodeRequest]) -> list[DecodeResult]:
+        self.seen += [np.array(r.audio) for r in requests]
+        return [DecodeResult(text=f"{len(r.audio)}") for r in requests]
+
+
+class Broken(Backend):
+    def transcribe_batch(self, requests: Sequence[DecodeRequest]) -> list[DecodeResult]:
+        raise RuntimeError("device lost")
+
+
+def test_batch_reads_the_named_samples(pool: RingPool, worker: Worker) -> None:
+    ring = pool.acquire()
+    samples = np.arange(8000, dtype=np.float32)
+    ring.write(samples)
+    worker.backend = Recording()
+    results = worker.process([job(pool, ring.slot, ring.generation, 100, 900, 1), job(pool, ring.slot, ring.generation, 0, 50, 2)])
+    assert [(r.job_id, r.status, r.text, r.batch_size) for r in results] == [(1, OK, "800", 2), (2, OK, "50", 2)]
+    np.testing.assert_array_equal(worker.backend.seen[0], samples[100:900])
+    assert all(r.worker == worker.identity and r.finished >= r.started > 0 for r in results)
+
+
+def test_null_backend_result_fields(pool: RingPool, worker: Worker) -> None:
+    ring = pool.acquire()
+    ring.write(np.zeros(16_000, dtype=np.float32))
+    [result] = worker.process([job(pool, ring.slot, ring.generation, 0, 16_000)])
+    assert result.status == OK and result.text == "hello"
+    assert result.segments == [(0.0, 1.0, "hello")]
+
+
+def test_reused_slot_and_overrun_fail_with_reason(pool: RingPool, worker: Worker) -> None:
+    ring = pool.acquire()
+    ring.write(np.zeros(4000, dtype=np.float32))
+    stale = job(pool, ring.slot, ring.generation - 1, 0, 100, 1)
+    beyond = job(pool, ring.slot, ring.generation, 0, 5000, 2)
+    bad_slot = job(pool, 7, ring.generation, 0, 100, 3)
+    good = job(pool, ring.slot, ring.generation, 0, 100, 4)
+    results = {r.job_id: r for r in worker.process([stale, beyond, bad_slot, good])}
+    assert results[1].status == FAILED and "reused" in (results[1].error or "")
+    assert results[2].status == FAILED and "not in ring" in (results[2].error or "")
+    assert results[3].status == FAILED and "slot 7" in (results[3].error or "")
+    assert results[4].status == OK and results[4].batch_size == 1
+
+
+def test_missing_segment_fails_the_job(worker: Worker) -> None:
+    j = Job(job_id=9, ingest=0, stream="s", shm=f"streamasr.none{uuid.uuid4().hex}.ingest0", slot=0, generation=1,
+            start=0, end=10, final=False, priority=REALTIME, deadline=0.0, seg=0)
+    [result] = worker.process([j])
+    assert result.status == FAILED and "audio unavailable" in (result.error or "")
+
+
+def test_backend_error_fails_the_batch_and_worker_goes_on(pool: RingPool, worker: Worker) -> None:
+    ring = pool.acquire()
+    ring.write(np.zeros(1000, dtype=np.float32))
+    worker.backend = Broken()
+    results = worker.process([job(pool, ring.slot, ring.generation, 0, 100, i) for i in range(3)])
+    assert [r.status for r in results] == [FAILED] * 3
+    assert "device lost" in (results[0].error or "")
+    worker.backend = NullBackend(worker.cfg.model)
+    assert worker.process([job(pool, ring.slot, ring.generation, 0, 100)])[0].status == OK
+
+
+def test_audio_overwritten_during_decode_fails(pool: RingPool, worker: Worker) -> None:
+    ring = pool.acquire()
+    ring.write(np.zeros(16_000, dtype=np.float32))
+
+    class Slow(Backend):
+        def transcribe_batch(self, requests: Sequence[DecodeRequest]) -> list[DecodeResult]:
+            ring.protected_from = ring.written
+            ring.write(np.ones(8000, dtype=np.float32))  # the writer laps the reader meanwhile
+            return [DecodeResult(text="x") for _ in requests]
+
+    worker.backend = Slow()
+    [result] = worker.process([job(pool, ring.slot, ring.generation, 0, 8000)])
+    assert result.status == FAILED and "overwritten" in (result.error or "")
+
+
+def test_recreated_segment_is_reattached(worker: Worker) -> None:
+    instance = f"test{uuid.uuid4().hex[:12]}"
+    name = f"streamasr.{instance}.ingest0"
+    try:
+        first = RingPool.create(name, slots=1, capacity=1000)
+        ring = first.acquire()
+        ring.write(np.zeros(100, dtype=np.float32))
+        assert worker.process([job(first, 0, ring.generation, 0, 100)])[0].status == OK
+        first.close()
+        second = RingPool.create(name, slots=1, capacity=1000)  # the ingest restarted
+        ring = second.acquire()
+        ring.write(np.zeros(100, dtype=np.float32))
+        assert worker.process([job(second, 0, ring.generation, 0, 100)])[0].status == OK
+        second.close()
+    finally:
+        reclaim(instance)
