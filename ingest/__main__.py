@@ -1,0 +1,15 @@
+"""`python -m ingest --index N`: one ingest process (supervisord runs `numprocs` of them)."""
+
+import argparse
+
+from config import settings
+from ingest.server import main
+from streamasr.logs import configure
+
+parser = argparse.ArgumentParser(prog="python -m ingest")
+parser.add_argument("--config", default=None, help="TOML config (default: $STREAMASR_CONFIG or the embedded default)")
+parser.add_argument("--index", type=int, default=0, help="this process's index: picks its port and shm segment")
+args = parser.parse_args()
+cfg = settings.load(args.config)
+configure(f"ingest-{args.index}", cfg.log_level)
+main(cfg, args.index)

@@ -1,0 +1,296 @@
+"""The ingest process: one ROUTER for all clients, sessions writing into shm, jobs to the broker.
+
+One thread, one poll loop. Each iteration drains what arrived, runs VAD for every stream with
+a full chunk in one batched call, then sends one JOBS message and the clients' events: under
+load many frames share one wake-up, which is what keeps the per-frame cost low.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+
+import numpy as np
+import structlog
+import zmq
+
+from broker import jobs as j
+from config.settings import Config
+from ingest.session import SAMPLE_RATE, Session
+from ingest.vad import CHUNK, VadBank
+from protocol import messages as m
+from shm.pool import PoolExhausted, RingPool
+
+DRAIN_BATCH = 512  # messages taken from one socket per loop iteration
+
+
+class IngestServer:
+    def __init__(self, cfg: Config, index: int):
+        self.cfg = cfg
+        self.index = index
+        self.log = structlog.get_logger().bind(ingest=index)
+        self.limits = m.Limits(cfg.ingest.max_frame_bytes, cfg.ingest.max_message_bytes)
+        self.endpoint = cfg.ingest_endpoint(index)
+        self.max_streams = min(cfg.shm.streams_per_ingest, math.ceil(cfg.ingest.max_streams / cfg.ingest.processes))
+        self.pool = RingPool.create(cfg.shm_name(index), cfg.shm.streams_per_ingest, int(cfg.shm.ring_seconds * SAMPLE_RATE))
+        self.vad = VadBank(threads=1)
+        self.ctx = zmq.Context()
+        self.clients = self.ctx.socket(zmq.ROUTER)
+        self.clients.setsockopt(zmq.MAXMSGSIZE, cfg.ingest.max_message_bytes)
+        self.clients.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished client is an error we log, not a silent drop
+        self.clients.setsockopt(zmq.SNDHWM, 100_000)
+        self.clients.setsockopt(zmq.LINGER, 0)
+        self.clients.bind(self.endpoint)
+        self.broker: zmq.Socket | None = None
+        self.sessions: dict[str, Session] = {}
+        self.per_client: dict[bytes, int] = {}
+        self.owner: dict[int, str] = {}  # job id -> session key
+        self.scratch: dict[str, np.ndarray] = {}  # per-session VAD chunk buffer for ring wrap-around
+        self.dirty: set[str] = set()
+        self.hb_interval = cfg.broker.heartbeat_ms / 1000
+        self.broker_seen = time.monotonic()
+        self.hb_sent = 0.0
+        self.draining = False
+        self.stop_at: float | None = None
+        self._connect_broker()
+
+    # ------------------------------------------------------------------ broker link
+
+    def _connect_broker(self) -> None:
+        """(Re)connect and re-register; every job still in flight is re-sent from session state."""
+        if self.broker is not None:
+            self.broker.close(linger=0)
+        self.broker = self.ctx.socket(zmq.DEALER)
+        self.broker.setsockopt(zmq.IDENTITY, f"ingest-{self.index}".encode())
+        self.broker.setsockopt(zmq.LINGER, 0)
+        self.broker.connect(self.cfg.broker_ingest_endpoint)
+        self.broker.send_multipart([j.READY, j.pack({"index": self.index, "endpoint": self.endpoint, "pid": os.getpid(),
+                                                     "streams": len(self.sessions)})])
+        pending = [job for s in self.sessions.values() for job in s.inflight.values()]
+        if pending:
+            self.log.info("jobs_resent", jobs=len(pending))
+            self.broker.send_multipart([j.JOBS, j.pack_jobs(pending)])
+        self.broker_seen = time.monotonic()
+
+    def _on_broker(self, frames: list[bytes]) -> None:
+        self.broker_seen = time.monotonic()
+        kind = frames[0]
+        if kind == j.RESULTS:
+            for res in j.unpack_results(frames[1]):
+                key = self.owner.pop(res.job_id, None)
+                session = self.sessions.get(key) if key else None
+                if session is not None:
+                    session.on_result(res)
+                    self.dirty.add(key)
+
+    def _heartbeat(self, now: float) -> None:
+        if now - self.hb_sent >= self.hb_interval:
+            self.hb_sent = now
+            self.broker.send_multipart([j.HEARTBEAT, j.pack({"streams": len(self.sessions)})])
+        if now - self.broker_seen > self.hb_interval * self.cfg.broker.liveness:
+            self.log.warning("broker_lost", silent_s=round(now - self.broker_seen, 2))
+            self._connect_broker()
+
+    # ------------------------------------------------------------------ clients
+
+    def _on_client(self, frames: list[zmq.Frame]) -> None:
+        ident = frames[0].bytes
+        try:
+            msg = m.decode_client([f.buffer for f in frames[1:]], self.limits)
+        except m.ProtocolError as exc:
+            self.log.warning("bad_message", client=ident.hex(), code=exc.code, reason=exc.message, stream=exc.stream)
+            self._send(ident, exc.reply())
+            return
+        if isinstance(msg, m.Audio):
+            session = self._session(ident, msg.stream, msg.seq)
+            if session is not None:
+                session.accept_audio(msg)
+                self.dirty.add(session.key)
+        elif isinstance(msg, m.Open):
+            self._open(ident, msg)
+        elif isinstance(msg, m.End):
+            session = self._session(ident, msg.stream, None)
+            if session is not None:
+                session.end()
+                self.dirty.add(session.key)
+        elif isinstance(msg, m.Hello):
+            self._send(ident, m.Welcome(ingest=self.endpoint, limits={"max_frame_bytes": self.limits.max_frame_bytes,
+                                                                      "max_message_bytes": self.limits.max_message_bytes}))
+        else:
+            self._send(ident, m.ErrorMsg(code=m.BAD_MESSAGE, message=f"{msg.type} is answered by the front door only"))
+
+    def _session(self, ident: bytes, stream: str, seq: int | None) -> Session | None:
+        session = self.sessions.get(f"{ident.hex()}/{stream}")
+        if session is None or session.closed:
+            self.log.warning("unknown_stream", client=ident.hex(), stream=stream)
+            self._send(ident, m.ErrorMsg(code=m.UNKNOWN_STREAM, message=f"no open stream {stream!r}", stream=stream, seq=seq))
+            return None
+        return session
+
+    def _open(self, ident: bytes, msg: m.Open) -> None:
+        key = f"{ident.hex()}/{msg.stream}"
+
+        def refuse(code: str, message: str) -> None:
+            self.log.warning("open_refused", client=ident.hex(), stream=msg.stream, code=code, reason=message)
+            self._send(ident, m.ErrorMsg(code=code, message=message, stream=msg.stream))
+
+        if self.draining:
+            return refuse(m.NOT_READY, "the service is shutting down")
+        if key in self.sessions:
+            return refuse(m.DUPLICATE_STREAM, f"stream {msg.stream!r} is already open on this connection")
+        if msg.model is not None and msg.model != self.cfg.model.name:
+            return refuse(m.UNKNOWN_MODEL, f"model {msg.model!r} is not served here; this service runs {self.cfg.model.name!r}")
+        if self.per_client.get(ident, 0) >= self.cfg.ingest.max_streams_per_client:
+            return refuse(m.TOO_MANY_STREAMS, f"at most {self.cfg.ingest.max_streams_per_client} open streams per client")
+        if len(self.sessions) >= self.max_streams:
+            return refuse(m.TOO_MANY_STREAMS, "the service is at its stream limit; try again later")
+        try:
+            ring = self.pool.acquire()
+        except PoolExhausted:
+            return refuse(m.TOO_MANY_STREAMS, "no free audio buffer; try again later")
+        session = Session(key, ident, msg, ring, self.cfg, self.index, self.pool.name)
+        self.sessions[key] = session
+        self.scratch[key] = np.empty(CHUNK, np.float32)
+        self.per_client[ident] = self.per_client.get(ident, 0) + 1
+        self.vad.add(key)
+        session.log.info("stream_opened", rate=msg.rate, encoding=msg.encoding, channels=msg.channels,
+                         priority=msg.priority, language=msg.language, partials=msg.partials)
+        self._send(ident, m.Ready(stream=msg.stream, window=session.window()))
+        session.acked_window = session.window()
+
+    def _send(self, ident: bytes, msg: m.ServerMessage) -> bool:
+        try:
+            self.clients.send_multipart([ident, *m.encode(msg)], flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: the client is gone; EAGAIN: it stopped reading
+            self.log.warning("client_unreachable", client=ident.hex(), error=exc.strerror, event_type=msg.type)
+            return False
+
+    # ------------------------------------------------------------------ per-iteration work
+
+    def _run_vad(self) -> None:
+        """Classify every full chunk of every dirty stream, one batched model call per round."""
+        while True:
+            batch: list[tuple[str, np.ndarray]] = []
+            for key in self.dirty:
+                s = self.sessions[key]
+                if s.vad_chunk_due(CHUNK):
+                    batch.append((key, s.ring.view(s.vad_pos, s.vad_pos + CHUNK, out=self.scratch[key])))
+            if not batch:
+                return
+            probs = self.vad.process(batch)
+            for (key, _), prob in zip(batch, probs):
+                self.sessions[key].on_vad(float(prob), CHUNK)
+
+    def _flush(self) -> None:
+        jobs_out: list[j.Job] = []
+        for key in self.dirty:
+            s = self.sessions[key]
+            s.after_vad()
+            for job in s.jobs_out:
+                self.owner[job.job_id] = key
+            jobs_out.extend(s.jobs_out)
+            s.jobs_out.clear()
+            for msg in s.outbox:
+                self._send(s.client, msg)
+            s.outbox.clear()
+            ack = None if s.closed else s.due_ack()
+            if ack is not None:
+                self._send(s.client, ack)
+            if s.closed:
+                self._release(s)
+        if jobs_out:
+            self.broker.send_multipart([j.JOBS, j.pack_jobs(jobs_out)])
+        self.dirty.clear()
+
+    def _release(self, s: Session) -> None:
+        del self.sessions[s.key]
+        del self.scratch[s.key]
+        self.vad.remove(s.key)
+        self.pool.release(s.ring)
+        left = self.per_client.get(s.client, 1) - 1
+        if left:
+            self.per_client[s.client] = left
+        else:
+            self.per_client.pop(s.client, None)
+
+    def _sweep(self, now: float) -> None:
+        """Close streams whose client went quiet: their accepted audio is still transcribed."""
+        for key, s in self.sessions.items():
+            if not s.ending and now - s.last_activity > self.cfg.ingest.idle_timeout_s:
+                s.log.warning("stream_idle", idle_s=round(now - s.last_activity, 1))
+                s.end("idle_timeout")
+                self.dirty.add(key)
+
+    # ------------------------------------------------------------------ main loop
+
+    def request_stop(self, *_: object) -> None:
+        """SIGTERM: refuse new streams, finish every open one, then exit."""
+        if self.draining:
+            return
+        self.draining = True
+        self.stop_at = time.monotonic() + self.cfg.ingest.drain_timeout_s
+        self.log.info("draining", streams=len(self.sessions))
+        for key, s in self.sessions.items():
+            s.end("shutdown")
+            self.dirty.add(key)
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.clients, zmq.POLLIN)
+        registered = self.broker
+        poller.register(registered, zmq.POLLIN)
+        last_sweep = time.monotonic()
+        self.log.info("ingest_ready", endpoint=self.endpoint, shm=self.pool.name, slots=self.pool.slots)
+        while True:
+            if self.broker is not registered:
+                poller.unregister(registered)
+                registered = self.broker
+                poller.register(registered, zmq.POLLIN)
+            events = dict(poller.poll(timeout=int(self.hb_interval * 1000 / 2)))
+            if self.clients in events:
+                for _ in range(DRAIN_BATCH):
+                    try:
+                        frames = self.clients.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._on_client(frames)
+            if self.broker in events:
+                for _ in range(DRAIN_BATCH):
+                    try:
+                        frames = self.broker.recv_multipart(flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._on_broker(frames)
+            now = time.monotonic()
+            if now - last_sweep >= 1.0:
+                last_sweep = now
+                self._sweep(now)
+            if self.dirty:
+                self._run_vad()
+                self._flush()
+            self._heartbeat(now)
+            if self.draining and (not self.sessions or now >= self.stop_at):
+                break
+        self.close()
+
+    def close(self) -> None:
+        for s in self.sessions.values():
+            self._send(s.client, m.Closed(stream=s.opened.stream, reason="shutdown", audio_s=round(s.in_frames / s.rate, 3),
+                                          segments=s.stats["finals"]))
+            s.log.warning("stream_abandoned_at_shutdown", pending_jobs=len(s.inflight), **s.figures())
+        self.clients.close(linger=0)
+        self.broker.close(linger=0)
+        self.ctx.term()
+        self.pool.close()
+        self.pool.unlink()
+        self.log.info("ingest_stopped")
+
+
+def main(cfg: Config, index: int) -> None:
+    server = IngestServer(cfg, index)
+    signal.signal(signal.SIGTERM, server.request_stop)
+    signal.signal(signal.SIGINT, server.request_stop)
+    server.run()

@@ -1,0 +1,289 @@
+"""One client stream inside an ingest process: audio in, jobs out, results back to events.
+
+The session is the authoritative state of a stream: which samples are in its ring, which
+segments are open, which jobs are due. The broker and workers hold nothing that cannot be
+rebuilt from here, which is what lets a broker restart lose no audio.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import structlog
+
+from broker.jobs import BATCH, EXPIRED, FAILED, OK, REALTIME, Job, JobResult
+from config.settings import Config
+from ingest.audio import AudioFormatError, Resampler, decode_pcm
+from ingest.segmenter import SegmentEvent, Segmenter
+from ingest.stabilizer import LocalAgreement
+from protocol import messages as m
+from shm.pool import Ring
+
+SAMPLE_RATE = 16_000
+PROMPT_CHARS = 200  # previous final text carried into the next decode as Whisper's prompt
+# Whisper's hallucination guard: a result that is probably silence is not a transcript
+NO_SPEECH_PROB = 0.6
+LOGPROB_FLOOR = -1.0
+FINAL_RETRIES = 2
+_job_ids = itertools.count(time.time_ns())  # unique per ingest process, across its restarts too
+
+
+@dataclass(slots=True)
+class _Segment:
+    index: int
+    start: int
+    end: int | None = None
+    stabilizer: LocalAgreement = field(default_factory=LocalAgreement)
+    last_partial_end: int = 0  # end of the last partial job submitted
+    shown_end: int = 0  # end of the last partial sent: an older result arriving late is not shown
+    final_job: int | None = None
+    result: m.Final | None = None  # held until every earlier segment's final is out
+    retries: int = 0
+
+
+class Session:
+    """State machine of one stream; the ingest server feeds it messages and drains `outbox`."""
+
+    def __init__(self, key: str, client: bytes, opened: m.Open, ring: Ring, cfg: Config, ingest_index: int, shm_name: str):
+        self.key = key
+        self.client = client
+        self.opened = opened
+        self.ring = ring
+        self.cfg = cfg
+        self.ingest_index = ingest_index
+        self.shm_name = shm_name
+        self.rate = opened.rate
+        self.priority = BATCH if opened.priority == "batch" else REALTIME
+        self.resampler = Resampler(opened.rate)
+        self.segmenter = Segmenter(cfg.vad, SAMPLE_RATE)
+        self.bytes_per_frame = opened.channels * (2 if opened.encoding == "pcm_s16le" else 4)
+        self.log = structlog.get_logger().bind(stream=opened.stream, key=key)
+        self.next_seq = 0
+        self.in_frames = 0  # input frames (per channel) accepted
+        self.vad_pos = 0  # 16 kHz samples already classified by VAD
+        self.segments: dict[int, _Segment] = {}
+        self.open_segment: _Segment | None = None
+        self.next_segment = 0
+        self.next_final = 0  # index of the next final to send
+        self.previous_text = ""
+        self.ending = False
+        self.closed = False
+        self.close_reason = "end"
+        self.last_activity = time.monotonic()
+        self.opened_at = self.last_activity
+        self.acked_frames = 0
+        self.acked_window = 0
+        self.stats = {"partials": 0, "finals": 0, "refused": 0, "errors": 0}
+        self.outbox: list[m.ServerMessage] = []  # events for the client
+        self.jobs_out: list[Job] = []  # jobs for the broker
+        self.inflight: dict[int, Job] = {}
+        self._update_protection()
+
+    # ------------------------------------------------------------------ audio in
+
+    def window(self) -> int:
+        """Input frame index the client may send up to: what still fits in the ring."""
+        free_out = self.ring.free_space() - 1024  # headroom for the resampler's flush
+        return self.in_frames + max(0, int(free_out * self.rate / SAMPLE_RATE))
+
+    def accept_audio(self, msg: m.Audio) -> bool:
+        """Take one audio frame; False means it was refused (an error is in the outbox)."""
+        self.last_activity = time.monotonic()
+        if self.ending:
+            return self._refuse(m.BAD_MESSAGE, "audio after end", msg.seq)
+        if msg.seq < self.next_seq:
+            return True  # a resend of audio already accepted: acknowledge, do not store twice
+        if msg.seq > self.next_seq:
+            return self._refuse(m.OUT_OF_ORDER, f"expected seq {self.next_seq}, got {msg.seq}", msg.seq)
+        nbytes = len(msg.data)
+        if nbytes % self.bytes_per_frame:
+            return self._refuse(m.BAD_FORMAT, f"{nbytes} bytes is not a whole number of {self.bytes_per_frame}-byte frames", msg.seq)
+        frames = nbytes // self.bytes_per_frame
+        needed = int(np.ceil(frames * SAMPLE_RATE / self.rate)) + 64
+        if needed > self.ring.free_space():
+            self.stats["refused"] += 1
+            return self._refuse(m.OVERLOADED, "stream buffer full: the service is behind; resend this frame after the next ack", msg.seq)
+        try:
+            pcm = decode_pcm(msg.data, self.opened.encoding, self.opened.channels)
+        except AudioFormatError as exc:
+            return self._refuse(m.BAD_FORMAT, str(exc), msg.seq)
+        self.ring.write(self.resampler.process(pcm))
+        self.next_seq += 1
+        self.in_frames += frames
+        return True
+
+    def _refuse(self, code: str, message: str, seq: int) -> bool:
+        self.stats["errors"] += 1
+        self.log.warning("audio_refused", code=code, seq=seq, reason=message)
+        self.outbox.append(m.ErrorMsg(code=code, message=message, stream=self.opened.stream, seq=seq))
+        return False
+
+    def end(self, reason: str = "end") -> None:
+        """No more audio: flush the resampler and close the open segment."""
+        if self.ending:
+            return
+        self.ending = True
+        self.close_reason = reason
+        tail = self.resampler.process(np.zeros(0, np.float32), last=True)
+        if len(tail) and len(tail) <= self.ring.free_space():
+            self.ring.write(tail)
+
+    # ------------------------------------------------------------------ VAD
+
+    def vad_chunk_due(self, chunk: int) -> bool:
+        return self.ring.written - self.vad_pos >= chunk
+
+    def on_vad(self, prob: float, chunk: int) -> None:
+        self.vad_pos += chunk
+        for ev in self.segmenter.push(prob, self.vad_pos):
+            self._on_segment_event(ev)
+
+    def after_vad(self) -> None:
+        """Called once per loop after this stream's VAD chunks: due partials, end of stream."""
+        seg = self.open_segment
+        interval = self.cfg.ingest.partial_interval_ms * SAMPLE_RATE // 1000
+        if seg is not None and self.opened.partials and self.vad_pos - seg.last_partial_end >= interval:
+            seg.last_partial_end = self.vad_pos
+            self._submit(seg, final=False, end=self.vad_pos)
+        if self.ending and self.ring.written - self.vad_pos < 512:
+            for ev in self.segmenter.flush(self.ring.written):
+                self._on_segment_event(ev)
+            self.vad_pos = self.ring.written
+        self._update_protection()
+        self._maybe_close()
+
+    def _on_segment_event(self, ev: SegmentEvent) -> None:
+        if ev.kind == "start":
+            seg = _Segment(index=self.next_segment, start=ev.start, last_partial_end=ev.start)
+            self.next_segment += 1
+            self.segments[seg.index] = seg
+            self.open_segment = seg
+        elif ev.kind == "end" and self.open_segment is not None:
+            seg = self.open_segment
+            seg.end = min(ev.end, self.ring.written)
+            self.open_segment = None
+            self._submit(seg, final=True, end=seg.end)
+
+    # ------------------------------------------------------------------ jobs
+
+    def _submit(self, seg: _Segment, final: bool, end: int) -> None:
+        now = time.monotonic()
+        deadline_ms = self.cfg.broker.final_deadline_ms if final else self.cfg.broker.partial_deadline_ms
+        prompt = " ".join(p for p in (self.opened.prompt, self.previous_text[-PROMPT_CHARS:]) if p) or None
+        job = Job(
+            job_id=next(_job_ids),
+            ingest=self.ingest_index,
+            stream=self.key,
+            shm=self.shm_name,
+            slot=self.ring.slot,
+            generation=self.ring.generation,
+            start=seg.start,
+            end=end,
+            final=final,
+            priority=self.priority,
+            deadline=now + deadline_ms / 1000,
+            seg=seg.index,
+            language=self.opened.language,
+            prompt=prompt,
+            prefix=seg.stabilizer.committed or None,
+            created=now,
+        )
+        if final:
+            seg.final_job = job.job_id
+        self.inflight[job.job_id] = job
+        self.jobs_out.append(job)
+
+    def on_result(self, res: JobResult) -> None:
+        job = self.inflight.pop(res.job_id, None)
+        if job is None:
+            return  # a duplicate after a re-dispatch
+        seg = self.segments.get(job.seg)
+        if job.final:
+            self._on_final(job, res, seg)
+        elif res.status == OK and seg is not None and seg is self.open_segment and job.end > seg.shown_end:
+            seg.shown_end = job.end
+            text, stable = seg.stabilizer.update(self._clean(res))
+            self.stats["partials"] += 1
+            self.outbox.append(m.Partial(stream=self.opened.stream, seg=seg.index, text=text, stable=stable,
+                                         start=seg.start / SAMPLE_RATE, end=job.end / SAMPLE_RATE))
+        elif res.status == FAILED:
+            self.log.warning("partial_failed", job=res.job_id, error=res.error)
+        self._update_protection()
+        self._maybe_close()
+
+    def _on_final(self, job: Job, res: JobResult, seg: _Segment | None) -> None:
+        assert seg is not None
+        if res.status != OK:
+            # finals are never skipped: retry, then tell the client rather than drop the segment silently
+            if res.status == FAILED and seg.retries < FINAL_RETRIES:
+                seg.retries += 1
+                self.log.warning("final_retry", job=res.job_id, error=res.error, seg=seg.index)
+                self._submit(seg, final=True, end=job.end)
+                return
+            self.log.error("final_failed", job=res.job_id, error=res.error, status=res.status, seg=seg.index)
+            self.stats["errors"] += 1
+            self.outbox.append(m.ErrorMsg(code=m.INTERNAL, stream=self.opened.stream,
+                                          message=f"segment {seg.index} could not be transcribed: {res.error}"))
+            seg.result = m.Final(stream=self.opened.stream, seg=seg.index, text="", start=seg.start / SAMPLE_RATE,
+                                 end=job.end / SAMPLE_RATE)
+        else:
+            text = seg.stabilizer.finalize(self._clean(res))
+            seg.result = m.Final(stream=self.opened.stream, seg=seg.index, text=text, start=seg.start / SAMPLE_RATE,
+                                 end=job.end / SAMPLE_RATE, avg_logprob=res.avg_logprob, no_speech_prob=res.no_speech_prob)
+        # finals leave in segment order even when workers finish them out of order
+        while self.next_final in self.segments and self.segments[self.next_final].result is not None:
+            done = self.segments.pop(self.next_final)
+            self.next_final += 1
+            if done.result.text:
+                self.previous_text = done.result.text
+                self.stats["finals"] += 1
+                self.outbox.append(done.result)
+
+    @staticmethod
+    def _clean(res: JobResult) -> str:
+        if res.no_speech_prob > NO_SPEECH_PROB and res.avg_logprob < LOGPROB_FLOOR:
+            return ""
+        return res.text.strip()
+
+    def _update_protection(self) -> None:
+        """The ring may overwrite only audio that no pending job and no future segment can need."""
+        starts = [s.start for s in self.segments.values()]
+        starts.append(self.segmenter.earliest_start)
+        self.ring.protected_from = min(starts)
+
+    # ------------------------------------------------------------------ acks and close
+
+    def due_ack(self) -> m.Ack | None:
+        """An ack when enough audio arrived or the window moved; few messages, but never a stalled batch client."""
+        window = self.window()
+        if self.in_frames - self.acked_frames >= self.rate // 10 or window - self.acked_window >= self.rate // 2 or (
+            self.in_frames > self.acked_frames and window <= self.in_frames + self.rate // 10
+        ):
+            self.acked_frames = self.in_frames
+            self.acked_window = window
+            return m.Ack(stream=self.opened.stream, seq=self.next_seq - 1, samples=self.in_frames, window=window)
+        return None
+
+    def _maybe_close(self) -> None:
+        if self.closed or not self.ending or self.open_segment is not None or self.inflight or self.segments:
+            return
+        if self.ring.written - self.vad_pos >= 512:
+            return
+        self.closed = True
+        figures = self.figures()
+        self.outbox.append(m.Closed(stream=self.opened.stream, reason=self.close_reason,
+                                    audio_s=round(self.in_frames / self.rate, 3), segments=self.stats["finals"]))
+        self.log.info("stream_closed", reason=self.close_reason, **figures)
+
+    def figures(self) -> dict[str, object]:
+        return {
+            "audio_s": round(self.in_frames / self.rate, 3),
+            "wall_s": round(time.monotonic() - self.opened_at, 3),
+            "segments": self.next_segment,
+            "priority": self.opened.priority,
+            "rate": self.rate,
+            **self.stats,
+        }

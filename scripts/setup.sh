@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Prepare a fresh machine: .venv, dependencies and the exported Whisper graphs.
+#   scripts/setup.sh          what `streamasr serve` needs (CPU, ONNX Runtime, Whisper tiny.en)
+#   scripts/setup.sh --test   plus the test tools, Whisper base and the test speech (Debian packages)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+with_tests=0
+[ "${1:-}" = "--test" ] && with_tests=1
+
+if [ "$with_tests" = 1 ]; then
+    apt_packages="pocketsphinx-testdata espeak-ng sox"
+    missing=""
+    for p in $apt_packages; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
+    if [ -n "$missing" ]; then
+        if [ "$(id -u)" != 0 ]; then echo "need root to install:$missing" >&2; exit 1; fi
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
+    fi
+fi
+
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+if [ "$with_tests" = 1 ]; then
+    .venv/bin/python -m pip install -q -e '.[test,base]'
+else
+    .venv/bin/python -m pip install -q -e .
+fi
+.venv/bin/streamasr export --model whisper-tiny.en

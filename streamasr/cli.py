@@ -1,0 +1,159 @@
+"""`streamasr`: serve, status, stop, transcribe, export, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from config import settings
+from config.settings import Config
+
+
+def _config(args: argparse.Namespace) -> Config:
+    """The config file plus whatever the command line overrides."""
+    over: dict[str, Any] = {}
+
+    def put(section: str | None, key: str, value: Any) -> None:
+        if value is not None:
+            (over.setdefault(section, {}) if section else over)[key] = value
+
+    put(None, "instance", getattr(args, "instance", None))
+    put("model", "name", getattr(args, "model", None))
+    put("model", "backend", "null" if getattr(args, "model", None) == "null" else None)
+    put("model", "precision", getattr(args, "precision", None))
+    put("workers", "processes", getattr(args, "workers", None))
+    put("ingest", "processes", getattr(args, "ingest", None))
+    put("ingest", "address", getattr(args, "address", None))
+    return settings.load(getattr(args, "config", None), over)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML config file (default: $STREAMASR_CONFIG, else the embedded default)")
+    p.add_argument("--instance", help="instance name: namespaces shm segments and the run directory")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from streamasr import service
+
+    service.serve(_config(args))
+    return 0  # not reached: supervisord replaced this process
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from streamasr import service
+
+    cfg = _config(args)
+    report = service.wait_ready(cfg, args.wait) if args.wait else service.status(cfg)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"instance {report['instance']}  address {report['address']}  ready: {'yes' if report.get('ready') else 'no'}")
+        for p in report.get("processes", []):
+            print(f"  {p['name']:<12} {p['state']:<9} pid {p['pid']:<7} up {p['uptime_s']} s")
+        for w in report.get("workers", []):
+            print(f"  worker {w.get('id')}: model {w.get('model')}, in flight {w.get('inflight')}, done {w.get('jobs_done')}")
+        for i in report.get("ingests", []):
+            print(f"  ingest {i.get('index')}: {i.get('endpoint')}, streams {i.get('streams')}")
+        for key in ("supervisor_error", "broker_error"):
+            if key in report:
+                print(f"  {key.replace('_', ' ')}: {report[key]}")
+    return 0 if report.get("ready") else 1
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from streamasr import service
+
+    cfg = _config(args)
+    if not service.stop(cfg):
+        print(f"instance {cfg.instance!r} is not running or did not stop", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_transcribe(args: argparse.Namespace) -> int:
+    if args.local:
+        from streamasr import local
+
+        return local.run(args.files, model=args.model or "whisper-tiny.en", language=args.language,
+                         precision=args.precision or "fp32", as_json=args.json, threads=args.threads)
+    from streamasr import remote
+
+    server = args.server or _config(args).ingest.address
+    return remote.run(args.files, server=server, offline=args.offline, as_json=args.json, language=args.language)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from speech.loader import ensure_exported
+
+    cfg = _config(args)
+    path = ensure_exported(cfg.model)
+    print(path)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench-model":
+        from streamasr import bench_model
+
+        return bench_model.main(argv[1:])
+    if argv and argv[0] == "bench":
+        from streamasr import bench
+
+        return bench.main(argv[1:])
+
+    parser = argparse.ArgumentParser(prog="streamasr", description="Real-time streaming speech recognition over ZeroMQ.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="start the service under supervisord (foreground)")
+    _common(p)
+    p.add_argument("--model", help="whisper-tiny.en (default), whisper-base, null, or a CTranslate2 model directory")
+    p.add_argument("--precision", choices=["fp32", "int8"])
+    p.add_argument("--workers", type=int, help="worker processes (default: one per CPU core)")
+    p.add_argument("--ingest", type=int, help="ingest processes (default 1)")
+    p.add_argument("--address", help="the address clients connect to, e.g. tcp://0.0.0.0:7700")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("status", help="each process and whether the service is ready")
+    _common(p)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--wait", type=float, default=0, metavar="SECONDS", help="wait up to this long for readiness")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("stop", help="stop a running instance (open streams are finished first)")
+    _common(p)
+    p.set_defaults(func=cmd_stop)
+
+    p = sub.add_parser("transcribe", help="transcribe files, in-process (--local) or by streaming them to a service")
+    _common(p)
+    p.add_argument("files", nargs="+")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--local", action="store_true", help="run the model in this process")
+    where.add_argument("--server", metavar="ADDR", help="service address (default: the config's)")
+    pace = p.add_mutually_exclusive_group()
+    pace.add_argument("--realtime", action="store_true", help="stream at the speed of speech (default)")
+    pace.add_argument("--offline", action="store_true", help="stream as fast as the service takes it (priority batch)")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument("--model", help="with --local: whisper-tiny.en (default), whisper-base or a model directory")
+    p.add_argument("--language", help="language code, e.g. en, zh (default: detect, or English for .en models)")
+    p.add_argument("--precision", choices=["fp32", "int8"], help="with --local")
+    p.add_argument("--threads", type=int, default=2, help="with --local: ONNX Runtime threads")
+    p.set_defaults(func=cmd_transcribe)
+
+    p = sub.add_parser("export", help="build (or find cached) ONNX graphs for a model")
+    _common(p)
+    p.add_argument("--model")
+    p.add_argument("--precision", choices=["fp32", "int8"])
+    p.set_defaults(func=cmd_export)
+
+    sub.add_parser("bench", help="load generator for the running service (see `streamasr bench --help`)")
+    sub.add_parser("bench-model", help="our ONNX Runtime Whisper against faster-whisper (see `streamasr bench-model --help`)")
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

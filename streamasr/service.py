@@ -1,0 +1,146 @@
+"""Start, inspect and stop a service instance under supervisord.
+
+`serve` writes the effective config into the instance's run directory so that every process
+supervisord starts reads exactly the same settings, reclaims shm left by a crashed instance,
+exports the model once (rather than in every worker at once), then hands over to supervisord.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import xmlrpc.client
+from pathlib import Path
+from typing import Any
+
+import zmq
+from supervisor.xmlrpc import SupervisorTransport
+
+from config import settings
+from config.settings import Config
+from protocol import messages as m
+from shm import pool
+
+HOME = Path(__file__).resolve().parents[1]
+SUPERVISORD_CONF = HOME / "supervisord.conf"
+
+
+def supervisord_pid(cfg: Config) -> int | None:
+    """Pid of this instance's running supervisord, if any."""
+    try:
+        pid = int((cfg.run_path / "supervisord.pid").read_text())
+        os.kill(pid, 0)
+        return pid
+    except (OSError, ValueError):
+        return None
+
+
+def prepare(cfg: Config) -> dict[str, str]:
+    """Run directory, config file, shm reclaim and model export; returns supervisord's environment."""
+    if supervisord_pid(cfg) is not None:
+        raise SystemExit(f"instance {cfg.instance!r} is already running (run dir {cfg.run_path})")
+    run = cfg.run_path
+    run.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(run, 0o700)
+    (run / "logs").mkdir(mode=0o700, exist_ok=True)
+    for leftover in run.glob("*.sock"):
+        leftover.unlink()
+    config_file = run / "config.toml"
+    config_file.write_text(settings.dump(cfg))
+    for name in pool.reclaim(cfg.instance):
+        print(f"reclaimed shm segment {name} left by a previous run", file=sys.stderr)
+    if cfg.model.backend != "null" and cfg.model.name != "null":
+        from speech.loader import ensure_exported
+
+        ensure_exported(cfg.model)
+    env = dict(os.environ)
+    env.update(
+        STREAMASR_CONFIG=str(config_file),
+        STREAMASR_RUN_DIR=str(run),
+        STREAMASR_INSTANCE=cfg.instance,
+        STREAMASR_PYTHON=sys.executable,
+        STREAMASR_HOME=str(HOME),
+        STREAMASR_WORKERS=str(cfg.worker_count),
+        STREAMASR_INGEST_PROCS=str(cfg.ingest.processes),
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def serve(cfg: Config) -> None:
+    """Replace this process with supervisord in the foreground (signals go straight to it)."""
+    env = prepare(cfg)
+    print(f"streamasr {cfg.instance}: {cfg.worker_count} workers, {cfg.ingest.processes} ingest, model "
+          f"{cfg.model.name} ({cfg.model.backend}), clients connect to {cfg.ingest.address}", file=sys.stderr, flush=True)
+    supervisord = Path(sys.executable).with_name("supervisord")
+    os.execve(str(supervisord), [str(supervisord), "-n", "-c", str(SUPERVISORD_CONF)], env)
+
+
+def front_door(address: str, msg: m.ClientMessage, timeout: float = 2.0) -> m.ServerMessage:
+    """One request/reply with the broker's front door."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        sock.send_multipart(m.encode(msg))
+        if not sock.poll(int(timeout * 1000)):
+            raise TimeoutError(f"no answer from {address} within {timeout} s")
+        return m.decode_server(sock.recv_multipart())
+    finally:
+        sock.close()
+
+
+def processes(cfg: Config) -> list[dict[str, Any]]:
+    """supervisord's view of each program, over its unix socket."""
+    sock = cfg.run_path / "supervisor.sock"
+    transport = SupervisorTransport(None, None, f"unix://{sock}")
+    proxy = xmlrpc.client.ServerProxy("http://127.0.0.1", transport=transport)
+    return proxy.supervisor.getAllProcessInfo()
+
+
+def status(cfg: Config) -> dict[str, Any]:
+    """Processes (supervisord) and readiness (the broker's front door) in one report."""
+    report: dict[str, Any] = {"instance": cfg.instance, "address": cfg.ingest.address}
+    try:
+        report["processes"] = [
+            {"name": p["name"], "group": p["group"], "state": p["statename"], "pid": p["pid"], "uptime_s": p["now"] - p["start"] if p["pid"] else 0}
+            for p in processes(cfg)
+        ]
+    except (OSError, xmlrpc.client.Fault) as exc:
+        report["processes"] = []
+        report["supervisor_error"] = str(exc)
+    try:
+        reply = front_door(cfg.ingest.address, m.Status())
+        report.update(m.as_dict(reply))
+        report.pop("type", None)
+    except (TimeoutError, zmq.ZMQError, m.ProtocolError) as exc:
+        report["ready"] = False
+        report["broker_error"] = str(exc)
+    return report
+
+
+def wait_ready(cfg: Config, timeout: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        report = status(cfg)
+        if report.get("ready") or time.monotonic() > deadline:
+            return report
+        time.sleep(0.25)
+
+
+def stop(cfg: Config, timeout: float = 30.0) -> bool:
+    """SIGTERM to supervisord, which stops ingest (draining), workers, then the broker."""
+    pid = supervisord_pid(cfg)
+    if pid is None:
+        return False
+    os.kill(pid, 15)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            return True
+        time.sleep(0.1)
+    return False
