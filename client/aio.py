@@ -1,0 +1,297 @@
+"""asyncio client: the blocking client's shape on `zmq.asyncio`, with no thread of its own.
+
+One reader task owns the receive side; audio is sent from whichever coroutine makes it
+sendable (a `send`, an ack, a retry timer). Those sends are issued without awaiting in
+between, so pyzmq keeps them in order. Flow control is `client.core.StreamCore`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import AsyncIterator
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from client.core import (
+    CLOSED,
+    SAMPLE_BYTES,
+    Entry,
+    ServerError,
+    StreamBase,
+    StreamCore,
+    StreamError,
+    ingest_endpoint,
+    limits_from,
+    route,
+)
+from protocol.messages import (
+    BAD_MESSAGE,
+    INTERNAL,
+    NOT_READY,
+    Closed,
+    End,
+    ErrorMsg,
+    Hello,
+    Open,
+    ProtocolError,
+    ServerMessage,
+    Welcome,
+    decode_server,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+
+LINGER_MS = 500
+
+
+async def handshake(ctx: zmq.asyncio.Context, address: str, timeout: float) -> Welcome:
+    """Hello until welcomed; `not_ready` is retried because a starting service answers it."""
+    deadline = time.monotonic() + timeout
+    delay = 0.05
+    while True:
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        try:
+            sock.connect(address)
+            await sock.send_multipart(encode(Hello()))
+            try:
+                frames = await asyncio.wait_for(sock.recv_multipart(), max(deadline - time.monotonic(), 0.0))
+            except TimeoutError:
+                raise TimeoutError(f"no answer from {address} within {timeout:.1f}s") from None
+        finally:
+            sock.close()
+        reply = decode_server(frames)
+        if isinstance(reply, Welcome):
+            return reply
+        if isinstance(reply, ErrorMsg):
+            if reply.code == NOT_READY and time.monotonic() + delay < deadline:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            raise ServerError(reply.code, reply.message)
+        raise ServerError(BAD_MESSAGE, f"unexpected {reply.type!r} in answer to hello")
+
+
+class AsyncClient:
+    """`async with AsyncClient(address) as client:` or `client = await AsyncClient.connect(address)`."""
+
+    def __init__(self, address: str, *, timeout: float = 10.0) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._ctx = zmq.asyncio.Context()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._streams: dict[str, Entry] = {}
+        self._moved = asyncio.Event()  # set (and replaced) whenever audio goes out or a stream ends
+        self._retry: asyncio.TimerHandle | None = None
+        self._failure: Exception | None = None
+        self._closed = False
+
+    @classmethod
+    async def connect(cls, address: str, *, timeout: float = 10.0) -> AsyncClient:
+        client = cls(address, timeout=timeout)
+        await client.start()
+        return client
+
+    async def start(self) -> None:
+        """Handshake with the front door and connect to the ingest it names."""
+        try:
+            welcome = await handshake(self._ctx, self.address, self.timeout)
+        except BaseException:
+            self._ctx.term()
+            self._closed = True
+            raise
+        self.limits = limits_from(welcome)
+        self.ingest = ingest_endpoint(self.address, welcome.ingest)
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.linger = LINGER_MS
+        self._sock.connect(self.ingest)
+        self._reader = asyncio.create_task(self._read(), name="streamasr-client-reader")
+
+    async def open(
+        self,
+        stream: str | None = None,
+        *,
+        rate: int = 16000,
+        encoding: str = "pcm_s16le",
+        channels: int = 1,
+        language: str | None = None,
+        model: str | None = None,
+        partials: bool = True,
+        priority: str = "realtime",
+        prompt: str | None = None,
+    ) -> AsyncStream:
+        """Open a stream and wait for `ready`; raises StreamError with the server's code if refused."""
+        self._check()
+        msg = Open(stream=stream or uuid.uuid4().hex, rate=rate, encoding=encoding, channels=channels, language=language,
+                   model=model, partials=partials, priority=priority, prompt=prompt)
+        if msg.stream in self._streams:
+            raise ValueError(f"stream {msg.stream!r} is already open on this client")
+        width = SAMPLE_BYTES.get(encoding, 1) * (channels if isinstance(channels, int) and channels > 0 else 1)
+        core = StreamCore(msg.stream, priority=priority, frame_bytes=width, limits=self.limits, rate=rate)
+        entry = Entry(core, asyncio.get_running_loop().create_future(), asyncio.Queue())
+        self._streams[msg.stream] = entry
+        self._send(encode(msg))
+        try:
+            await asyncio.wait_for(asyncio.shield(entry.opened), self.timeout)
+        except TimeoutError:
+            if self._streams.get(msg.stream) is entry:
+                del self._streams[msg.stream]
+                self._send(encode(End(msg.stream)))  # in case the server opens it late
+            raise TimeoutError(f"stream {msg.stream}: no answer to open within {self.timeout:.1f}s") from None
+        return AsyncStream(self, entry, msg)
+
+    async def close(self) -> None:
+        """Stop reading; open streams fail with StreamError('closed')."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._retry is not None:
+            self._retry.cancel()
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except asyncio.CancelledError:
+                pass
+        self._fail_all(StreamError(CLOSED, "client closed"))
+        if self._sock is not None:
+            self._sock.close()
+        self._ctx.term()
+
+    async def __aenter__(self) -> AsyncClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------ internals
+
+    def _check(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+        if self._closed or self._sock is None:
+            raise StreamError(CLOSED, "client is closed" if self._closed else "client is not started")
+
+    def _send(self, frames: list[bytes | memoryview]) -> None:
+        assert self._sock is not None
+        self._sock.send_multipart(frames, copy=False).add_done_callback(self._sent)
+
+    def _sent(self, fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            log.error("send failed: %r", fut.exception())
+
+    def _wake_senders(self) -> None:
+        self._moved.set()
+        self._moved = asyncio.Event()
+
+    async def _read(self) -> None:
+        assert self._sock is not None
+        try:
+            while True:
+                frames = await self._sock.recv_multipart()
+                now = time.monotonic()
+                try:
+                    msg = decode_server(frames)
+                except ProtocolError as exc:
+                    log.warning("ignoring a server message: %s", exc.message)  # e.g. a type from a newer server
+                    continue
+                if route(self._streams, msg, now):
+                    self._wake_senders()
+                self._flush()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # every waiter must learn why, not hang
+            log.exception("client reader failed")
+            self._failure = StreamError(INTERNAL, f"client IO failed: {exc!r}")
+            self._fail_all(self._failure)
+
+    def _fail_all(self, failure: Exception) -> None:
+        now = time.monotonic()
+        for entry in self._streams.values():
+            entry.fail(failure, now)
+        self._streams.clear()
+        self._wake_senders()
+
+    def _flush(self) -> None:
+        """Send whatever flow control allows now, and arm the retry timer of stalled streams."""
+        now = time.monotonic()
+        moved = False
+        for entry in self._streams.values():
+            cut = entry.core.cut
+            for msg in entry.core.take(now):
+                self._send(encode(msg))
+            moved = moved or entry.core.cut != cut
+        if moved:
+            self._wake_senders()
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        retry = [e.core.retry_at for e in self._streams.values() if e.core.retry_at is not None]
+        if retry and not self._closed:
+            self._retry = asyncio.get_running_loop().call_later(max(min(retry) - now, 0.0), self._flush)
+
+    async def _wait_sent(self, entry: Entry, target: int, timeout: float | None) -> None:
+        core = entry.core
+        while core.cut < target:
+            if entry.failure is not None:
+                raise entry.failure
+            moved = self._moved
+            try:
+                await asyncio.wait_for(moved.wait(), timeout)
+            except TimeoutError:
+                raise TimeoutError(f"stream {core.stream}: no send credit for {timeout:.1f}s (window {core.window})") from None
+
+
+class AsyncStream(StreamBase):
+    """One audio stream of an AsyncClient; the blocking Stream's methods, awaited."""
+
+    def __init__(self, client: AsyncClient, entry: Entry, msg: Open) -> None:
+        super().__init__(entry, msg)
+        self._client = client
+
+    async def send(self, pcm: bytes | np.ndarray, timeout: float | None = None) -> None:
+        """Queue audio; a batch stream waits until all of it is within the window and sent."""
+        self._client._check()
+        data = self._prepare(pcm)
+        if not data:
+            return
+        core = self._entry.core
+        core.push(data)
+        self._client._flush()
+        if core.batch:
+            await self._client._wait_sent(self._entry, self._queued, timeout)
+
+    async def end(self) -> None:
+        """No more audio: the server finishes the last segment and answers `closed`."""
+        if not self._ended and self._entry.failure is None:
+            self._ended = True
+            self._entry.core.end()
+            self._client._flush()
+
+    async def events(self, timeout: float | None = None) -> AsyncIterator[ServerMessage]:
+        """Partials, finals and errors as they arrive, ending with `closed`."""
+        while True:
+            try:
+                at, item = await asyncio.wait_for(self._entry.events.get(), timeout)
+            except TimeoutError:
+                raise TimeoutError(f"stream {self.id}: no event within {timeout:.1f}s") from None
+            if isinstance(item, Exception):
+                raise item
+            self.received_at = at
+            yield item
+            if isinstance(item, Closed):
+                return
+
+    async def __aenter__(self) -> AsyncStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.end()

@@ -1,0 +1,347 @@
+"""Blocking client: one DEALER to an ingest process, owned by an IO thread, for all of a client's streams.
+
+ZeroMQ sockets are not thread-safe, so only the IO thread touches the socket: callers hand it
+work through a queue and wake it through a socketpair registered in its poller; it hands
+events back through one queue per stream. Flow control lives in `client.core.StreamCore`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Callable, Iterator
+
+import numpy as np
+import zmq
+
+from client.core import (
+    CLOSED,
+    SAMPLE_BYTES,
+    Entry,
+    ServerError,
+    StreamBase,
+    StreamCore,
+    StreamError,
+    ingest_endpoint,
+    limits_from,
+    route,
+)
+from protocol.messages import (
+    BAD_MESSAGE,
+    INTERNAL,
+    NOT_READY,
+    Closed,
+    End,
+    ErrorMsg,
+    Hello,
+    Open,
+    ProtocolError,
+    ServerMessage,
+    Status,
+    StatusReply,
+    Welcome,
+    decode_server,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+
+LINGER_MS = 500  # let a final `end` reach the server when closing right after it
+
+
+def request(ctx: zmq.Context, address: str, msg: Hello | Status, timeout: float) -> ServerMessage:
+    """One request/reply on the front door, on a socket of its own (the front door is stateless)."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    try:
+        sock.connect(address)
+        sock.send_multipart(encode(msg))
+        if not sock.poll(max(timeout, 0.0) * 1000):
+            raise TimeoutError(f"no answer from {address} within {timeout:.1f}s")
+        return decode_server(sock.recv_multipart())
+    finally:
+        sock.close()
+
+
+def handshake(ctx: zmq.Context, address: str, timeout: float) -> Welcome:
+    """Hello until welcomed; `not_ready` is retried because a starting service answers it."""
+    deadline = time.monotonic() + timeout
+    delay = 0.05
+    while True:
+        reply = request(ctx, address, Hello(), deadline - time.monotonic())
+        if isinstance(reply, Welcome):
+            return reply
+        if isinstance(reply, ErrorMsg):
+            if reply.code == NOT_READY and time.monotonic() + delay < deadline:
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            raise ServerError(reply.code, reply.message)
+        raise ServerError(BAD_MESSAGE, f"unexpected {reply.type!r} in answer to hello")
+
+
+def status(address: str, *, timeout: float = 10.0) -> StatusReply:
+    """The front door's view of the service (ingests, workers, queues)."""
+    reply = request(zmq.Context.instance(), address, Status(), timeout)
+    if isinstance(reply, ErrorMsg):
+        raise ServerError(reply.code, reply.message)
+    if not isinstance(reply, StatusReply):
+        raise ServerError(BAD_MESSAGE, f"unexpected {reply.type!r} in answer to status")
+    return reply
+
+
+class Client:
+    """A connection to the service; open any number of streams on it.
+
+    `timeout` bounds the handshake and each `open`.
+    """
+
+    def __init__(self, address: str, *, timeout: float = 10.0) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._ctx = zmq.Context()
+        try:
+            welcome = handshake(self._ctx, address, timeout)
+        except BaseException:
+            self._ctx.term()
+            raise
+        self.limits = limits_from(welcome)
+        self.ingest = ingest_endpoint(address, welcome.ingest)
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.linger = LINGER_MS
+        self._sock.connect(self.ingest)
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_w.setblocking(False)
+        self._progress = threading.Condition()  # notified when audio goes out or a stream fails
+        self._streams: dict[str, Entry] = {}  # IO thread only
+        self._stopping = False
+        self._closed = False
+        self._failure: Exception | None = None
+        self._thread = threading.Thread(target=self._run, name="streamasr-client-io", daemon=True)
+        self._thread.start()
+
+    def open(
+        self,
+        stream: str | None = None,
+        *,
+        rate: int = 16000,
+        encoding: str = "pcm_s16le",
+        channels: int = 1,
+        language: str | None = None,
+        model: str | None = None,
+        partials: bool = True,
+        priority: str = "realtime",
+        prompt: str | None = None,
+    ) -> Stream:
+        """Open a stream and wait for `ready`; raises StreamError with the server's code if refused."""
+        msg = Open(stream=stream or uuid.uuid4().hex, rate=rate, encoding=encoding, channels=channels, language=language,
+                   model=model, partials=partials, priority=priority, prompt=prompt)
+        width = SAMPLE_BYTES.get(encoding, 1) * (channels if isinstance(channels, int) and channels > 0 else 1)
+        core = StreamCore(msg.stream, priority=priority, frame_bytes=width, limits=self.limits, rate=rate)
+        entry = Entry(core, Future(), queue.SimpleQueue())
+        self._submit(lambda: self._io_open(entry, msg))
+        try:
+            entry.opened.result(self.timeout)
+        except FutureTimeout:
+            self._submit(lambda: self._io_abandon(entry))
+            raise TimeoutError(f"stream {msg.stream}: no answer to open within {self.timeout:.1f}s") from None
+        return Stream(self, entry, msg)
+
+    def close(self) -> None:
+        """Stop the IO thread; open streams fail with StreamError('closed')."""
+        if self._closed:
+            return
+        self._closed = True
+        self._commands.put(self._io_stop)
+        self._wake()
+        self._thread.join()
+        self._wake_r.close()
+        self._wake_w.close()
+        self._ctx.term()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ caller side
+
+    def _submit(self, fn: Callable[[], None]) -> None:
+        if self._failure is not None:
+            raise self._failure
+        if self._closed:
+            raise StreamError(CLOSED, "client is closed")
+        self._commands.put(fn)
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full of wake-ups already
+
+    def _wait_sent(self, entry: Entry, target: int, timeout: float | None) -> None:
+        """Block until input frame `target` is on the wire; `timeout` bounds each wait for credit."""
+        core = entry.core
+        with self._progress:
+            last = core.cut
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while core.cut < target:
+                if entry.failure is not None:
+                    raise entry.failure
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"stream {core.stream}: no send credit for {timeout:.1f}s (window {core.window})")
+                self._progress.wait(remaining)
+                if core.cut != last and timeout is not None:
+                    last = core.cut
+                    deadline = time.monotonic() + timeout
+
+    # ------------------------------------------------------------ IO thread
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        wake_fd = self._wake_r.fileno()
+        failure: Exception = StreamError(CLOSED, "client closed")
+        try:
+            while not self._stopping:
+                ready = dict(poller.poll(self._poll_ms()))
+                if wake_fd in ready:
+                    self._wake_r.recv(4096)
+                self._run_commands()
+                if self._sock in ready:
+                    self._receive()
+                self._flush()
+        except Exception as exc:  # the thread must not die silently: every waiter learns why
+            log.exception("client IO thread failed")
+            failure = self._failure = StreamError(INTERNAL, f"client IO failed: {exc!r}")
+        finally:
+            for entry in self._streams.values():
+                entry.fail(failure, time.monotonic())
+            self._streams.clear()
+            with self._progress:
+                self._progress.notify_all()
+            self._sock.close()
+
+    def _poll_ms(self) -> int | None:
+        retry = [e.core.retry_at for e in self._streams.values() if e.core.retry_at is not None]
+        if not retry:
+            return None
+        return max(int((min(retry) - time.monotonic()) * 1000) + 1, 0)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            fn()
+
+    def _io_stop(self) -> None:
+        self._stopping = True
+
+    def _io_open(self, entry: Entry, msg: Open) -> None:
+        if msg.stream in self._streams:
+            entry.opened.set_exception(ValueError(f"stream {msg.stream!r} is already open on this client"))
+            return
+        self._streams[msg.stream] = entry
+        self._sock.send_multipart(encode(msg))
+
+    def _io_abandon(self, entry: Entry) -> None:
+        """An open the caller gave up on: forget it, and end it in case the server opens it late."""
+        if self._streams.get(entry.core.stream) is entry:
+            del self._streams[entry.core.stream]
+            self._sock.send_multipart(encode(End(entry.core.stream)))
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            now = time.monotonic()
+            try:
+                msg = decode_server(frames)
+            except ProtocolError as exc:
+                log.warning("ignoring a server message: %s", exc.message)  # e.g. a type from a newer server
+                continue
+            if route(self._streams, msg, now):
+                with self._progress:
+                    self._progress.notify_all()
+
+    def _flush(self) -> None:
+        now = time.monotonic()
+        moved = False
+        for entry in self._streams.values():
+            cut = entry.core.cut
+            for msg in entry.core.take(now):
+                self._sock.send_multipart(encode(msg), copy=False)
+            moved = moved or entry.core.cut != cut
+        if moved:
+            with self._progress:
+                self._progress.notify_all()
+
+
+class Stream(StreamBase):
+    """One audio stream of a Client: send from one thread, read events from one (maybe another).
+
+    `send_times` and `latency_for` tie transcripts back to when their audio left the client.
+    """
+
+    def __init__(self, client: Client, entry: Entry, msg: Open) -> None:
+        super().__init__(entry, msg)
+        self._client = client
+
+    def send(self, pcm: bytes | np.ndarray, timeout: float | None = None) -> None:
+        """Queue audio; a batch stream blocks until all of it is within the window and sent.
+
+        `timeout` bounds how long a batch stream waits for the window to move (None: until the
+        stream or client closes).
+        """
+        data = self._prepare(pcm)
+        if not data:
+            return
+        core = self._entry.core
+        self._client._submit(lambda: core.push(data))
+        if core.batch:
+            self._client._wait_sent(self._entry, self._queued, timeout)
+
+    def end(self) -> None:
+        """No more audio: the server finishes the last segment and answers `closed`."""
+        if not self._ended and self._entry.failure is None:
+            self._ended = True
+            self._client._submit(self._entry.core.end)
+
+    def events(self, timeout: float | None = None) -> Iterator[ServerMessage]:
+        """Partials, finals and errors as they arrive, ending with `closed`.
+
+        Raises TimeoutError when nothing arrives for `timeout` seconds, and StreamError when
+        the client is closed or fails first.
+        """
+        while True:
+            try:
+                at, item = self._entry.events.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"stream {self.id}: no event within {timeout:.1f}s") from None
+            if isinstance(item, Exception):
+                raise item
+            self.received_at = at
+            yield item
+            if isinstance(item, Closed):
+                return
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end()

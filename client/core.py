@@ -1,0 +1,387 @@
+"""What the blocking and the asyncio clients share: flow control, PCM conversion, send-time bookkeeping.
+
+Everything here is free of IO so both clients drive the same state machine and it can be
+tested without a server. A `StreamCore` belongs to whichever thread or event loop owns the
+socket; only `SendLog` is read from other threads.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+from protocol.messages import (
+    OUT_OF_ORDER,
+    OVERLOADED,
+    Ack,
+    Audio,
+    ClientMessage,
+    Closed,
+    End,
+    ErrorMsg,
+    Limits,
+    Open,
+    Ready,
+    ServerMessage,
+    Welcome,
+)
+
+SAMPLE_BYTES = {"pcm_s16le": 2, "f32le": 4}
+LOCAL_HOSTS = ("127.0.0.1", "0.0.0.0", "localhost", "*")
+CLOSED = "closed"  # StreamError code for a stream that ended or a client that was closed
+RETRY_S = 0.25  # resend refused audio after this long even if no ack moves the window...
+MAX_RETRY_S = 2.0  # ...doubling up to this, so a server that acks only on receipt cannot stall us
+
+
+class ServerError(Exception):
+    """The service refused something; `code` is one of the protocol error codes."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class StreamError(ServerError):
+    """A stream could not be opened, or can no longer be used (closed, client gone)."""
+
+    def __init__(self, code: str, message: str, stream: str | None = None) -> None:
+        super().__init__(code, message)
+        self.stream = stream
+
+
+def limits_from(welcome: Welcome) -> Limits:
+    """The welcome's limits, ignoring keys a newer server may add."""
+    known = {f.name for f in fields(Limits)}
+    return Limits(**{k: v for k, v in welcome.limits.items() if k in known})
+
+
+def ingest_endpoint(front_door: str, ingest: str) -> str:
+    """Where to stream: the welcome's endpoint, with a loopback/wildcard host replaced by the front door's.
+
+    An ingest process only knows the interface it bound; a client that reached the front door
+    through another host name must use that name for the ingest too.
+    """
+    front_host = _host(front_door)
+    host = _host(ingest)
+    if host in LOCAL_HOSTS and front_host is not None and front_host not in LOCAL_HOSTS:
+        scheme, _, rest = ingest.partition("://")
+        port = rest.rpartition(":")[2]
+        return f"{scheme}://{front_host}:{port}"
+    return ingest
+
+
+def _host(endpoint: str) -> str | None:
+    scheme, _, rest = endpoint.partition("://")
+    if scheme != "tcp" or ":" not in rest:
+        return None
+    return rest.rpartition(":")[0]
+
+
+def to_pcm(pcm: bytes | bytearray | memoryview | np.ndarray, encoding: str, channels: int) -> bytes:
+    """`pcm` as interleaved bytes in `encoding`; the caller may reuse its buffer afterwards.
+
+    bytes are taken as already encoded (and not copied); arrays may be float (-1..1) or int16,
+    shaped (frames,) interleaved or (frames, channels).
+    """
+    width = SAMPLE_BYTES[encoding]
+    if isinstance(pcm, np.ndarray):
+        if pcm.ndim == 2 and pcm.shape[1] != channels:
+            raise ValueError(f"array has {pcm.shape[1]} channels, stream has {channels}")
+        if pcm.ndim not in (1, 2):
+            raise ValueError("audio arrays must be (frames,) or (frames, channels)")
+        if pcm.dtype.kind == "f":
+            if encoding == "f32le":
+                out = pcm.astype("<f4")
+            else:
+                out = (np.clip(pcm, -1.0, 1.0) * 32767.0).round().astype("<i2")
+        elif pcm.dtype == np.int16:
+            out = pcm.astype("<i2") if encoding == "pcm_s16le" else (pcm / np.float32(32768.0)).astype("<f4")
+        else:
+            raise ValueError(f"audio arrays must be float or int16, not {pcm.dtype}")
+        data = out.tobytes()
+    elif isinstance(pcm, bytes):
+        data = pcm
+    else:
+        data = bytes(pcm)
+    if len(data) % (width * channels):
+        raise ValueError(f"{len(data)} bytes is not a whole number of {channels}-channel {encoding} frames")
+    return data
+
+
+@dataclass(slots=True)
+class OutFrame:
+    """One audio message, kept until acked so a refused one can be resent unchanged."""
+
+    seq: int
+    end: int  # input frame index just past its last sample
+    data: memoryview
+
+
+@dataclass
+class SendLog:
+    """When each sample left the client, for latency: appended by the IO side, read by anyone.
+
+    `ends[i]` is the input frame index just past message i, `times[i]` its first send time
+    (time.monotonic()); a resent message keeps its first time, so stalls count as latency.
+    """
+
+    rate: int
+    ends: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    end_sent: float | None = None  # when `end` was first sent
+
+    def record(self, end: int, now: float) -> None:
+        self.times.append(now)  # time first: a reader sizes by `ends`, so both are there for it
+        self.ends.append(end)
+
+    def sent_at(self, seconds: float) -> float:
+        """When the sample at `seconds` (a partial's or final's `end`) was sent, or `end` if earlier.
+
+        A segment's `end` may lie past the last sample (padding); then `end` is what let the
+        server finish it.
+        """
+        n = len(self.ends)
+        sample = max(round(seconds * self.rate), 1)
+        i = bisect.bisect_left(self.ends, sample, 0, n)
+        frame = self.times[i] if i < n else float("inf")
+        end = self.end_sent if self.end_sent is not None else float("inf")
+        at = min(frame, end)
+        if at == float("inf"):
+            if not n:
+                raise LookupError("nothing sent yet")
+            return self.times[n - 1]
+        return at
+
+    def pairs(self) -> list[tuple[int, float]]:
+        n = len(self.ends)
+        return list(zip(self.ends[:n], self.times[:n]))
+
+
+class StreamCore:
+    """Flow control of one stream: which audio may go out now, what to keep, what to resend.
+
+    Seqs are assigned when a message is first cut from the queued audio; a message stays in
+    `retained` until an ack covers it. A batch stream never sends past the window; a realtime
+    one ignores the window. An `overloaded` refusal rewinds `next_seq` and stalls the stream
+    until an ack moves the window (or a retry timer fires), then everything from the refused
+    seq is resent in order. The server refuses audio after `end`, so `end` goes out only when
+    nothing is waiting to be (re)sent and, on a realtime stream, when everything is acked or
+    no refusal came for RETRY_S after the last send.
+    """
+
+    def __init__(self, stream: str, *, priority: str, frame_bytes: int, limits: Limits, rate: int) -> None:
+        self.stream = stream
+        self.batch = priority == "batch"
+        self.frame_bytes = frame_bytes  # bytes per input frame (all channels)
+        self.max_frames = max(limits.max_frame_bytes // frame_bytes, 1)
+        self.log = SendLog(rate)
+        self.ready = False
+        self.window = 0
+        self.accepted = 0  # input frames the server has acked
+        self.cut = 0  # input frames put into messages (all of them sent at least once)
+        self.next_seq = 0
+        self.pending: deque[memoryview] = deque()
+        self.retained: deque[OutFrame] = deque()
+        self.end_requested = False
+        self.stalled_window: int | None = None  # the window when refused; None = not stalled
+        self.refused: int | None = None  # the last seq refused as overloaded
+        self.last_send = 0.0
+        self.retry_at: float | None = None
+        self.retry_s = RETRY_S
+
+    def push(self, data: bytes) -> None:
+        if data:
+            self.pending.append(memoryview(data))
+
+    def end(self) -> None:
+        self.end_requested = True
+
+    def on_ready(self, window: int) -> None:
+        self.ready = True
+        self.window = window
+        if window > 0:  # a message bigger than the server's whole buffer could never be accepted
+            self.max_frames = max(1, min(self.max_frames, window // 4))
+
+    def on_ack(self, ack: Ack) -> None:
+        self.accepted = ack.samples
+        while self.retained and self.retained[0].seq <= ack.seq:
+            self.retained.popleft()
+        self.next_seq = max(self.next_seq, ack.seq + 1)
+        if self.stalled_window is not None and ack.window > self.stalled_window:
+            self._resume()
+            self.retry_s = RETRY_S
+        self.window = ack.window
+
+    def on_error(self, err: ErrorMsg, now: float) -> bool:
+        """Apply a stream error; False for a refusal that only echoes an earlier one (not news)."""
+        if err.seq is None or err.code not in (OVERLOADED, OUT_OF_ORDER):
+            return True
+        if err.seq >= self.next_seq:
+            return False  # a message sent before we rewound: its resend is already planned
+        if err.code == OUT_OF_ORDER and self.refused is not None and err.seq > self.refused:
+            return False  # sent behind a refused message (maybe before we heard of it): resent in turn
+        if err.code == OUT_OF_ORDER or not self.retained or err.seq < self.retained[0].seq:
+            return True  # nothing we hold can fix it
+        if self.log.end_sent is not None:
+            return True  # the server has ended the stream: audio after `end` is refused, so this is lost
+        self.next_seq = self.refused = err.seq
+        self.stalled_window = self.window
+        self.retry_at = now + self.retry_s
+        self.retry_s = min(self.retry_s * 2, MAX_RETRY_S)
+        return True
+
+    def _resume(self) -> None:
+        self.stalled_window = None
+        self.retry_at = None
+
+    def take(self, now: float) -> list[ClientMessage]:
+        """Messages that may go out now, in order; records send times as if they were sent."""
+        out: list[ClientMessage] = []
+        if not self.ready:
+            return out
+        if self.stalled_window is not None:
+            if self.retry_at is None or now < self.retry_at:
+                return out
+            self._resume()
+        if self.retained:
+            for frame in list(self.retained)[self.next_seq - self.retained[0].seq :]:
+                if self.batch and frame.end > self.window:
+                    return out
+                out.append(Audio(self.stream, frame.seq, frame.data))
+                self.next_seq = frame.seq + 1
+                self.last_send = now
+        while self.pending:
+            n = self.max_frames if not self.batch else min(self.max_frames, self.window - self.cut)
+            if n <= 0:
+                return out
+            head = self.pending[0]
+            size = min(n * self.frame_bytes, len(head))
+            data = head[:size]
+            if size == len(head):
+                self.pending.popleft()
+            else:
+                self.pending[0] = head[size:]
+            self.cut += size // self.frame_bytes
+            frame = OutFrame(self.next_seq, self.cut, data)
+            self.retained.append(frame)
+            self.log.record(self.cut, now)
+            out.append(Audio(self.stream, frame.seq, data))
+            self.next_seq += 1
+            self.last_send = now
+        if self.end_requested and self.log.end_sent is None:
+            if not self.batch and self.retained and now < self.last_send + RETRY_S:
+                # the server refuses audio after `end`, and a realtime stream can be refused: wait
+                # for the ack of what is out, or long enough for a refusal of it to have come
+                self.retry_at = self.last_send + RETRY_S
+                return out
+            self.retry_at = None
+            self.log.end_sent = now
+            out.append(End(self.stream))
+        return out
+
+
+@dataclass(eq=False)
+class Entry:
+    """A stream as the socket's owner sees it; shared by the blocking and the asyncio client.
+
+    `opened` is a concurrent.futures or asyncio Future, `events` a queue.SimpleQueue or
+    asyncio.Queue of (receive time, message or exception); both have the methods used here.
+    `failure` is what sending on the stream raises from then on.
+    """
+
+    core: StreamCore
+    opened: Any
+    events: Any
+    failure: Exception | None = None
+
+    def fail(self, failure: Exception, now: float) -> None:
+        self.failure = failure
+        if not self.opened.done():
+            self.opened.set_exception(failure)
+        else:
+            self.events.put_nowait((now, failure))
+
+
+def route(streams: dict[str, Entry], msg: ServerMessage, now: float) -> bool:
+    """Apply one message from the ingest to its stream; True when a stream closed (wake its senders)."""
+    sid = getattr(msg, "stream", None)
+    if isinstance(msg, ErrorMsg) and sid is None:
+        for entry in streams.values():  # not about one stream: everyone should see it
+            entry.events.put_nowait((now, msg))
+        return False
+    entry = streams.get(sid) if isinstance(sid, str) else None
+    if entry is None:
+        return False  # late news about a stream we dropped
+    if isinstance(msg, Ready):
+        entry.core.on_ready(msg.window)
+        entry.opened.set_result(None)
+    elif isinstance(msg, Ack):
+        entry.core.on_ack(msg)
+    elif isinstance(msg, ErrorMsg) and not entry.opened.done():
+        del streams[sid]
+        entry.opened.set_exception(StreamError(msg.code, msg.message, sid))
+    elif isinstance(msg, ErrorMsg):
+        if entry.core.on_error(msg, now):
+            entry.events.put_nowait((now, msg))
+    elif isinstance(msg, Closed):
+        del streams[sid]
+        entry.failure = StreamError(CLOSED, f"stream closed ({msg.reason})", sid)
+        entry.events.put_nowait((now, msg))
+        return True
+    else:
+        entry.events.put_nowait((now, msg))
+    return False
+
+
+class StreamBase:
+    """What both stream classes offer besides IO: identity, flow-control figures, send times."""
+
+    def __init__(self, entry: Entry, msg: Open) -> None:
+        self.id = msg.stream
+        self.rate = msg.rate
+        self.channels = msg.channels
+        self.encoding = msg.encoding
+        self.priority = msg.priority
+        self.received_at = 0.0  # time.monotonic() when the last event `events` yielded arrived
+        self._entry = entry
+        self._queued = 0  # input frames handed over for sending
+        self._ended = False
+
+    @property
+    def window(self) -> int:
+        """Input frame index the server lets this stream send up to."""
+        return self._entry.core.window
+
+    @property
+    def accepted(self) -> int:
+        """Input frames the server has acknowledged."""
+        return self._entry.core.accepted
+
+    @property
+    def send_times(self) -> list[tuple[int, float]]:
+        """(input frame index just past a message, time.monotonic() it was first sent), in send order."""
+        return self._entry.core.log.pairs()
+
+    def sent_at(self, seconds: float) -> float:
+        """time.monotonic() when the sample at `seconds` of input (or `end`, if earlier) was sent."""
+        return self._entry.core.log.sent_at(seconds)
+
+    def latency_for(self, end_seconds: float, now: float | None = None) -> float:
+        """Seconds from sending the last sample a result covers (its `end`) to `now` (default: now)."""
+        return (time.monotonic() if now is None else now) - self.sent_at(end_seconds)
+
+    def _prepare(self, pcm: bytes | bytearray | memoryview | np.ndarray) -> bytes:
+        """Checks shared by both `send`s; the audio as bytes, counted as queued."""
+        if self._ended:
+            raise StreamError(CLOSED, "send after end", self.id)
+        if self._entry.failure is not None:
+            raise self._entry.failure
+        data = to_pcm(pcm, self.encoding, self.channels)
+        self._queued += len(data) // self._entry.core.frame_bytes
+        return data

@@ -1,0 +1,199 @@
+"""The clients against the real service: streaming, flow control, refusals, the transcribe command."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from client import AsyncClient, Client, StreamError, status
+from protocol.messages import BAD_FORMAT, OVERLOADED, UNKNOWN_MODEL, Closed, ErrorMsg, Final, Partial
+from streamasr import remote, testdata
+
+RATE = 16000
+
+
+def utterance(name: str) -> testdata.Utterance:
+    found = [u for u in testdata.utterances() if u.name == name]
+    assert found, f"dev-set utterance {name} missing (install pocketsphinx-testdata or set ${testdata.DATA_ENV})"
+    return found[0]
+
+
+def goforward() -> np.ndarray:
+    return np.fromfile(utterance("goforward").path, dtype="<i2")
+
+
+def speech_with_pauses(repeats: int) -> np.ndarray:
+    """Several utterances separated by a second of silence, so segments end and the ring drains."""
+    gap = np.zeros(RATE, np.int16)
+    return np.concatenate([part for _ in range(repeats) for part in (goforward(), gap)])
+
+
+def drain(stream, timeout: float = 60.0) -> list:
+    return list(stream.events(timeout=timeout))
+
+
+def test_one_file_streams_partials_and_finals(service) -> None:
+    pcm = goforward()
+    with Client(service.address) as client:
+        stream = client.open(language="en")
+        for start in range(0, len(pcm), 1600):  # 100 ms frames, as fast as a realtime stream may
+            stream.send(pcm[start : start + 1600])
+        stream.end()
+        events = drain(stream)
+    finals = [e for e in events if isinstance(e, Final)]
+    partials = [e for e in events if isinstance(e, Partial)]
+    closed = events[-1]
+    assert isinstance(closed, Closed) and closed.reason == "end"
+    assert closed.audio_s == pytest.approx(len(pcm) / RATE, abs=0.01)
+    assert closed.segments == len(finals) >= 1
+    text = " ".join(f.text for f in finals).lower()
+    assert "forward" in text and "meters" in text.replace("metres", "meters")
+    for ev in partials + finals:
+        assert 0 <= ev.start <= ev.end <= closed.audio_s + 0.5
+        assert ev.text.startswith(ev.stable) if isinstance(ev, Partial) else True
+        assert 0 <= stream.latency_for(ev.end, now=stream.received_at) < 30
+    assert [f.seg for f in finals] == sorted(f.seg for f in finals)
+    ends = [end for end, _ in stream.send_times]
+    assert ends == sorted(ends) and ends[-1] == len(pcm)
+
+
+def test_many_streams_share_one_client(null_service) -> None:
+    pcm = goforward()
+    with Client(null_service.address) as client:
+        streams = [client.open(partials=False) for _ in range(6)]
+        assert len({s.id for s in streams}) == 6
+        for s in streams:
+            s.send(pcm)
+            s.end()
+        results = [drain(s) for s in streams]
+    for events in results:
+        assert isinstance(events[-1], Closed) and events[-1].reason == "end"
+        assert events[-1].audio_s == pytest.approx(len(pcm) / RATE, abs=0.01)
+        assert not any(isinstance(e, Partial) for e in events)
+
+
+def test_formats_are_converted_to_the_opened_encoding(null_service) -> None:
+    pcm = goforward()
+    stereo = np.stack([pcm, pcm], axis=1).astype(np.float32) / 32768
+    with Client(null_service.address) as client:
+        stream = client.open(rate=16000, encoding="f32le", channels=2)
+        stream.send(stereo)
+        stream.end()
+        closed = drain(stream)[-1]
+    assert isinstance(closed, Closed) and closed.audio_s == pytest.approx(len(pcm) / RATE, abs=0.01)
+
+
+def test_open_refusals_raise_stream_errors(null_service) -> None:
+    with Client(null_service.address) as client:
+        with pytest.raises(StreamError) as err:
+            client.open(rate=11025)
+        assert err.value.code == BAD_FORMAT
+        with pytest.raises(StreamError) as err:
+            client.open(model="no-such-model")
+        assert err.value.code == UNKNOWN_MODEL
+        stream = client.open("same-id")
+        with pytest.raises(ValueError):
+            client.open("same-id")
+        stream.end()
+        assert isinstance(drain(stream)[-1], Closed)
+        with pytest.raises(StreamError):
+            stream.send(goforward())
+
+
+def test_front_door_status(null_service) -> None:
+    reply = status(null_service.address)
+    assert reply.ready and reply.ingests and reply.workers
+
+
+def test_batch_stream_waits_for_the_window_and_completes(service_factory) -> None:
+    svc = service_factory(model="null", workers=1, shm={"ring_seconds": 4.0})
+    pcm = speech_with_pauses(6)  # ~23 s through a 4 s buffer
+    with Client(svc.address) as client:
+        stream = client.open(priority="batch", partials=False)
+        first_window = stream.window
+        assert first_window < len(pcm)
+        done = threading.Event()
+        sender = threading.Thread(target=lambda: (stream.send(pcm, timeout=60), done.set()))
+        sender.start()
+        assert not done.wait(0.05)  # blocked on credit, not buffered past the window
+        sender.join(60)
+        assert done.is_set()
+        stream.end()
+        events = drain(stream)
+    assert not [e for e in events if isinstance(e, ErrorMsg)], "a batch stream must never be refused"
+    closed = events[-1]
+    assert isinstance(closed, Closed) and closed.reason == "end"
+    assert closed.audio_s == pytest.approx(len(pcm) / RATE, abs=0.01)
+    assert closed.segments >= 2
+    sends = stream.send_times
+    assert max(t for end, t in sends if end <= first_window) < min(t for end, t in sends if end > first_window)
+
+
+def test_overloaded_realtime_audio_is_resent_until_accepted(service_factory) -> None:
+    svc = service_factory(model="null", workers=1, shm={"ring_seconds": 4.0})
+    pcm = speech_with_pauses(6)
+    with Client(svc.address) as client:
+        stream = client.open(partials=False)
+        stream.send(pcm)  # realtime: all at once, far past the window
+        stream.end()
+        events = drain(stream)
+    refused = [e for e in events if isinstance(e, ErrorMsg)]
+    assert refused and {e.code for e in refused} == {OVERLOADED}
+    closed = events[-1]
+    assert isinstance(closed, Closed) and closed.reason == "end"
+    assert closed.audio_s == pytest.approx(len(pcm) / RATE, abs=0.01), "refused audio must be resent"
+
+
+def test_async_client(null_service) -> None:
+    pcm = goforward()
+
+    async def main() -> list:
+        async with AsyncClient(null_service.address) as client:
+            realtime, batch = await client.open(), await client.open(priority="batch")
+            for s in (realtime, batch):
+                await s.send(pcm)
+                await s.end()
+            return [[ev async for ev in s.events(timeout=60)] for s in (realtime, batch)]
+
+    for events in asyncio.run(main()):
+        assert isinstance(events[-1], Closed) and events[-1].reason == "end"
+        assert events[-1].audio_s == pytest.approx(len(pcm) / RATE, abs=0.01)
+
+
+def test_transcribe_files_concurrently(service) -> None:
+    files = [utterance("goforward").path, testdata.utterances()[0].path]
+    out = io.StringIO()
+    assert remote.run(files, service.address, offline=True, as_json=True, language="en", out=out) == 0
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    summaries = {line["file"]: line for line in lines if line["type"] == "summary"}
+    assert set(summaries) == set(files)
+    assert "forward" in summaries[files[0]]["text"].lower()
+    for line in lines:
+        if line["type"] in ("partial", "final"):
+            assert line["file"] in files and line["latency_ms"] >= 0 and line["start"] <= line["end"]
+    finals = [line for line in lines if line["type"] == "final"]
+    assert sum(s["segments"] for s in summaries.values()) == len([f for f in finals if f["text"].strip()])
+
+
+def test_transcribe_realtime_paces_at_wall_clock(null_service) -> None:
+    path = utterance("goforward").path
+    out = io.StringIO()
+    assert remote.run([path], null_service.address, offline=False, as_json=True, language=None, out=out) == 0
+    summary = json.loads(out.getvalue().splitlines()[-1])
+    assert summary["type"] == "summary"
+    assert summary["wall_s"] >= summary["audio_s"] - 0.2  # paced, not bursted
+
+
+def test_transcribe_reports_unreadable_files(null_service, tmp_path, capsys) -> None:
+    bad = tmp_path / "not-audio.wav"
+    bad.write_text("hello")
+    out = io.StringIO()
+    assert remote.run([str(bad), utterance("goforward").path], null_service.address, offline=True,
+                      as_json=False, language=None, out=out) == 1
+    assert "not-audio.wav" in capsys.readouterr().err
+    assert out.getvalue().strip()  # the readable file is still transcribed

@@ -1,0 +1,195 @@
+"""Client flow control, PCM conversion and send-time bookkeeping, without a server."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from client.core import SendLog, StreamCore, ingest_endpoint, to_pcm
+from protocol.messages import OUT_OF_ORDER, OVERLOADED, Ack, Audio, End, ErrorMsg, Limits
+
+
+def core(priority: str = "realtime", max_frame_bytes: int = 200, window: int = 1000) -> StreamCore:
+    c = StreamCore("s", priority=priority, frame_bytes=2, limits=Limits(max_frame_bytes=max_frame_bytes), rate=100)
+    c.on_ready(window)
+    return c
+
+
+def seqs(msgs: list) -> list:
+    return [m.seq if isinstance(m, Audio) else "end" for m in msgs]
+
+
+def test_audio_is_split_into_frames_no_larger_than_the_limit() -> None:
+    c = core(max_frame_bytes=201)  # rounds down to whole frames: 100 frames, 200 bytes
+    c.push(b"\0" * 500)
+    out = c.take(1.0)
+    assert [len(m.data) for m in out] == [200, 200, 100]
+    assert seqs(out) == [0, 1, 2]
+    assert c.log.pairs() == [(100, 1.0), (200, 1.0), (250, 1.0)]
+
+
+def test_nothing_goes_out_before_ready() -> None:
+    c = StreamCore("s", priority="batch", frame_bytes=2, limits=Limits(), rate=100)
+    c.push(b"\0" * 10)
+    c.end()
+    assert c.take(0.0) == []
+    c.on_ready(100)
+    assert seqs(c.take(0.0)) == [0, "end"]
+
+
+def test_batch_never_sends_past_the_window() -> None:
+    c = core("batch", window=1000)
+    c.on_ack(Ack("s", seq=-1, samples=0, window=150))
+    c.push(b"\0" * 800)  # 400 frames
+    c.end()
+    out = c.take(0.0)
+    assert [len(m.data) // 2 for m in out] == [100, 50]
+    assert c.take(0.0) == []
+    c.on_ack(Ack("s", seq=1, samples=150, window=320))
+    out = c.take(0.0)
+    assert [len(m.data) // 2 for m in out] == [100, 70] and c.cut == 320
+    c.on_ack(Ack("s", seq=3, samples=320, window=10_000))
+    assert seqs(c.take(0.0)) == [4, "end"]
+
+
+def test_realtime_ignores_the_window_but_sizes_messages_to_fit_it() -> None:
+    c = core("realtime", window=100)
+    c.push(b"\0" * 400)  # 200 frames, twice the window
+    out = c.take(0.0)
+    assert [len(m.data) // 2 for m in out] == [25] * 8  # a message larger than the buffer could never be taken
+
+
+def test_realtime_end_waits_for_the_ack_or_a_quiet_spell() -> None:
+    c = core("realtime")
+    c.push(b"\0" * 200)
+    c.end()
+    assert seqs(c.take(1.0)) == [0]  # `end` now could overtake a refusal of seq 0
+    assert c.retry_at is not None and c.take(c.retry_at - 0.01) == []
+    c.on_ack(Ack("s", seq=0, samples=100, window=1000))
+    assert seqs(c.take(1.01)) == ["end"]
+    quiet = core("realtime")
+    quiet.push(b"\0" * 200)
+    quiet.end()
+    quiet.take(1.0)
+    assert seqs(quiet.take(quiet.retry_at)) == ["end"]  # the server need not ack every frame
+
+
+def test_overloaded_frames_are_kept_and_resent_after_the_window_moves() -> None:
+    c = core("realtime")
+    c.push(b"\0" * 800)  # seqs 0..3, 100 frames each
+    sent = c.take(0.0)
+    c.on_ack(Ack("s", seq=0, samples=100, window=400))
+    assert c.on_error(ErrorMsg(OVERLOADED, "full", "s", 1), 0.1) is True
+    # frames after the refused one come back out of order: not news, their resend is planned
+    assert c.on_error(ErrorMsg(OUT_OF_ORDER, "expected 1", "s", 2), 0.1) is False
+    assert c.on_error(ErrorMsg(OUT_OF_ORDER, "expected 1", "s", 3), 0.1) is False
+    c.push(b"\0" * 200)
+    c.end()
+    assert c.take(0.15) == []  # stalled: no new audio, no end, until the window moves
+    c.on_ack(Ack("s", seq=0, samples=100, window=400))
+    assert c.take(0.16) == []  # an ack that does not move the window changes nothing
+    c.on_ack(Ack("s", seq=0, samples=100, window=500))
+    out = c.take(0.2)
+    assert seqs(out) == [1, 2, 3, 4]
+    c.on_ack(Ack("s", seq=4, samples=500, window=900))
+    assert seqs(c.take(0.21)) == ["end"]
+    assert [bytes(m.data) for m in out[:3]] == [bytes(m.data) for m in sent[1:]]
+    assert [e for e, _ in c.log.pairs()] == [100, 200, 300, 400, 500]
+    assert c.log.pairs()[1][1] == 0.0  # a resent frame keeps its first send time
+
+
+def test_a_stalled_stream_retries_on_a_timer_when_no_ack_comes() -> None:
+    c = core("realtime")
+    c.push(b"\0" * 400)
+    c.take(0.0)
+    c.on_error(ErrorMsg(OVERLOADED, "full", "s", 0), 1.0)
+    assert c.retry_at is not None and c.take(c.retry_at - 0.01) == []
+    assert seqs(c.take(c.retry_at)) == [0, 1]
+    first = c.retry_s
+    c.on_error(ErrorMsg(OVERLOADED, "full", "s", 0), 2.0)
+    assert c.retry_at == pytest.approx(2.0 + first) and c.retry_s > first  # backs off
+
+
+def test_acks_release_retained_frames() -> None:
+    c = core("realtime")
+    c.push(b"\0" * 800)
+    c.take(0.0)
+    c.on_ack(Ack("s", seq=2, samples=300, window=1000))
+    assert [f.seq for f in c.retained] == [3] and c.accepted == 300
+
+
+def test_refusal_after_end_is_reported_not_resent() -> None:
+    c = core("realtime")
+    c.push(b"\0" * 400)
+    c.end()
+    assert seqs(c.take(0.0)) == [0, 1]
+    assert seqs(c.take(1.0)) == ["end"]
+    assert c.on_error(ErrorMsg(OVERLOADED, "full", "s", 1), 1.1) is True
+    assert c.take(10.0) == []
+
+
+def test_other_errors_are_always_reported() -> None:
+    c = core()
+    assert c.on_error(ErrorMsg("bad_format", "odd bytes", "s", 0), 0.0) is True
+    assert c.on_error(ErrorMsg("internal", "oops", "s"), 0.0) is True
+
+
+def test_end_is_sent_once() -> None:
+    c = core()
+    c.end()
+    assert isinstance(c.take(0.0)[0], End)
+    c.end()
+    assert c.take(1.0) == []
+
+
+def test_send_log_finds_the_frame_holding_a_sample() -> None:
+    log = SendLog(rate=100)
+    for end, t in [(100, 1.0), (200, 2.0), (300, 3.0)]:
+        log.record(end, t)
+    assert log.sent_at(0.5) == 1.0
+    assert log.sent_at(1.0) == 1.0  # `end` = 1.0 s covers samples 0..99
+    assert log.sent_at(1.01) == 2.0
+    assert log.sent_at(2.999999) == 3.0  # float noise does not spill into the next frame
+    assert log.sent_at(3.2) == 3.0  # past the audio, nothing else known: the last frame
+    log.end_sent = 3.5
+    assert log.sent_at(3.2) == 3.5  # past the audio: `end` let the server finish the segment
+    assert log.sent_at(0.5) == 1.0
+    with pytest.raises(LookupError):
+        SendLog(rate=100).sent_at(1.0)
+
+
+def test_to_pcm_converts_arrays_to_the_opened_encoding() -> None:
+    f = np.array([0.0, 0.5, -1.0, 2.0], np.float32)
+    assert np.frombuffer(to_pcm(f, "pcm_s16le", 1), "<i2").tolist() == [0, 16384, -32767, 32767]
+    assert np.frombuffer(to_pcm(f, "f32le", 1), "<f4").tolist() == f.tolist()
+    i = np.array([0, -32768, 16384], np.int16)
+    assert np.frombuffer(to_pcm(i, "pcm_s16le", 1), "<i2").tolist() == i.tolist()
+    assert np.frombuffer(to_pcm(i, "f32le", 1), "<f4").tolist() == [0.0, -1.0, 0.5]
+    stereo = np.array([[1, 2], [3, 4]], np.int16)
+    assert np.frombuffer(to_pcm(stereo, "pcm_s16le", 2), "<i2").tolist() == [1, 2, 3, 4]  # interleaved
+    raw = b"\1\0\2\0"
+    assert to_pcm(raw, "pcm_s16le", 1) is raw  # bytes go out as they are
+    assert to_pcm(bytearray(raw), "pcm_s16le", 1) == raw
+
+
+@pytest.mark.parametrize("pcm, encoding, channels", [
+    (b"\0\0\0", "pcm_s16le", 1),  # not whole frames
+    (b"\0\0", "pcm_s16le", 2),
+    (np.zeros((4, 2), np.int16), "pcm_s16le", 1),
+    (np.zeros(4, np.int32), "pcm_s16le", 1),
+    (np.zeros((2, 2, 2), np.float32), "f32le", 2),
+])
+def test_to_pcm_refuses_what_does_not_fit_the_stream(pcm: object, encoding: str, channels: int) -> None:
+    with pytest.raises(ValueError):
+        to_pcm(pcm, encoding, channels)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("front, welcome, expected", [
+    ("tcp://127.0.0.1:7700", "tcp://127.0.0.1:7701", "tcp://127.0.0.1:7701"),
+    ("tcp://asr.example:7700", "tcp://127.0.0.1:7701", "tcp://asr.example:7701"),
+    ("tcp://10.1.2.3:7700", "tcp://0.0.0.0:7702", "tcp://10.1.2.3:7702"),
+    ("tcp://asr.example:7700", "tcp://10.0.0.5:7701", "tcp://10.0.0.5:7701"),
+    ("ipc:///run/asr.sock", "tcp://127.0.0.1:7701", "tcp://127.0.0.1:7701"),
+])
+def test_ingest_endpoint_uses_the_front_doors_host_for_a_local_one(front: str, welcome: str, expected: str) -> None:
+    assert ingest_endpoint(front, welcome) == expected
