@@ -1,0 +1,49 @@
+"""`python -m dashboard --config FILE [--port N]`: collector and web dashboard of one instance."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from types import FrameType
+
+from config import settings
+from dashboard.server import Dashboard
+from metrics.collector import Collector
+from streamasr import logs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dashboard", description=__doc__)
+    parser.add_argument("--config", help="TOML config file (default: $STREAMASR_CONFIG, else the embedded default)")
+    parser.add_argument("--port", type=int, default=None, help="port on 127.0.0.1 (default: the config's metrics.dashboard_port; 0 = any free)")
+    args = parser.parse_args(argv)
+    cfg = settings.load(args.config)
+    log = logs.configure("dashboard", cfg.log_level)
+    collector = Collector(cfg)
+    try:
+        collector.start()
+    except RuntimeError as exc:
+        log.error("dashboard_refused", reason=str(exc))
+        return 1
+    dashboard = Dashboard(collector, port=cfg.metrics.dashboard_port if args.port is None else args.port)
+
+    def stop(signum: int, _frame: FrameType | None) -> None:
+        # shutdown() waits for serve_forever, which runs on this (the signalled) thread
+        threading.Thread(target=dashboard.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    print(f"dashboard {dashboard.url}", flush=True)  # the first stdout line: where to point a browser
+    log.info("dashboard_started", url=dashboard.url, endpoint=collector.endpoint)
+    try:
+        dashboard.serve_forever()
+    finally:
+        collector.close()
+    log.info("dashboard_stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,612 @@
+"""The instance's collector: one SUB socket that every process's publisher connects to.
+
+It keeps the latest snapshot of each process incarnation, adds what a process cannot say about itself
+(CPU, memory, threads and descriptors from psutil; supervisord's state; GPU figures from NVML), and
+renders two views: a JSON snapshot for the dashboard and `top`, and Prometheus text for scrapers.
+
+Counters must never go down in Prometheus, yet processes restart and start counting from zero. So
+when an incarnation dies (replaced by a new pid, or silent for STALE_AFTER_S) its last counters and
+histograms are added to a carried total, and the exported value is carried + live.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import socket
+import threading
+import time
+import xmlrpc.client
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import msgpack
+import psutil
+import zmq
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.utils import floatToGoString
+
+from config.settings import Config
+from metrics.names import PREFIX, SPECS
+from metrics.registry import SNAPSHOT_VERSION, endpoint
+from streamasr import service
+
+STALE_AFTER_S = 10.0  # a process not heard from this long is dropped (its counters carried)
+SILENT_AFTER_S = 3.0  # shown as silent after this long: it publishes every second
+REFRESH_S = 1.0
+WINDOW_S = 10.0  # latency quantiles and rates are over this trailing window
+BUSY_WINDOW_S = 5.0  # the worker busy ratio is averaged over this long
+RECENT_ERRORS = 50
+RETIRED_KEPT = 64  # dead incarnations remembered, in case one was only stalled and speaks again
+MAX_MESSAGE_BYTES = 4 << 20
+
+Labels = tuple[tuple[str, str], ...]
+Key = tuple[str, Labels]  # (metric name, labels) within one process
+Series = tuple[str, str, Labels]  # (process, metric name, labels)
+
+
+def program_of(process: str) -> str:
+    """supervisord's program name of a process: `worker-3` -> `worker`."""
+    return re.sub(r"-\d+$", "", process)
+
+
+def endpoint_in_use(address: str) -> bool:
+    """Whether something is accepting connections on an ipc endpoint (another collector)."""
+    path = address.removeprefix("ipc://")
+    if not os.path.exists(path):
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+            return True
+        except OSError:
+            return False
+
+
+@dataclass
+class Histogram:
+    bounds: tuple[float, ...]
+    counts: list[float]  # one per bound, then +Inf; not cumulative
+    total: float
+
+    def copy(self) -> Histogram:
+        return Histogram(self.bounds, list(self.counts), self.total)
+
+    def add(self, other: Histogram, sign: int = 1) -> None:
+        if other.bounds != self.bounds:  # a publisher changed its buckets: keep the newer shape
+            self.bounds, self.counts, self.total = other.bounds, [sign * c for c in other.counts], sign * other.total
+            return
+        self.counts = [a + sign * b for a, b in zip(self.counts, other.counts)]
+        self.total += sign * other.total
+
+    @property
+    def count(self) -> float:
+        return sum(self.counts)
+
+    def quantile(self, q: float) -> float | None:
+        """Prometheus' histogram_quantile: linear within the bucket; the largest bound if beyond it."""
+        count = self.count
+        if count <= 0:
+            return None
+        rank, below = q * count, 0.0
+        for i, c in enumerate(self.counts):
+            if c > 0 and below + c >= rank:
+                if i == len(self.bounds):
+                    return self.bounds[-1]
+                low = self.bounds[i - 1] if i else 0.0
+                return low + (self.bounds[i] - low) * (rank - below) / c
+            below += c
+        return self.bounds[-1]
+
+
+@dataclass
+class Incarnation:
+    """One run of one process, as its latest snapshot describes it."""
+
+    process: str
+    token: str
+    pid: int
+    started: float
+    seen: float = 0.0  # collector's monotonic clock at the latest snapshot
+    counters: dict[Key, float] = field(default_factory=dict)
+    gauges: dict[Key, float] = field(default_factory=dict)
+    hists: dict[Key, Histogram] = field(default_factory=dict)
+    busy: deque[tuple[float, float]] = field(default_factory=deque)  # (publisher time, busy_seconds_total)
+    quiet: bool = False  # first sighting after the collector started: its history is not news
+
+    def busy_ratio(self) -> float | None:
+        if len(self.busy) < 2:
+            return None
+        (t0, b0), (t1, b1) = self.busy[0], self.busy[-1]
+        return min(1.0, max(0.0, (b1 - b0) / (t1 - t0))) if t1 > t0 else None
+
+
+def _labels(raw: Any) -> Labels:
+    return tuple(sorted((str(k), str(v)) for k, v in dict(raw).items()))
+
+
+class _Nvml:
+    """GPU utilisation and memory, only where pynvml imports and a GPU exists."""
+
+    def __init__(self) -> None:
+        self.handles: list[Any] = []
+        try:
+            import pynvml  # optional: not a dependency
+
+            pynvml.nvmlInit()
+            self.nvml: Any = pynvml
+            self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        except Exception:  # no module, no driver, no device: GPU figures are omitted
+            self.handles = []
+
+    def read(self) -> list[dict[str, Any]]:
+        gpus = []
+        try:
+            for i, handle in enumerate(self.handles):
+                memory = self.nvml.nvmlDeviceGetMemoryInfo(handle)
+                gpus.append({"gpu": str(i), "utilization_percent": float(self.nvml.nvmlDeviceGetUtilizationRates(handle).gpu),
+                             "memory_used_bytes": int(memory.used), "memory_total_bytes": int(memory.total)})
+        except Exception:  # a driver gone away mid-run: stop asking
+            self.close()
+            return []
+        return gpus
+
+    def close(self) -> None:
+        if self.handles:
+            self.handles = []
+            try:
+                self.nvml.nvmlShutdown()
+            except Exception:
+                pass
+
+
+class Collector:
+    """Aggregates every process's snapshots; `snapshot()` and `prometheus()` may be called from any thread."""
+
+    def __init__(self, cfg: Config, stale_after: float = STALE_AFTER_S, window: float = WINDOW_S) -> None:
+        self.cfg = cfg
+        self.endpoint = endpoint(cfg)
+        self.stale_after = stale_after
+        self.window = window
+        self._lock = threading.Lock()
+        self._live: dict[str, Incarnation] = {}
+        self._retired: OrderedDict[str, Incarnation] = OrderedDict()
+        self._carried_counters: dict[Series, float] = {}
+        self._carried_hists: dict[Series, Histogram] = {}
+        self._restarts: dict[str, int] = {}  # per process name
+        self._seen: set[str] = set()
+        self._errors: deque[dict[str, Any]] = deque(maxlen=RECENT_ERRORS)
+        self._history: deque[tuple[float, dict[str, Any]]] = deque()
+        self._resources: dict[int, dict[str, Any]] = {}
+        self._psutil: dict[int, psutil.Process] = {}
+        self._supervisor: list[dict[str, Any]] = []
+        self._supervisor_error = ""
+        self._gpus: list[dict[str, Any]] = []
+        self._nvml = _Nvml()
+        self._view: dict[str, Any] = self._build_view(time.monotonic())
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(_Exporter(self))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._sock: zmq.Socket | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> Collector:
+        """Bind (refusing if another collector of this instance is bound) and collect on a daemon thread."""
+        if endpoint_in_use(self.endpoint):
+            raise RuntimeError(f"another collector is already bound at {self.endpoint}")
+        self.cfg.run_path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        sock = zmq.Context.instance().socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.RCVHWM, 10_000)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.bind(self.endpoint)
+        self._sock = sock
+        self._thread = threading.Thread(target=self._run, name="collector", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+            self._thread = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._nvml.close()
+
+    def _run(self) -> None:
+        assert self._sock is not None
+        next_refresh = 0.0
+        while not self._stop.is_set():
+            if self._sock.poll(100):
+                while True:
+                    try:
+                        data = self._sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    with self._lock:
+                        self._apply(data, time.monotonic())
+            now = time.monotonic()
+            if now >= next_refresh:
+                self.refresh()
+                next_refresh = now + REFRESH_S
+
+    # -- views ------------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The latest view for the dashboard and `top` (JSON-ready; rebuilt once a second, do not mutate)."""
+        return self._view
+
+    def prometheus(self) -> bytes:
+        """Prometheus text exposition of everything collected."""
+        return generate_latest(self._registry)
+
+    # -- snapshots in -----------------------------------------------------------------------------
+
+    def _apply(self, data: bytes, now: float) -> None:
+        """Take one published snapshot; malformed ones are ignored (a collector must not die of a bad peer)."""
+        try:
+            snap = msgpack.unpackb(data, raw=False)
+            if not isinstance(snap, dict) or snap.get("v") != SNAPSHOT_VERSION:
+                return
+            process, token = str(snap["process"]), str(snap["incarnation"])
+            # non-finite values are dropped: they would poison sums and are not valid JSON for the page
+            counters = {(str(n), _labels(lb)): float(v) for n, lb, v in snap["counters"] if math.isfinite(v)}
+            gauges = {(str(n), _labels(lb)): float(v) for n, lb, v in snap["gauges"] if math.isfinite(v)}
+            hists = {(str(n), _labels(lb)): Histogram(tuple(map(float, b)), [float(c) for c in cs], float(t))
+                     for n, lb, b, cs, t in snap["histograms"] if len(cs) == len(b) + 1 and math.isfinite(t)}
+            pid, started, sent = int(snap["pid"]), float(snap["started"]), float(snap["time"])
+        except (ValueError, KeyError, TypeError, msgpack.UnpackException):
+            return
+        inc = self._incarnation(process, token, pid, started, now)
+        if inc is None:
+            return
+        if not inc.quiet:
+            self._note_errors(inc, counters, sent)
+        inc.quiet = False
+        inc.seen, inc.pid = now, pid
+        inc.counters, inc.gauges, inc.hists = counters, gauges, hists
+        inc.busy.append((sent, sum(v for (n, _), v in counters.items() if n == "busy_seconds_total")))
+        while len(inc.busy) > 2 and inc.busy[1][0] <= sent - BUSY_WINDOW_S:
+            inc.busy.popleft()
+
+    def _incarnation(self, process: str, token: str, pid: int, started: float, now: float) -> Incarnation | None:
+        """The incarnation a snapshot belongs to, handling restarts; None for a late packet of a replaced one."""
+        live = self._live.get(process)
+        if live is not None and live.token == token:
+            return live
+        if token in self._retired:
+            if live is not None:
+                return None  # the old incarnation's last words, after its successor spoke
+            inc = self._retired.pop(token)  # it was only stalled: take its counts back out of the carry
+            self._carry(inc, -1)
+            self._live[process] = inc
+            return inc
+        if live is not None:
+            self._retire(live)
+        if process in self._seen:
+            self._restarts[process] = self._restarts.get(process, 0) + 1
+        inc = Incarnation(process, token, pid, started, quiet=process not in self._seen)
+        self._seen.add(process)
+        self._live[process] = inc
+        return inc
+
+    def _retire(self, inc: Incarnation) -> None:
+        del self._live[inc.process]
+        self._carry(inc, 1)
+        self._retired[inc.token] = inc
+        while len(self._retired) > RETIRED_KEPT:
+            self._retired.popitem(last=False)
+
+    def _carry(self, inc: Incarnation, sign: int) -> None:
+        for (name, labels), value in inc.counters.items():
+            series = (inc.process, name, labels)
+            self._carried_counters[series] = self._carried_counters.get(series, 0.0) + sign * value
+        for (name, labels), hist in inc.hists.items():
+            series = (inc.process, name, labels)
+            if series in self._carried_hists:
+                self._carried_hists[series].add(hist, sign)
+            else:
+                self._carried_hists[series] = Histogram(hist.bounds, [sign * c for c in hist.counts], sign * hist.total)
+
+    def _note_errors(self, inc: Incarnation, counters: dict[Key, float], sent: float) -> None:
+        """Recent errors are the increases of the error and refusal counters since the last snapshot."""
+        for (name, labels), value in counters.items():
+            if name in ("errors_total", "refusals_total"):
+                delta = value - inc.counters.get((name, labels), 0.0)
+                if delta > 0:
+                    self._errors.appendleft({"time": sent, "process": inc.process, "kind": name.removesuffix("s_total"),
+                                             "code": dict(labels).get("code", ""), "count": delta})
+
+    # -- once a second ----------------------------------------------------------------------------
+
+    def refresh(self) -> None:
+        """Drop silent processes, read resources, supervisord and GPUs, and rebuild the view."""
+        now = time.monotonic()
+        with self._lock:
+            for inc in [i for i in self._live.values() if now - i.seen > self.stale_after]:
+                self._retire(inc)
+            publishing = {i.process: i.pid for i in self._live.values()}
+        supervisor, supervisor_error = self._read_supervisor()
+        pids = set(publishing.values()) | {p["pid"] for p in supervisor if p.get("pid")}
+        resources = self._read_resources(pids)
+        gpus = self._nvml.read()
+        with self._lock:
+            self._supervisor, self._supervisor_error = supervisor, supervisor_error
+            self._resources, self._gpus = resources, gpus
+            self._history.append((now, self._window_totals()))
+            while len(self._history) > 2 and self._history[1][0] <= now - self.window:
+                self._history.popleft()
+            self._view = self._build_view(now)
+
+    def _read_supervisor(self) -> tuple[list[dict[str, Any]], str]:
+        if not (self.cfg.run_path / "supervisor.sock").exists():
+            return [], ""
+        try:
+            return list(service.processes(self.cfg)), ""
+        except (OSError, xmlrpc.client.Error) as exc:
+            return [], str(exc)
+
+    def _read_resources(self, pids: set[int]) -> dict[int, dict[str, Any]]:
+        """CPU %, RSS, threads and open descriptors per pid (psutil.Process kept so CPU % has a baseline)."""
+        out: dict[int, dict[str, Any]] = {}
+        for pid in list(self._psutil):
+            if pid not in pids:
+                del self._psutil[pid]
+        for pid in pids:
+            try:
+                proc = self._psutil.get(pid)
+                if proc is None or not proc.is_running():
+                    proc = self._psutil[pid] = psutil.Process(pid)
+                with proc.oneshot():
+                    out[pid] = {"cpu_percent": proc.cpu_percent(None), "rss_bytes": proc.memory_info().rss,
+                                "threads": proc.num_threads(), "open_fds": proc.num_fds()}
+            except (psutil.Error, OSError):
+                self._psutil.pop(pid, None)
+        return out
+
+    # -- aggregation (under the lock) -------------------------------------------------------------
+
+    def _series(self) -> tuple[dict[Series, float], dict[Series, float], dict[Series, Histogram]]:
+        """Counters and histograms as carried + live; gauges of live processes only."""
+        counters = dict(self._carried_counters)
+        hists = {s: h.copy() for s, h in self._carried_hists.items()}
+        gauges: dict[Series, float] = {}
+        for inc in self._live.values():
+            for (name, labels), value in inc.counters.items():
+                series = (inc.process, name, labels)
+                counters[series] = counters.get(series, 0.0) + value
+            for (name, labels), value in inc.gauges.items():
+                gauges[(inc.process, name, labels)] = value
+            for (name, labels), hist in inc.hists.items():
+                series = (inc.process, name, labels)
+                if series in hists:
+                    hists[series].add(hist)
+                else:
+                    hists[series] = hist.copy()
+        return counters, gauges, hists
+
+    @staticmethod
+    def _exported(series: dict[Series, Any]) -> dict[Key, Any]:
+        """Sum over processes, except metrics exported per process (with the process in a label)."""
+        out: dict[Key, Any] = {}
+        for (process, name, labels), value in series.items():
+            spec = SPECS.get(name)
+            if spec is not None and spec.per_process:
+                labels = tuple(sorted(labels + ((spec.per_process, process),)))
+            key = (name, labels)
+            if key not in out:
+                out[key] = value.copy() if isinstance(value, Histogram) else value
+            elif isinstance(value, Histogram):
+                out[key].add(value)
+            else:
+                out[key] += value
+        return out
+
+    def _window_totals(self) -> dict[str, Any]:
+        counters, _, hists = self._series()
+        jobs: dict[str, float] = {}
+        for (_, name, labels), value in counters.items():
+            if name == "jobs_total":
+                kind = dict(labels).get("kind", "")
+                jobs[kind] = jobs.get(kind, 0.0) + value
+        summed: dict[str, Histogram] = {}
+        for (_, name, _labels_), hist in hists.items():
+            if name in ("partial_latency_seconds", "final_latency_seconds", "batch_size"):
+                if name in summed:
+                    summed[name].add(hist)
+                else:
+                    summed[name] = hist.copy()
+        return {"jobs": jobs, "hists": summed}
+
+    def _build_view(self, now: float) -> dict[str, Any]:
+        counters, gauges, _ = self._series()
+        old, new = (self._history[0], self._history[-1]) if self._history else ((now, {}), (now, {}))
+        span = new[0] - old[0]
+
+        def by_label(series: dict[Series, float], name: str, label: str) -> dict[str, float]:
+            out: dict[str, float] = {}
+            for (_, n, labels), value in series.items():
+                if n == name:
+                    key = dict(labels).get(label, "")
+                    out[key] = out.get(key, 0.0) + value
+            return out
+
+        def total(series: dict[Series, float], name: str) -> float:
+            return sum(v for (_, n, _), v in series.items() if n == name)
+
+        rates = {kind: max(0.0, (v - old[1].get("jobs", {}).get(kind, 0.0)) / span)
+                 for kind, v in new[1].get("jobs", {}).items()} if span > 0 else {}
+        latency: dict[str, dict[str, Any]] = {}
+        for kind in ("partial", "final"):
+            name = f"{kind}_latency_seconds"
+            latency[kind] = self._window_stats(old[1].get("hists", {}).get(name), new[1].get("hists", {}).get(name))
+        batch = self._window_stats(old[1].get("hists", {}).get("batch_size"), new[1].get("hists", {}).get("batch_size"))
+        view: dict[str, Any] = {
+            "time": time.time(),
+            "instance": self.cfg.instance,
+            "window_s": round(span, 1),
+            "processes": self._process_rows(now),
+            "streams": by_label(gauges, "streams_active", "priority"),
+            "queued": by_label(gauges, "jobs_queued", "priority"),
+            "inflight": total(gauges, "jobs_inflight"),
+            "rings": {"used": total(gauges, "shm_rings_used"), "total": total(gauges, "shm_rings_total")},
+            "workers": [{"name": i.process, "busy_ratio": i.busy_ratio()} for i in sorted(self._live.values(), key=lambda i: i.process)
+                        if any(n == "busy_seconds_total" for n, _ in i.counters)],
+            "throughput": {"jobs_per_s": sum(rates.values()), "by_kind": rates},
+            "latency": latency,
+            "batch": batch,
+            "totals": {"jobs": total(counters, "jobs_total"), "refusals": by_label(counters, "refusals_total", "code"),
+                       "errors": by_label(counters, "errors_total", "code")},
+            "restarts": self._program_restarts(),
+            "recent_errors": list(self._errors),
+        }
+        if self._gpus:
+            view["gpus"] = self._gpus
+        if self._supervisor_error:
+            view["supervisor_error"] = self._supervisor_error
+        return view
+
+    @staticmethod
+    def _window_stats(old: Histogram | None, new: Histogram | None) -> dict[str, Any]:
+        """Count, mean and quantiles of what was observed during the window."""
+        if new is None:
+            return {"count": 0, "mean": None, "p50": None, "p95": None, "p99": None}
+        delta = new.copy()
+        if old is not None:
+            delta.add(old, -1)
+        count = delta.count
+        return {"count": count, "mean": delta.total / count if count > 0 else None,
+                "p50": delta.quantile(0.5), "p95": delta.quantile(0.95), "p99": delta.quantile(0.99)}
+
+    def _program_restarts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for process in self._seen | {p["name"] for p in self._supervisor}:
+            out.setdefault(program_of(process), 0)
+        for process, n in self._restarts.items():
+            out[program_of(process)] += n
+        return dict(sorted(out.items()))
+
+    def _process_rows(self, now: float) -> list[dict[str, Any]]:
+        """supervisord's processes and the publishing ones, with resource figures."""
+        rows: dict[str, dict[str, Any]] = {}
+        for p in self._supervisor:
+            rows[p["name"]] = {"name": p["name"], "program": p.get("group") or program_of(p["name"]), "state": p["statename"],
+                               "pid": p["pid"] or None, "uptime_s": (p["now"] - p["start"]) if p["pid"] else None,
+                               "last_seen_s": None}
+        for inc in self._live.values():
+            silent = now - inc.seen
+            row = rows.setdefault(inc.process, {"name": inc.process, "program": program_of(inc.process),
+                                                "state": "SILENT" if silent > SILENT_AFTER_S else "RUNNING",
+                                                "pid": inc.pid, "uptime_s": time.time() - inc.started})
+            row["last_seen_s"] = round(silent, 1)
+        for row in rows.values():
+            row["restarts"] = self._restarts.get(row["name"], 0)
+            row.update(self._resources.get(row["pid"] or -1, {"cpu_percent": None, "rss_bytes": None, "threads": None, "open_fds": None}))
+        return sorted(rows.values(), key=lambda r: (r["program"], r["name"]))
+
+    # -- Prometheus -------------------------------------------------------------------------------
+
+    def families(self) -> Iterator[Metric]:
+        """Every metric as a Prometheus family (named PREFIX + the published name)."""
+        with self._lock:
+            counters, gauges, hists = self._series()
+            busy = {i.process: i.busy_ratio() for i in self._live.values()}
+            restarts = self._program_restarts()
+            resources = {p: self._resources.get(i.pid) for p, i in self._live.items()}
+            for row in self._view["processes"]:
+                resources.setdefault(row["name"], self._resources.get(row["pid"] or -1))
+            gpus = list(self._gpus)
+        yield from _families(self._exported(counters), CounterMetricFamily)
+        yield from _families(self._exported(gauges), GaugeMetricFamily)
+        yield from _histogram_families(self._exported(hists))
+        ratio = GaugeMetricFamily(f"{PREFIX}worker_busy_ratio", "Share of the last seconds a worker spent in backend calls.",
+                                  labels=["worker"])
+        for process, value in sorted(busy.items()):
+            if value is not None:
+                ratio.add_metric([process], value)
+        yield ratio
+        family = CounterMetricFamily(f"{PREFIX}process_restarts", "Restarts seen per program (new pid under the same name).",
+                                     labels=["program"])
+        for program, n in restarts.items():
+            family.add_metric([program], n)
+        yield family
+        for key, name, doc in (("cpu_percent", "process_cpu_percent", "CPU use per process (100 = one core)."),
+                               ("rss_bytes", "process_resident_memory_bytes", "Resident memory per process."),
+                               ("threads", "process_threads", "Threads per process."),
+                               ("open_fds", "process_open_fds", "Open file descriptors per process.")):
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["process"])
+            for process, figures in sorted(resources.items()):
+                if figures:
+                    family.add_metric([process], figures[key])
+            yield family
+        if gpus:
+            for key, doc in (("utilization_percent", "GPU utilisation."), ("memory_used_bytes", "GPU memory in use."),
+                             ("memory_total_bytes", "GPU memory.")):
+                family = GaugeMetricFamily(f"{PREFIX}gpu_{key}", doc, labels=["gpu"])
+                for gpu in gpus:
+                    family.add_metric([gpu["gpu"]], gpu[key])
+                yield family
+
+
+class _Exporter:
+    """prometheus_client's custom-collector interface over a Collector."""
+
+    def __init__(self, collector: Collector) -> None:
+        self.collector = collector
+
+    def collect(self) -> Iterator[Metric]:
+        return self.collector.families()
+
+
+def _label_names(name: str, keys: list[Labels]) -> list[str]:
+    """The spec's labels first, then any others a publisher used (a family needs one label set)."""
+    spec = SPECS.get(name)
+    names = list(spec.labels) if spec else []
+    if spec and spec.per_process:
+        names.append(spec.per_process)
+    for labels in keys:
+        names.extend(k for k, _ in labels if k not in names)
+    return names
+
+
+def _help(name: str) -> str:
+    spec = SPECS.get(name)
+    return spec.help if spec else "Published by the processes (not in metrics.names)."
+
+
+def _families(values: dict[Key, float], kind: type) -> Iterator[Metric]:
+    grouped: dict[str, list[tuple[Labels, float]]] = {}
+    for (name, labels), value in sorted(values.items()):
+        grouped.setdefault(name, []).append((labels, value))
+    for name, samples in grouped.items():
+        names = _label_names(name, [labels for labels, _ in samples])
+        family = kind(PREFIX + name, _help(name), labels=names)
+        for labels, value in samples:
+            family.add_metric([dict(labels).get(n, "") for n in names], value)
+        yield family
+
+
+def _histogram_families(values: dict[Key, Histogram]) -> Iterator[Metric]:
+    grouped: dict[str, list[tuple[Labels, Histogram]]] = {}
+    for (name, labels), hist in sorted(values.items(), key=lambda kv: kv[0]):
+        grouped.setdefault(name, []).append((labels, hist))
+    for name, samples in grouped.items():
+        names = _label_names(name, [labels for labels, _ in samples])
+        family = HistogramMetricFamily(PREFIX + name, _help(name), labels=names)
+        for labels, hist in samples:
+            cumulative, buckets = 0.0, []
+            for bound, count in zip(hist.bounds, hist.counts):
+                cumulative += count
+                buckets.append((floatToGoString(bound), cumulative))
+            buckets.append(("+Inf", hist.count))
+            family.add_metric([dict(labels).get(n, "") for n in names], buckets, hist.total)
+        yield family

@@ -1,0 +1,53 @@
+"""The metrics processes publish: one table shared by publishers (histogram buckets), the collector
+(Prometheus types and help) and the operations guide, so a name means the same thing everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "streamasr_"
+
+# Seconds: sub-millisecond (a partial on an idle GPU) up to a final that waited behind a long queue.
+LATENCY_BUCKETS: tuple[float, ...] = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                                      1.0, 2.5, 5.0, 10.0, 30.0)
+# Requests per backend call: powers of two up to the largest batch a worker can be configured for.
+BATCH_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str  # the name processes publish; exported to Prometheus as PREFIX + name
+    kind: str  # "counter" | "gauge" | "histogram"
+    publisher: str  # the program that publishes it
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()  # histograms only
+    per_process: str = ""  # exported with the publishing process's name in this label (not summed)
+
+
+SPECS: dict[str, MetricSpec] = {s.name: s for s in (
+    MetricSpec("streams_active", "gauge", "ingest", "Open client streams.", ("priority",)),
+    MetricSpec("refusals_total", "counter", "ingest", "Client requests refused (limits, bad input, overload).", ("code",)),
+    MetricSpec("errors_total", "counter", "any", "Internal errors, by protocol error code.", ("code",)),
+    MetricSpec("partial_latency_seconds", "histogram", "ingest",
+               "Partial results: from job creation at ingest to the result back at ingest.", buckets=LATENCY_BUCKETS),
+    MetricSpec("final_latency_seconds", "histogram", "ingest",
+               "Final results: from job creation at ingest to the result back at ingest.", buckets=LATENCY_BUCKETS),
+    MetricSpec("shm_rings_used", "gauge", "ingest", "Shared-memory audio rings holding a stream."),
+    MetricSpec("shm_rings_total", "gauge", "ingest", "Shared-memory audio rings preallocated."),
+    MetricSpec("jobs_queued", "gauge", "broker", "Jobs waiting for a worker.", ("priority",)),
+    MetricSpec("jobs_inflight", "gauge", "broker", "Jobs handed to a worker and not yet answered."),
+    MetricSpec("jobs_total", "counter", "broker", "Jobs finished, by kind (partial, final) and status.", ("kind", "status")),
+    MetricSpec("batch_size", "histogram", "worker", "Requests per backend call.", buckets=BATCH_BUCKETS),
+    MetricSpec("busy_seconds_total", "counter", "worker", "Seconds spent in backend calls.", per_process="worker"),
+    MetricSpec("worker_jobs_total", "counter", "worker", "Requests decoded, by kind.", ("kind",), per_process="worker"),
+)}
+
+
+def buckets_for(name: str) -> tuple[float, ...]:
+    """Histogram bounds of `name`; unlisted names get latency buckets when in seconds, else batch buckets."""
+    spec = SPECS.get(name)
+    if spec is not None and spec.buckets:
+        return spec.buckets
+    return LATENCY_BUCKETS if name.endswith("_seconds") else BATCH_BUCKETS

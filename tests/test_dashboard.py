@@ -1,0 +1,159 @@
+"""The dashboard process over HTTP, and its page in real headless Chromium.
+
+`check_dashboard` is the whole browser check for any running instance: give it the instance's config
+file, the processes the page must list, and optionally a load to run while it watches.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from config import settings
+from streamasr import top
+from test_metrics import ROOT, instance_config, start_publisher, wait_for
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@contextmanager
+def running_dashboard(config_file: Path) -> Iterator[str]:
+    """`python -m dashboard` for the instance on a free port; yields its URL, stops it with SIGTERM."""
+    proc = subprocess.Popen([sys.executable, "-m", "dashboard", "--config", str(config_file), "--port", "0"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("dashboard http://"):
+        proc.kill()
+        raise AssertionError(f"dashboard did not start: {line!r} {proc.communicate()[1]}")
+    try:
+        yield line.split()[1]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            assert proc.wait(10) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def get(url: str, timeout: float = 5.0) -> tuple[str, bytes]:
+    with urllib.request.urlopen(url, timeout=timeout) as reply:
+        return reply.headers["Content-Type"], reply.read()
+
+
+def check_page(url: str, processes: Iterable[str], screenshot: Path, watch_s: float = 6.0) -> None:
+    """In headless Chromium: the page goes live, lists every process, its numbers move and charts draw."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(url)
+            page.wait_for_function("document.querySelector('#connection').textContent === 'live'", timeout=10_000)
+            for name in processes:
+                page.wait_for_selector(f'#processes tr[data-process="{name}"]', timeout=10_000)
+            numbers = "() => [...document.querySelectorAll('[data-metric], #processes td')].map(e => e.textContent).join('|')"
+            jobs = "() => Number(document.querySelector('[data-metric=\"jobs-total\"]').textContent) || 0"
+            first_numbers, first_jobs = page.evaluate(numbers), page.evaluate(jobs)
+            deadline = time.monotonic() + watch_s
+            while time.monotonic() < deadline and (page.evaluate(jobs) <= first_jobs or page.evaluate(numbers) == first_numbers):
+                page.wait_for_timeout(250)
+            assert page.evaluate(jobs) > first_jobs, "jobs in all did not grow on the page"
+            assert page.evaluate(numbers) != first_numbers, "the page's numbers did not change"
+            page.wait_for_timeout(1500)  # a few chart points
+            inked = page.evaluate("""() => {
+                const c = document.querySelector('#throughput-chart');
+                const data = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+                let n = 0; for (let i = 3; i < data.length; i += 4) if (data[i]) n++; return n; }""")
+            assert inked > 500, "the throughput chart is blank"
+            page.screenshot(path=str(screenshot), full_page=True)
+            assert not errors, errors
+        finally:
+            browser.close()
+
+
+def check_dashboard(config_file: Path, processes: Iterable[str], out_dir: Path,
+                    load: Callable[[], subprocess.Popen] | None = None) -> Path:
+    """Start the instance's dashboard and check its page (with `load` running, if given); returns the screenshot."""
+    screenshot = out_dir / "dashboard.png"
+    with running_dashboard(config_file) as url:
+        loader = load() if load is not None else None
+        try:
+            check_page(url, processes, screenshot)
+        finally:
+            if loader is not None and loader.poll() is None:
+                loader.terminate()
+                loader.wait(30)
+    return screenshot
+
+
+@pytest.fixture
+def fake_instance(tmp_path: Path) -> Iterator[tuple[Path, list[str]]]:
+    """An instance whose 'processes' are three publishers of made-up figures."""
+    _, config_file = instance_config(tmp_path)
+    pubs = [start_publisher(config_file, name) for name in ("broker", "ingest-0", "worker-0")]
+    yield config_file, [p.name for p in pubs]
+    for p in pubs:
+        p.kill()
+
+
+def test_http_endpoints(fake_instance) -> None:
+    config_file, names = fake_instance
+    with running_dashboard(config_file) as url:
+        snap = wait_for(lambda: (s := json.loads(get(url + "api/snapshot")[1])) and len(s["processes"]) == 3 and s,
+                        what="all publishers in the snapshot")
+        assert sorted(p["name"] for p in snap["processes"]) == sorted(names)
+        content_type, body = get(url + "metrics")
+        assert content_type.startswith("text/plain")
+        assert "streamasr_jobs" in {f.name for f in text_string_to_metric_families(body.decode())}
+        content_type, body = get(url)
+        assert content_type.startswith("text/html") and b"/static/dashboard.js" in body
+        for asset in ("", "static/dashboard.js", "static/dashboard.css"):  # nothing is loaded from elsewhere
+            assert b"http:" not in get(url + asset)[1] and b"https:" not in get(url + asset)[1]
+        with urllib.request.urlopen(url + "events", timeout=5) as events:
+            assert events.headers["Content-Type"] == "text/event-stream"
+            pushed = [line for line in (events.readline() for _ in range(8)) if line.startswith(b"data: ")]
+        assert pushed and json.loads(pushed[0][6:])["instance"] == settings.load(config_file).instance
+        for missing in ("nope", "static/../server.py", "static/%2e%2e/server.py"):
+            with pytest.raises(urllib.error.HTTPError) as err:
+                get(url + missing)
+            assert err.value.code == 404
+
+
+def test_top_prints_one_frame_from_the_dashboard_or_its_own_collector(fake_instance, capsys) -> None:
+    config_file, names = fake_instance
+    cfg = settings.load(config_file)
+    assert top.main(cfg, once=True, url="http://127.0.0.1:9/") == 0  # no dashboard there: a collector of its own
+    frame = capsys.readouterr().out
+    assert "via collector" in frame and all(name in frame for name in names)
+    with running_dashboard(config_file) as url:
+        wait_for(lambda: len(json.loads(get(url + "api/snapshot")[1])["processes"]) == 3, what="the dashboard's view")
+        assert top.main(cfg, once=True, url=url) == 0
+        frame = capsys.readouterr().out
+        assert "via dashboard" in frame and all(name in frame for name in names)
+        assert top.main(cfg, once=True, url="http://127.0.0.1:9/") == 1  # the dashboard holds the endpoint
+        assert "already bound" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium (apt-get install chromium)")
+def test_page_in_headless_chromium(fake_instance, tmp_path: Path) -> None:
+    config_file, names = fake_instance
+    screenshot = check_dashboard(config_file, names, tmp_path)
+    assert screenshot.stat().st_size > 10_000

@@ -1,0 +1,326 @@
+"""Metrics end to end: real publisher processes, a real collector, a real ipc socket.
+
+Publishers are `python -c` processes that record made-up but plausible figures with ProcessMetrics,
+so these tests need no model and no service; the dashboard tests reuse the helpers below.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import msgpack
+import pytest
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+
+from config import settings
+from config.settings import Config
+from metrics.collector import Collector, Histogram
+from metrics.names import SPECS
+from metrics.registry import ProcessMetrics, endpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Records a bit of everything every 50 ms, publishes every `interval` seconds, runs until killed.
+PUBLISHER = r"""
+import random, sys, time
+from config import settings
+from metrics.registry import ProcessMetrics
+
+cfg = settings.load(sys.argv[1])
+m = ProcessMetrics(cfg, sys.argv[2], interval=float(sys.argv[3])).start()
+print("ready", flush=True)
+n = 0
+while True:
+    n += 1
+    m.inc("jobs_total", kind="partial", status="done")
+    if n % 4 == 0:
+        m.inc("jobs_total", kind="final", status="done")
+        m.observe("final_latency_seconds", random.uniform(0.1, 1.0))
+    m.observe("partial_latency_seconds", random.uniform(0.01, 0.2))
+    m.observe("batch_size", random.randint(1, 8))
+    m.inc("busy_seconds_total", 0.02)
+    m.set("streams_active", random.randint(1, 9), priority="realtime")
+    m.set("jobs_queued", random.randint(0, 5), priority="realtime")
+    m.set("jobs_inflight", random.randint(0, 3))
+    m.set("shm_rings_used", random.randint(1, 9))
+    m.set("shm_rings_total", 16)
+    if n % 20 == 0:
+        m.inc("errors_total", code="internal")
+    if n % 30 == 0:
+        m.inc("refusals_total", code="overloaded")
+    time.sleep(0.05)
+"""
+
+
+@dataclass
+class Publisher:
+    name: str
+    proc: subprocess.Popen
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+
+def start_publisher(config_file: Path, name: str, interval: float = 0.25) -> Publisher:
+    proc = subprocess.Popen([sys.executable, "-c", PUBLISHER, str(config_file), name, str(interval)],
+                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return Publisher(name, proc)
+
+
+def instance_config(tmp: Path) -> tuple[Config, Path]:
+    """A fresh instance (own run directory, so its own metrics socket) and its config file."""
+    instance = f"m{uuid.uuid4().hex[:8]}"
+    cfg = settings.load(None, {"instance": instance, "run_dir": str(tmp / instance)})
+    config_file = tmp / f"{instance}.toml"
+    config_file.write_text(settings.dump(cfg))
+    return cfg, config_file
+
+
+def wait_for(check: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Prometheus text -> {(sample name, labels): value}; parsing is itself part of the check."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def processes(collector: Collector) -> dict[str, dict[str, Any]]:
+    return {p["name"]: p for p in collector.snapshot()["processes"]}
+
+
+@pytest.fixture
+def instance(tmp_path: Path) -> tuple[Config, Path]:
+    return instance_config(tmp_path)
+
+
+@pytest.fixture
+def publishers() -> Iterator[Callable[..., Publisher]]:
+    started: list[Publisher] = []
+
+    def start(config_file: Path, name: str, interval: float = 0.25) -> Publisher:
+        started.append(start_publisher(config_file, name, interval))
+        return started[-1]
+
+    yield start
+    for p in started:
+        p.kill()
+
+
+@pytest.fixture
+def collector(instance: tuple[Config, Path]) -> Iterator[Collector]:
+    c = Collector(instance[0], stale_after=2.0).start()
+    yield c
+    c.close()
+
+
+def test_snapshots_of_several_processes_aggregate(instance, publishers, collector) -> None:
+    _, config_file = instance
+    workers = [publishers(config_file, f"worker-{i}") for i in range(2)]
+    seen = wait_for(lambda: (p := processes(collector)) and len(p) == 2 and all(r["rss_bytes"] for r in p.values()) and p,
+                    what="both publishers with resource figures")
+    for w in workers:
+        row = seen[w.name]
+        assert row["pid"] == w.pid and row["state"] == "RUNNING" and row["program"] == "worker"
+        assert row["threads"] >= 2 and row["open_fds"] > 0 and row["rss_bytes"] > 10_000_000
+    snap = wait_for(lambda: (s := collector.snapshot())["latency"]["partial"]["count"] and s["throughput"]["jobs_per_s"] and s,
+                    what="windowed latency and throughput")
+    assert 0.01 <= snap["latency"]["partial"]["p50"] <= 0.25
+    assert 1 <= snap["batch"]["mean"] <= 8
+    assert snap["throughput"]["jobs_per_s"] > 5  # two publishers at ~20 partials/s each
+    assert 2 <= snap["streams"]["realtime"] <= 18 and snap["rings"]["total"] == 32  # gauges sum over processes
+    assert {w["name"] for w in snap["workers"]} == {"worker-0", "worker-1"}
+    ratios = wait_for(lambda: [w["busy_ratio"] for w in collector.snapshot()["workers"] if w["busy_ratio"] is not None] or None,
+                      what="busy ratios")
+    assert all(0 < r <= 1 for r in ratios)
+    assert wait_for(lambda: collector.snapshot()["recent_errors"], what="recent errors from counter changes")[0]["code"] in ("internal", "overloaded")
+    assert snap["restarts"] == {"worker": 0}
+
+
+def test_counters_stay_monotonic_across_a_restart(instance, publishers, collector) -> None:
+    _, config_file = instance
+    key = ("streamasr_jobs_total", (("kind", "partial"), ("status", "done")))
+    first = publishers(config_file, "ingest-0")
+    wait_for(lambda: samples(collector.prometheus().decode()).get(key, 0) > 20, what="first incarnation's jobs")
+    seen = [samples(collector.prometheus().decode())[key]]
+    first.kill()
+    second = publishers(config_file, "ingest-0")
+    wait_for(lambda: processes(collector).get("ingest-0", {}).get("pid") == second.pid, what="the new incarnation")
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        seen.append(samples(collector.prometheus().decode())[key])
+        time.sleep(0.1)
+    assert all(b >= a for a, b in zip(seen, seen[1:])), "a counter went down across the restart"
+    assert seen[-1] > seen[0]
+    text = collector.prometheus().decode()
+    assert samples(text)[("streamasr_process_restarts_total", (("program", "ingest"),))] == 1
+    assert processes(collector)["ingest-0"]["restarts"] == 1
+
+
+def test_silent_process_is_dropped_but_its_counts_are_kept(instance, publishers, collector) -> None:
+    _, config_file = instance
+    key = ("streamasr_jobs_total", (("kind", "partial"), ("status", "done")))
+    broker = publishers(config_file, "broker")
+    wait_for(lambda: "broker" in processes(collector), what="the broker")
+    broker.kill()
+    before = samples(collector.prometheus().decode())[key]
+    wait_for(lambda: "broker" not in processes(collector), timeout=6, what="the silent process to be dropped")
+    assert samples(collector.prometheus().decode())[key] >= before > 0
+    assert collector.snapshot()["streams"].get("realtime", 0) == 0  # gauges of the dead are not carried
+
+
+def test_prometheus_text_parses_and_counters_increase(instance, publishers, collector) -> None:
+    _, config_file = instance
+    publishers(config_file, "worker-0")
+    publishers(config_file, "ingest-0")
+    wait_for(lambda: len(processes(collector)) == 2, what="two publishers")
+    time.sleep(1.5)
+    first = collector.prometheus().decode()
+    families = {f.name: f for f in text_string_to_metric_families(first)}
+    for name, kind in (("streamasr_jobs", "counter"), ("streamasr_streams_active", "gauge"), ("streamasr_jobs_queued", "gauge"),
+                       ("streamasr_jobs_inflight", "gauge"), ("streamasr_batch_size", "histogram"),
+                       ("streamasr_partial_latency_seconds", "histogram"), ("streamasr_final_latency_seconds", "histogram"),
+                       ("streamasr_worker_busy_ratio", "gauge"), ("streamasr_shm_rings_used", "gauge"),
+                       ("streamasr_shm_rings_total", "gauge"), ("streamasr_errors", "counter"), ("streamasr_refusals", "counter"),
+                       ("streamasr_process_restarts", "counter"), ("streamasr_process_cpu_percent", "gauge"),
+                       ("streamasr_process_resident_memory_bytes", "gauge"), ("streamasr_process_threads", "gauge"),
+                       ("streamasr_process_open_fds", "gauge"), ("streamasr_busy_seconds", "counter")):
+        assert name in families and families[name].type == kind, name
+    busy = {s.labels["worker"] for s in families["streamasr_worker_busy_ratio"].samples}
+    assert busy == {"worker-0", "ingest-0"}  # both fakes record busy time
+    assert {s.labels["process"] for s in families["streamasr_process_threads"].samples} == {"worker-0", "ingest-0"}
+    buckets = [s for s in families["streamasr_batch_size"].samples if s.name.endswith("_bucket")]
+    assert [s.value for s in buckets] == sorted(s.value for s in buckets)  # cumulative
+    time.sleep(1.5)
+    second = samples(collector.prometheus().decode())
+    for key, value in samples(first).items():
+        if key[0] in ("streamasr_jobs_total", "streamasr_busy_seconds_total", "streamasr_partial_latency_seconds_count"):
+            assert second[key] > value, key
+
+
+def test_publisher_with_no_collector_never_blocks(tmp_path: Path) -> None:
+    cfg, _ = instance_config(tmp_path)  # nobody binds this endpoint
+    metrics = ProcessMetrics(cfg, "worker-0", interval=0.01).start()
+    n = 100_000
+    began = time.perf_counter()
+    for i in range(n):
+        metrics.inc("jobs_total", kind="partial", status="done")
+        metrics.observe("partial_latency_seconds", 0.01)
+        metrics.set("jobs_queued", i, priority="realtime")
+    per_call = (time.perf_counter() - began) / (3 * n)
+    time.sleep(0.1)  # several publish attempts into the void
+    began = time.monotonic()
+    metrics.close()
+    assert time.monotonic() - began < 1.5
+    assert per_call < 5e-6, f"{per_call * 1e9:.0f} ns per call"  # about 0.5 µs; loose for slow machines
+    snap = metrics.snapshot()
+    assert snap["counters"] == [["jobs_total", {"kind": "partial", "status": "done"}, n]]
+    assert snap["histograms"][0][3][4] == n  # 0.01 s falls in the le=0.01 bucket (the fifth)
+
+
+def test_recording_from_many_threads_loses_nothing(tmp_path: Path) -> None:
+    import threading
+
+    cfg, _ = instance_config(tmp_path)
+    metrics = ProcessMetrics(cfg, "ingest-0")
+
+    def work() -> None:
+        for _ in range(20_000):
+            metrics.inc("jobs_total", kind="final", status="done")
+            metrics.observe("final_latency_seconds", 0.2)
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    snap = metrics.snapshot()
+    assert snap["counters"][0][2] == 160_000
+    assert sum(snap["histograms"][0][3]) == 160_000
+
+
+def test_collector_ignores_malformed_snapshots_and_refuses_a_second_bind(instance, publishers, collector) -> None:
+    cfg, config_file = instance
+    sock = zmq.Context.instance().socket(zmq.PUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint(cfg))
+    time.sleep(0.3)
+    for junk in (b"\xc1not msgpack", msgpack.packb([1, 2]), msgpack.packb({"v": 1, "process": "x"}),
+                 msgpack.packb({"v": 1, "process": "x", "incarnation": "i", "pid": "no", "started": 0, "time": 0,
+                                "counters": [], "gauges": [], "histograms": []})):
+        sock.send(junk)
+    sock.close()
+    publishers(config_file, "broker")
+    wait_for(lambda: "broker" in processes(collector), what="a good publisher after junk")
+    assert "x" not in processes(collector)
+    with pytest.raises(RuntimeError, match="already bound"):
+        Collector(cfg).start()
+
+
+def test_histogram_quantiles_follow_prometheus() -> None:
+    h = Histogram((0.1, 0.2, 0.4), [0, 10, 10, 0], 4.0)
+    assert h.quantile(0.5) == pytest.approx(0.2)
+    assert h.quantile(0.75) == pytest.approx(0.3)
+    assert Histogram((1.0,), [0, 3], 9.0).quantile(0.5) == 1.0  # beyond the last bound
+    assert Histogram((1.0,), [0, 0], 0.0).quantile(0.5) is None
+
+
+def test_operations_guide_documents_every_metric() -> None:
+    guide = (ROOT / "docs" / "OPERATIONS.md").read_text()
+    for name in SPECS:
+        assert f"`{name}`" in guide, name
+
+
+def test_gpu_figures_come_from_nvml_when_it_is_there(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pynvml is optional, so its path is checked against a stand-in with the same calls."""
+    import types
+
+    nvml = types.ModuleType("pynvml")
+    nvml.nvmlInit = lambda: None  # type: ignore[attr-defined]
+    nvml.nvmlShutdown = lambda: None  # type: ignore[attr-defined]
+    nvml.nvmlDeviceGetCount = lambda: 1  # type: ignore[attr-defined]
+    nvml.nvmlDeviceGetHandleByIndex = lambda i: f"gpu{i}"  # type: ignore[attr-defined]
+    nvml.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=37, memory=5)  # type: ignore[attr-defined]
+    nvml.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(used=2 << 30, total=80 << 30, free=78 << 30)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    cfg, _ = instance_config(tmp_path)
+    collector = Collector(cfg)
+    collector.refresh()
+    assert collector.snapshot()["gpus"] == [{"gpu": "0", "utilization_percent": 37.0, "memory_used_bytes": 2 << 30,
+                                             "memory_total_bytes": 80 << 30}]
+    found = samples(collector.prometheus().decode())
+    assert found[("streamasr_gpu_utilization_percent", (("gpu", "0"),))] == 37.0
+    assert found[("streamasr_gpu_memory_total_bytes", (("gpu", "0"),))] == 80 << 30
+    collector.close()
+
+
+def test_no_gpu_figures_without_nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails, as where it is not installed
+    cfg, _ = instance_config(tmp_path)
+    collector = Collector(cfg)
+    collector.refresh()
+    assert "gpus" not in collector.snapshot() and "streamasr_gpu" not in collector.prometheus().decode()
+    collector.close()
