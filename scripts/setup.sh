@@ -9,7 +9,7 @@ with_tests=0
 [ "${1:-}" = "--test" ] && with_tests=1
 
 if [ "$with_tests" = 1 ]; then
-    apt_packages="pocketsphinx-testdata espeak-ng sox"
+    apt_packages="pocketsphinx-testdata espeak-ng sox chromium"
     missing=""
     for p in $apt_packages; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
     if [ -n "$missing" ]; then

@@ -84,6 +84,18 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     return remote.run(args.files, server=server, offline=args.offline, as_json=args.json, language=args.language)
 
 
+def cmd_top(args: argparse.Namespace) -> int:
+    from streamasr import top
+
+    return top.main(_config(args), once=args.once, url=args.url)
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from dashboard.__main__ import main as dashboard_main
+
+    return dashboard_main([*(["--config", args.config] if args.config else []), *(["--port", str(args.port)] if args.port is not None else [])])
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from speech.loader import ensure_exported
 
@@ -141,6 +153,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precision", choices=["fp32", "int8"], help="with --local")
     p.add_argument("--threads", type=int, default=2, help="with --local: ONNX Runtime threads")
     p.set_defaults(func=cmd_transcribe)
+
+    p = sub.add_parser("top", help="live figures of a running instance in the terminal")
+    _common(p)
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    p.add_argument("--url", help="the dashboard's address (default http://127.0.0.1:<metrics.dashboard_port>/)")
+    p.set_defaults(func=cmd_top)
+
+    p = sub.add_parser("dashboard", help="the ops web page and Prometheus /metrics (serve runs it under supervisord)")
+    _common(p)
+    p.add_argument("--port", type=int, help="port on 127.0.0.1 (default: the config's metrics.dashboard_port)")
+    p.set_defaults(func=cmd_dashboard)
 
     p = sub.add_parser("export", help="build (or find cached) ONNX graphs for a model")
     _common(p)

@@ -77,19 +77,20 @@ class Service:
         return self.proc.returncode
 
 
-def start_service(tmp: Path, model: str = "whisper-tiny.en", workers: int = 2, ingest: int = 1,
+def start_service(tmp: Path, model: str = "whisper-tiny.en", workers: int = 2, ingests: int = 1,
                   ready_timeout: float = 180, **sections: dict[str, Any]) -> Service:
     from streamasr import service as svc
 
-    base = free_ports(ingest + 1)
+    base = free_ports(ingests + 2)  # front door, ingest processes, dashboard
     instance = f"t{uuid.uuid4().hex[:8]}"
     over: dict[str, Any] = {
         "instance": instance,
         "run_dir": str(tmp / instance),
         "model": {"name": model, "backend": "null" if model == "null" else "onnxruntime"},
         "workers": {"processes": workers},
-        "ingest": {"address": f"tcp://127.0.0.1:{base}", "port_base": base + 1, "processes": ingest},
+        "ingest": {"address": f"tcp://127.0.0.1:{base}", "port_base": base + 1, "processes": ingests},
         "broker": {"heartbeat_ms": 250},
+        "metrics": {"dashboard_port": base + 1 + ingests},
     }
     for section, values in sections.items():
         over = settings.merge(over, {section: values})
@@ -105,7 +106,7 @@ def start_service(tmp: Path, model: str = "whisper-tiny.en", workers: int = 2, i
     report: dict[str, Any] = {}
     while time.monotonic() < deadline and proc.poll() is None:
         report = svc.status(cfg)
-        if report.get("ready") and len(report.get("ingests", [])) >= ingest and len(report.get("workers", [])) >= workers:
+        if report.get("ready") and len(report.get("ingests", [])) >= ingests and len(report.get("workers", [])) >= workers:
             return service
         time.sleep(0.25)
     service.stop()

@@ -14,7 +14,7 @@ from config.settings import VadConfig
 from ingest.segmenter import SegmentEvent, Segmenter
 from ingest.vad import CHUNK, VadBank
 
-CFG = VadConfig()  # threshold 0.5, min_silence 500 ms, min_speech 150 ms, max 25 s, pad 200 ms
+CFG = VadConfig(pad_ms=200)  # threshold 0.5, min_silence 500 ms, min_speech 150 ms, max 25 s, pad 200 ms
 PAD = 3200
 
 

@@ -1,0 +1,223 @@
+"""The service end to end, as a user runs it: `streamasr serve`, then `streamasr transcribe`.
+
+Real processes under supervisord, real sockets on loopback, real shm, the real Whisper tiny.en.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import soundfile as sf
+import zmq
+
+from protocol import messages as m
+from streamasr import service as svc
+from streamasr import testdata
+
+UTTERANCES = testdata.utterances()
+FILES = [u.path for u in UTTERANCES]
+REFS = {u.path: u.reference for u in UTTERANCES}
+
+
+def _duration(path: str) -> float:
+    if path.endswith(".raw"):
+        import os
+
+        return os.path.getsize(path) / 2 / 16000
+    return sf.info(path).duration
+
+
+def _lines(output: str) -> list[dict]:
+    return [json.loads(line) for line in output.splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def local_wer(service) -> float:
+    """WER of `transcribe --local` on the same files: the bar the streamed finals must meet."""
+    proc = service.cli("transcribe", "--local", "--json", *FILES, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    out = {row["file"]: row["text"] for row in _lines(proc.stdout)}
+    return testdata.wer([REFS[f] for f in FILES], [out[f] for f in FILES])
+
+
+def _streamed(service, *flags: str) -> tuple[dict[str, list[dict]], float]:
+    proc = service.cli("transcribe", "--server", service.address, "--json", *flags, *FILES, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rows = _lines(proc.stdout)
+    by_file: dict[str, list[dict]] = {f: [] for f in FILES}
+    for row in rows:
+        by_file[row["file"]].append(row)
+    summaries = {f: [r for r in rs if r["type"] == "summary"] for f, rs in by_file.items()}
+    assert all(len(s) == 1 for s in summaries.values()), "one summary per file"
+    hyps = [summaries[f][0]["text"] for f in FILES]
+    return by_file, testdata.wer([REFS[f] for f in FILES], hyps)
+
+
+def _check_finals(by_file: dict[str, list[dict]]) -> None:
+    for path, rows in by_file.items():
+        finals = [r for r in rows if r["type"] == "final"]
+        assert finals, f"no final for {path}"
+        duration = _duration(path)
+        for f in finals:
+            assert 0 <= f["start"] < f["end"] <= duration + 0.05, (path, f)
+            assert f["latency_ms"] >= 0
+
+
+def test_realtime_streaming_matches_local(service, local_wer: float) -> None:
+    by_file, wer = _streamed(service, "--realtime")
+    assert wer <= local_wer + 0.01, f"streamed WER {wer:.3f} vs local {local_wer:.3f}"
+    _check_finals(by_file)
+    for path, rows in by_file.items():
+        partials = [r for r in rows if r["type"] == "partial"]
+        assert partials, f"no partial for {path}"
+        # under real-time pacing the frame holding sample `end` left `end` seconds after the start,
+        # so the first partial reached the client at about end + latency
+        first = partials[0]
+        assert first["end"] + first["latency_ms"] / 1000 < _duration(path), (path, first)
+        stable = [p["stable"] for p in partials]
+        for earlier, later in zip(stable, stable[1:]):
+            assert later.startswith(earlier), "a committed prefix was retracted"
+
+
+def test_offline_streaming_matches_local(service, local_wer: float) -> None:
+    by_file, wer = _streamed(service, "--offline")
+    assert wer <= local_wer + 0.01, f"offline WER {wer:.3f} vs local {local_wer:.3f}"
+    _check_finals(by_file)
+
+
+def test_status_reports_every_process(service) -> None:
+    proc = service.cli("status", "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["ready"] is True
+    names = sorted(p["name"] for p in report["processes"])
+    assert names == ["broker", "ingest-0", "worker-0", "worker-1"]
+    assert all(p["state"] == "RUNNING" for p in report["processes"])
+    assert len(report["workers"]) == 2 and len(report["ingests"]) == 1
+
+
+# ---------------------------------------------------------------- bad input, with the model-free backend
+
+
+class RawClient:
+    """The protocol by hand, to send what a well-behaved client library never would."""
+
+    def __init__(self, address: str):
+        welcome = svc.front_door(address, m.Hello())
+        assert isinstance(welcome, m.Welcome)
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(welcome.ingest)
+
+    def send(self, msg: m.ClientMessage) -> None:
+        self.sock.send_multipart(m.encode(msg))
+
+    def send_raw(self, *frames: bytes) -> None:
+        self.sock.send_multipart(list(frames))
+
+    def recv(self, timeout: float = 10.0, skip_acks: bool = True) -> m.ServerMessage:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.sock.poll(100):
+                msg = m.decode_server(self.sock.recv_multipart())
+                if not (skip_acks and isinstance(msg, m.Ack)):
+                    return msg
+        raise TimeoutError("no event")
+
+    def stream_file(self, stream: str, path: str, frame_s: float = 0.1, pace: float = 0.0) -> None:
+        audio, rate = sf.read(path, dtype="int16")
+        self.send(m.Open(stream=stream, rate=rate))
+        assert isinstance(self.recv(), m.Ready)
+        step = int(rate * frame_s)
+        for seq, i in enumerate(range(0, len(audio), step)):
+            self.send(m.Audio(stream=stream, seq=seq, data=audio[i:i + step].tobytes()))
+            if pace:
+                time.sleep(pace)
+
+    def until_closed(self, timeout: float = 60.0) -> list[m.ServerMessage]:
+        events = []
+        while True:
+            ev = self.recv(timeout)
+            events.append(ev)
+            if isinstance(ev, m.Closed):
+                return events
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _pids(service) -> dict[str, int]:
+    return {p["name"]: p["pid"] for p in svc.processes(service.cfg)}
+
+
+@pytest.fixture(scope="module")
+def null_svc(tmp_path_factory):
+    from conftest import start_service
+
+    s = start_service(tmp_path_factory.mktemp("e2e-null"), model="null", workers=2, ingest={"idle_timeout_s": 2.0})
+    yield s
+    s.stop()
+    from shm import pool
+
+    assert pool.segments(s.cfg.instance) == []
+
+
+def test_bad_input_gets_clear_errors_and_nothing_dies(null_svc) -> None:
+    before = _pids(null_svc)
+    good = RawClient(null_svc.address)
+    bad = RawClient(null_svc.address)
+    good.stream_file("good", FILES[0])
+
+    bad.send_raw(b"\xc1\xff not msgpack")
+    err = bad.recv()
+    assert isinstance(err, m.ErrorMsg) and err.code == m.BAD_MESSAGE
+
+    bad.send(m.Audio(stream="nobody", seq=0, data=b"\0\0"))
+    err = bad.recv()
+    assert isinstance(err, m.ErrorMsg) and err.code == m.UNKNOWN_STREAM and err.stream == "nobody"
+
+    bad.send(m.Open(stream="wrong-rate", rate=11025))
+    err = bad.recv()
+    assert isinstance(err, m.ErrorMsg) and err.code == m.BAD_FORMAT and "11025" in err.message
+
+    bad.send(m.Open(stream="odd", rate=16000))
+    assert isinstance(bad.recv(), m.Ready)
+    bad.send(m.Audio(stream="odd", seq=0, data=b"\0\0\0"))  # 3 bytes: not whole s16 frames
+    err = bad.recv()
+    assert isinstance(err, m.ErrorMsg) and err.code == m.BAD_FORMAT and err.seq == 0
+    bad.send(m.Audio(stream="odd", seq=5, data=b"\0\0"))
+    err = bad.recv()
+    assert isinstance(err, m.ErrorMsg) and err.code == m.OUT_OF_ORDER
+
+    good.send(m.End(stream="good"))
+    events = good.until_closed()
+    finals = [e for e in events if isinstance(e, m.Final)]
+    assert finals and all(f.text == null_svc.cfg.model.null_text for f in finals)
+    assert _pids(null_svc) == before, "a process restarted"
+    good.close()
+    bad.close()
+
+
+def test_client_that_vanishes_is_closed_and_others_are_unaffected(null_svc) -> None:
+    before = _pids(null_svc)
+    gone = RawClient(null_svc.address)
+    gone.stream_file("vanishing", FILES[0])
+    gone.close()  # no `end`: the client is simply gone
+    other = RawClient(null_svc.address)
+    other.stream_file("other", FILES[1])
+    other.send(m.End(stream="other"))
+    events = other.until_closed()
+    assert any(isinstance(e, m.Final) for e in events)
+    deadline = time.monotonic() + 30
+    log = ""
+    while time.monotonic() < deadline:
+        log = null_svc.logs("ingest-0")
+        if '"reason": "idle_timeout"' in log:
+            break
+        time.sleep(0.2)
+    closed = [json.loads(line) for line in log.splitlines() if '"stream_closed"' in line and '"vanishing"' in line]
+    assert closed and closed[-1]["reason"] == "idle_timeout" and closed[-1]["audio_s"] > 1.0
+    assert _pids(null_svc) == before
+    other.close()
