@@ -1,0 +1,56 @@
+"""Read audio files as float32 mono 16 kHz."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from speech.backend import SAMPLE_RATE
+
+
+class AudioError(ValueError):
+    """The file cannot be read as audio (missing, empty, corrupt or unsupported)."""
+
+
+def resample(audio: np.ndarray, rate: int, target: int = SAMPLE_RATE) -> np.ndarray:
+    if rate == target:
+        return np.ascontiguousarray(audio, dtype=np.float32)
+    import soxr
+
+    return soxr.resample(np.ascontiguousarray(audio, dtype=np.float32), rate, target, quality="HQ").astype(np.float32)
+
+
+def to_mono(audio: np.ndarray) -> np.ndarray:
+    audio = np.asarray(audio, dtype=np.float32)
+    return audio.mean(axis=1, dtype=np.float32) if audio.ndim == 2 else audio.reshape(-1)
+
+
+def load_audio(path: str | Path, raw_rate: int = SAMPLE_RATE) -> np.ndarray:
+    """Float32 mono 16 kHz samples of `path` (WAV/FLAC/OGG/... via libsndfile, any rate, any channels).
+
+    Headerless ``.raw``/``.pcm`` files are read as 16 kHz signed 16-bit little-endian mono.
+    """
+    import soundfile as sf
+
+    path = Path(path)
+    if not path.is_file():
+        raise AudioError(f"{path}: no such file")
+    size = path.stat().st_size
+    if size == 0:
+        raise AudioError(f"{path}: empty file")
+    if path.suffix.lower() in (".raw", ".pcm", ".s16"):
+        data = np.fromfile(path, dtype="<i2")
+        if data.size == 0:
+            raise AudioError(f"{path}: no samples in raw file")
+        return resample(data.astype(np.float32) / 32768.0, raw_rate)
+    try:
+        audio, rate = sf.read(str(path), dtype="float32", always_2d=True)
+    except (sf.LibsndfileError, RuntimeError, TypeError, ValueError) as exc:
+        raise AudioError(f"{path}: not a readable audio file ({exc})") from exc
+    if audio.shape[0] == 0:
+        raise AudioError(f"{path}: the file holds no audio samples")
+    mono = to_mono(audio)
+    if not np.isfinite(mono).all():
+        raise AudioError(f"{path}: audio contains NaN or infinite samples")
+    return resample(mono, int(rate))

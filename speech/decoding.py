@@ -1,0 +1,439 @@
+"""Whisper decoding over the exported ONNX graphs: greedy or beam search, batched.
+
+Follows openai/whisper's decoding.py: the SOT sequence (<|startoftranscript|>, language,
+task, <|notimestamps|> when timestamps are off), an optional <|startofprev|> prompt (last
+223 tokens), an optional forced prefix, suppress tokens, blank suppression at the first
+sampled step, the timestamp rules (pairs, monotonic, first timestamp <= 1.0 s, timestamp
+forced when their summed probability beats every text token), at most 224 sampled tokens,
+average log-probability and the no-speech probability at the SOT position.
+
+Batching: all requests of one window size share one encoder call (B, 80, T) and then step
+together. Rows are left-padded; the decoder gets explicit positions and an additive mask, so
+padding columns in the self-attention cache are never attended. Prefill runs in two calls:
+(prompt + SOT) gives the no-speech probability and language logits at the SOT position; the
+rest of the forced tokens follow (the language is known by then). Finished rows leave the
+batch.
+
+A result's last segment that was not closed by a timestamp ends at the request's audio
+duration; `speech.longform` relies on this to re-decode an incomplete trailing segment.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from speech.backend import SAMPLE_RATE, DecodeRequest, DecodeResult, Segment
+from speech.mel import FRAMES_PER_SECOND, N_FRAMES, log_mel
+from speech.tokenizer import TIME_PRECISION, WhisperTokenizer
+
+NEG = np.float32(-1e9)
+SAMPLE_LEN = 224
+MAX_PROMPT = 223
+MAX_PREFIX = 200  # forced prefix tokens kept (the rest of 448 positions is for the prompt and output)
+NO_SPEECH_THRESHOLD = 0.6
+LOGPROB_THRESHOLD = -1.0
+MAX_INITIAL_TIMESTAMP = 1.0
+
+
+@dataclass
+class DecodeOptions:
+    beam_size: int = 1
+    partial_window: str = "short"  # "short" | "full"
+    sample_len: int = SAMPLE_LEN
+    suppress_silence: bool = True  # no_speech_prob > 0.6 and avg_logprob < -1 -> empty result
+
+
+@dataclass
+class _Row:
+    """One hypothesis being decoded."""
+
+    req: int  # index of its request in the group
+    tokens: list[int] = field(default_factory=list)  # forced-after-SOT (ts + prefix) + sampled
+    n_forced: int = 0
+    sum_logprob: float = 0.0
+    done: bool = False
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    m = x.max(axis=-1, keepdims=True)
+    y = x - m
+    return y - np.log(np.exp(y).sum(axis=-1, keepdims=True))
+
+
+def _logsumexp(x: np.ndarray) -> np.ndarray:
+    m = x.max(axis=-1, keepdims=True)
+    if not np.isfinite(m).all():
+        m = np.where(np.isfinite(m), m, 0.0)
+    with np.errstate(divide="ignore"):
+        return (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))[..., 0]
+
+
+def short_window_frames(n_samples: int) -> int:
+    """Mel frames for a short partial window: speech + 2 s, rounded up to whole seconds."""
+    seconds = math.ceil(n_samples / SAMPLE_RATE + 2.0)
+    return min(N_FRAMES, max(1, seconds) * FRAMES_PER_SECOND)
+
+
+class WhisperDecoder:
+    def __init__(self, encoder, decoder, tokenizer: WhisperTokenizer, dims: dict, options: DecodeOptions):
+        self.enc = encoder  # onnxruntime.InferenceSession
+        self.dec = decoder
+        self.tk = tokenizer
+        self.dims = dims
+        self.opt = options
+        self.n_layers = dims["n_dec"]
+        self.heads = dims["dec_heads"]
+        self.dh = dims["d"] // dims["dec_heads"]
+        self.vocab = dims["vocab"]
+        self.cross_names = [f"cross_{kv}_{i}" for i in range(self.n_layers) for kv in "kv"]
+        self.present_names = [f"present_{kv}_{i}" for i in range(self.n_layers) for kv in "kv"]
+        suppress = np.zeros(self.vocab, dtype=bool)
+        suppress[[t for t in tokenizer.suppress_tokens if t < self.vocab]] = True
+        # tokens between the tokenizer's specials and the model's vocabulary that are not timestamps
+        self.suppress = suppress
+        self.suppress_begin = np.array([t for t in tokenizer.suppress_begin if t < self.vocab], dtype=np.int64)
+        self.ts_begin = tokenizer.timestamp_begin
+        self.max_initial_ts = round(MAX_INITIAL_TIMESTAMP / TIME_PRECISION)
+
+    # ---------------------------------------------------------------------------------- public
+    def decode(self, requests: Sequence[DecodeRequest]) -> list[DecodeResult]:
+        return [r for r, _ in self.decode_tokens(requests)]
+
+    def decode_tokens(
+        self, requests: Sequence[DecodeRequest], prompt_tokens: Sequence[list[int] | None] | None = None
+    ) -> list[tuple[DecodeResult, list[int]]]:
+        """Results with the decoded tokens (timestamps included, after the SOT sequence).
+
+        `prompt_tokens` (per request) replaces the text prompt with token ids, as Whisper's
+        long-form transcription conditions on previous tokens including timestamps.
+        """
+        ptoks = list(prompt_tokens) if prompt_tokens is not None else [None] * len(requests)
+        results: list[tuple[DecodeResult, list[int]] | None] = [None] * len(requests)
+        groups: dict[int, list[int]] = {}
+        caps: dict[int, int] = {}
+        for i, r in enumerate(requests):
+            n = int(np.asarray(r.audio).shape[-1])
+            if r.partial and self.opt.partial_window == "short":
+                frames = short_window_frames(n)
+                if frames < N_FRAMES:
+                    groups.setdefault(frames, []).append(i)
+                    caps[i] = math.ceil(7 * n / SAMPLE_RATE) + 5
+                    continue
+            groups.setdefault(N_FRAMES, []).append(i)
+        retry: list[int] = []
+        for frames, idx in sorted(groups.items()):
+            outs = self._decode_group([requests[i] for i in idx], frames, [caps.get(i) for i in idx], [ptoks[i] for i in idx])
+            for i, (res, capped, toks) in zip(idx, outs):
+                if capped and frames < N_FRAMES:
+                    retry.append(i)  # hit the short-window token cap: decode again on the full window
+                else:
+                    results[i] = (res, toks)
+        if retry:
+            outs = self._decode_group([requests[i] for i in retry], N_FRAMES, [None] * len(retry), [ptoks[i] for i in retry])
+            for i, (res, _, toks) in zip(retry, outs):
+                results[i] = (res, toks)
+        return results  # type: ignore[return-value]
+
+    # -------------------------------------------------------------------------------- internals
+    def encode(self, mel: np.ndarray) -> dict[str, np.ndarray]:
+        outs = self.enc.run(self.cross_names, {"mel": mel})
+        return dict(zip(self.cross_names, outs))
+
+    def _empty_past(self, b: int) -> dict[str, np.ndarray]:
+        z = np.zeros((b, self.heads, 0, self.dh), dtype=np.float32)
+        return {f"past_{kv}_{i}": z for i in range(self.n_layers) for kv in "kv"}
+
+    def _step(self, tokens: list[list[int]], state: dict) -> np.ndarray:
+        """Feed each row its tokens (left-padded to one length); returns last-position logits (B, V)."""
+        b = len(tokens)
+        t = max(1, max(len(x) for x in tokens))
+        tok = np.zeros((b, t), dtype=np.int64)
+        new_valid = np.zeros((b, t), dtype=bool)
+        for r, x in enumerate(tokens):
+            if x:
+                tok[r, t - len(x) :] = x
+                new_valid[r, t - len(x) :] = True
+        pos = state["count"][:, None] + np.cumsum(new_valid, axis=1) - 1
+        pos = np.where(new_valid, pos, 0).astype(np.int64)
+        valid = state["valid"]
+        p = valid.shape[1]
+        mask = np.empty((b, 1, t, p + t), dtype=np.float32)
+        mask[:, 0, :, :p] = np.where(valid, 0.0, NEG)[:, None, :]
+        causal = np.tril(np.ones((t, t), dtype=bool))
+        allowed = causal[None] & new_valid[:, None, :]
+        allowed |= np.eye(t, dtype=bool)[None]
+        mask[:, 0, :, p:] = np.where(allowed, 0.0, NEG)
+        feeds = {"tokens": tok, "positions": pos, "mask": mask}
+        feeds.update(state["past"])
+        feeds.update(state["cross"])
+        outs = self.dec.run(["logits"] + self.present_names, feeds)
+        state["past"] = {n.replace("present", "past"): o for n, o in zip(self.present_names, outs[1:])}
+        state["valid"] = np.concatenate([valid, new_valid], axis=1)
+        state["count"] = state["count"] + new_valid.sum(axis=1)
+        return outs[0]
+
+    @staticmethod
+    def _take(state: dict, rows: np.ndarray) -> dict:
+        return {
+            "past": {k: v[rows] for k, v in state["past"].items()},
+            "cross": {k: v[rows] for k, v in state["cross"].items()},
+            "valid": state["valid"][rows],
+            "count": state["count"][rows],
+        }
+
+    def _filter(self, logits: np.ndarray, rows: list[_Row], ts_on: list[bool], first: list[bool]) -> np.ndarray:
+        """Apply Whisper's logit filters in place to (n, V) logits; returns log-probabilities."""
+        logits[:, self.suppress] = -np.inf
+        tb = self.ts_begin
+        for k, row in enumerate(rows):
+            if first[k]:
+                logits[k, self.suppress_begin] = -np.inf
+            if not ts_on[k]:
+                logits[k, tb:] = -np.inf
+                continue
+            logits[k, self.tk.no_timestamps] = -np.inf
+            seq = row.tokens
+            last_ts = len(seq) >= 1 and seq[-1] >= tb
+            penult_ts = len(seq) < 2 or seq[-2] >= tb
+            if last_ts:
+                if penult_ts:
+                    logits[k, tb:] = -np.inf
+                else:
+                    logits[k, : self.tk.eot] = -np.inf
+            stamps = [x for x in seq if x >= tb]
+            if stamps:
+                last = stamps[-1] if (last_ts and not penult_ts) else stamps[-1] + 1
+                logits[k, tb:last] = -np.inf
+            else:
+                # first sampled token: must be a timestamp, at most MAX_INITIAL_TIMESTAMP
+                logits[k, :tb] = -np.inf
+                logits[k, tb + self.max_initial_ts + 1 :] = -np.inf
+        logprobs = _log_softmax(logits)
+        for k in range(len(rows)):
+            if ts_on[k]:
+                ts_lp = _logsumexp(logprobs[k, tb:][None])[0]
+                if ts_lp > logprobs[k, :tb].max():
+                    logits[k, :tb] = -np.inf
+                    logprobs[k] = _log_softmax(logits[k][None])[0]
+        return logprobs
+
+    def _decode_group(
+        self, reqs: list[DecodeRequest], frames: int, caps: list[int | None], ptoks: list[list[int] | None]
+    ) -> list[tuple[DecodeResult, bool, list[int]]]:
+        tk = self.tk
+        n = len(reqs)
+        mel = np.empty((n, self.dims["n_mels"], frames), dtype=np.float32)
+        for i, r in enumerate(reqs):
+            mel[i] = log_mel(np.asarray(r.audio, dtype=np.float32), frames)
+        cross = self.encode(mel)
+        state = {"past": self._empty_past(n), "cross": cross, "valid": np.zeros((n, 0), bool), "count": np.zeros(n, np.int64)}
+
+        # stage 1: prompt + SOT -> no-speech probability and language at the SOT position
+        stage1 = []
+        for r, pt in zip(reqs, ptoks):
+            if pt:
+                ctx = [tk.sot_prev] + list(pt)[-(MAX_PROMPT - 1) :]
+            else:
+                ctx = tk.prompt_tokens(r.prompt, MAX_PROMPT)
+            n_prefix = len(tk.encode(" " + r.prefix.strip())) if r.prefix and r.prefix.strip() else 0
+            room = MAX_PROMPT - max(0, min(n_prefix, MAX_PREFIX) - 16)  # a long prefix shortens the prompt
+            if len(ctx) > room:
+                ctx = [ctx[0]] + ctx[len(ctx) - room + 1 :] if room > 1 else []
+            stage1.append(ctx + [tk.sot])
+        logits = self._step(stage1, state)
+        probs = np.exp(_log_softmax(logits))
+        no_speech = probs[:, tk.no_speech] if tk.no_speech is not None else np.zeros(n)
+        languages: list[str] = []
+        for i, r in enumerate(reqs):
+            if not tk.multilingual:
+                languages.append("en")
+            elif r.language and r.language in tk.lang_to_id:
+                languages.append(r.language)
+            else:  # None, or a code the model does not know: detect
+                ids = np.array(tk.lang_ids)
+                ids = ids[ids < self.vocab]
+                languages.append(tk.id_to_lang[int(ids[np.argmax(logits[i, ids])])])
+
+        # stage 2: rest of the SOT sequence, <|notimestamps|>, forced timestamp + prefix
+        stage2, forced = [], []
+        for i, r in enumerate(reqs):
+            seq = tk.sot_sequence(languages[i])[1:]
+            pre: list[int] = []
+            if r.prefix and r.prefix.strip():
+                pre = tk.encode(" " + r.prefix.strip())[:MAX_PREFIX]
+                if r.timestamps:
+                    pre = [self.ts_begin] + pre
+            if not r.timestamps:
+                seq.append(tk.no_timestamps)
+            stage2.append(seq + pre)
+            forced.append(pre)
+        first_logits = logits
+        if any(stage2):
+            l2 = self._step(stage2, state)
+            first_logits = np.where(np.array([bool(s) for s in stage2])[:, None], l2, logits)
+
+        beam = max(1, self.opt.beam_size)
+        # every position must fit the decoder's positional embedding (448)
+        n_ctx = int(self.dims.get("n_text_ctx", 448))
+        max_new = [
+            max(1, min(self.opt.sample_len if not c else min(self.opt.sample_len, c), n_ctx - len(s1) - len(s2)))
+            for c, s1, s2 in zip(caps, stage1, stage2)
+        ]
+        if beam == 1:
+            finals = self._greedy(reqs, state, first_logits, forced, max_new)
+        else:
+            finals = self._beam(reqs, state, first_logits, forced, max_new, beam)
+
+        out = []
+        for i, r in enumerate(reqs):
+            row, capped = finals[i]
+            out.append((self._result(r, row, languages[i], float(no_speech[i])), capped, list(row.tokens)))
+        return out
+
+    def _greedy(self, reqs, state, logits, forced, max_new):
+        rows = [_Row(req=i, tokens=list(forced[i]), n_forced=len(forced[i])) for i in range(len(reqs))]
+        ts_on = [r.timestamps for r in reqs]
+        active = list(range(len(reqs)))
+        capped = [False] * len(reqs)
+        n_sampled = 0
+        while active:
+            cur = [rows[i] for i in active]
+            lp = self._filter(logits.copy(), cur, [ts_on[i] for i in active], [n_sampled == 0] * len(active))
+            nxt = lp.argmax(axis=-1)
+            keep, feed = [], []
+            for k, i in enumerate(active):
+                tok = int(nxt[k])
+                rows[i].sum_logprob += float(lp[k, tok])
+                if tok == self.tk.eot:
+                    rows[i].done = True
+                    continue
+                rows[i].tokens.append(tok)
+                if n_sampled + 1 >= max_new[i]:
+                    capped[i] = True
+                    continue
+                keep.append(k)
+                feed.append([tok])
+            n_sampled += 1
+            if len(keep) != len(active):
+                sel = np.array(keep, dtype=np.int64)
+                state = self._take(state, sel)
+                active = [active[k] for k in keep]
+            if not active:
+                break
+            logits = self._step(feed, state)
+        return [(rows[i], capped[i]) for i in range(len(reqs))]
+
+    def _beam(self, reqs, state, logits, forced, max_new, beam):
+        n = len(reqs)
+        ts_on = [r.timestamps for r in reqs]
+        # every request starts with `beam` copies of its hypothesis; only the first expands at step 0
+        rep = np.repeat(np.arange(n), beam)
+        state = self._take(state, rep)
+        logits = logits[rep]
+        beams = [[_Row(req=i, tokens=list(forced[i]), n_forced=len(forced[i])) for _ in range(beam)] for i in range(n)]
+        finished: list[list[_Row]] = [[] for _ in range(n)]
+        capped = [False] * n
+        active = list(range(n))  # requests still decoding; rows in state are active x beam
+        n_sampled = 0
+        while active:
+            flat = [b for i in active for b in beams[i]]
+            lp = self._filter(logits.copy(), flat, [ts_on[b.req] for b in flat], [n_sampled == 0] * len(flat))
+            new_rows_idx, feed, still = [], [], []
+            for a, i in enumerate(active):
+                cands: dict[tuple, tuple[float, int, int]] = {}
+                for j in range(beam if n_sampled > 0 else 1):
+                    k = a * beam + j
+                    row = flat[k]
+                    top = np.argpartition(-lp[k], beam + 1)[: beam + 1]
+                    for tok in top:
+                        s = row.sum_logprob + float(lp[k, tok])
+                        key = tuple(row.tokens) + (int(tok),)
+                        if key not in cands or cands[key][0] < s:
+                            cands[key] = (s, k, int(tok))
+                ranked = sorted(cands.values(), key=lambda c: -c[0])
+                kept: list[_Row] = []
+                for s, k, tok in ranked:
+                    src = flat[k]
+                    if tok == self.tk.eot:
+                        if len(finished[i]) < beam:
+                            finished[i].append(_Row(req=i, tokens=list(src.tokens), n_forced=src.n_forced, sum_logprob=s, done=True))
+                        continue
+                    kept.append(_Row(req=i, tokens=src.tokens + [tok], n_forced=src.n_forced, sum_logprob=s))
+                    new_rows_idx.append(k)
+                    feed.append([tok])
+                    if len(kept) == beam:
+                        break
+                while len(kept) < beam:  # all candidates ended: keep padding rows (never used)
+                    kept.append(kept[-1] if kept else _Row(req=i, tokens=list(beams[i][0].tokens), done=True))
+                    new_rows_idx.append(new_rows_idx[-1] if new_rows_idx and len(kept) > 1 else a * beam)
+                    feed.append(feed[-1] if feed and len(kept) > 1 else [self.tk.eot])
+                beams[i] = kept
+                if len(finished[i]) >= beam:
+                    # drop this request's rows
+                    del new_rows_idx[-beam:]
+                    del feed[-beam:]
+                elif n_sampled + 1 >= max_new[i]:
+                    capped[i] = True
+                    del new_rows_idx[-beam:]
+                    del feed[-beam:]
+                else:
+                    still.append(i)
+            n_sampled += 1
+            active = still
+            if not active:
+                break
+            state = self._take(state, np.array(new_rows_idx, dtype=np.int64))
+            logits = self._step(feed, state)
+        out = []
+        for i in range(n):
+            cands = finished[i] or [b for b in beams[i] if not b.done] or beams[i]
+            if not finished[i]:
+                capped_i = capped[i]
+            else:
+                capped_i = False
+            best = max(cands, key=lambda r: r.sum_logprob / (len(r.tokens) - r.n_forced + 1))
+            out.append((best, capped_i))
+        return out
+
+    def _result(self, req: DecodeRequest, row: _Row, language: str, no_speech: float) -> DecodeResult:
+        tb = self.ts_begin
+        sampled = len(row.tokens) - row.n_forced
+        avg = row.sum_logprob / (sampled + 1)
+        duration = float(np.asarray(req.audio).shape[-1]) / SAMPLE_RATE
+        if self.opt.suppress_silence and no_speech > NO_SPEECH_THRESHOLD and avg < LOGPROB_THRESHOLD:
+            return DecodeResult(text="", segments=[], language=language, avg_logprob=avg, no_speech_prob=no_speech, tokens=sampled)
+        text_tokens = [t for t in row.tokens if t < self.tk.eot]
+        text = self.tk.decode(text_tokens).strip()
+        segments: list[Segment] = []
+        if not req.timestamps:
+            if text:
+                segments.append(Segment(0.0, round(duration, 3), text))
+        else:
+            start: float | None = None
+            last_end = 0.0
+            cur: list[int] = []
+            for t in row.tokens:
+                if t >= tb:
+                    time = (t - tb) * TIME_PRECISION
+                    if start is not None and cur:
+                        seg_text = self.tk.decode(cur).strip()
+                        if seg_text:
+                            segments.append(Segment(round(start, 2), round(time, 2), seg_text))
+                        cur, start, last_end = [], None, time
+                    else:
+                        start = time
+                elif t < self.tk.eot:
+                    if start is None:
+                        start = last_end
+                    cur.append(t)
+            if cur:
+                seg_text = self.tk.decode(cur).strip()
+                if seg_text:
+                    segments.append(Segment(round(start or 0.0, 2), round(max(duration, start or 0.0), 3), seg_text))
+        return DecodeResult(
+            text=text, segments=segments, language=language, avg_logprob=avg, no_speech_prob=no_speech, tokens=sampled
+        )

@@ -1,0 +1,146 @@
+"""Whisper's sequential long-form transcription over any Backend.
+
+Audio is cut into 30 s windows. After each window the cursor moves to the last timestamp
+that closed a segment; a trailing segment without a closing timestamp is decoded again at
+the start of the next window (when the window ends with a lone closing timestamp, the whole
+window is consumed). The previous tokens, timestamps included, are the next window's prompt
+(Whisper's condition_on_previous_text). Segment times are absolute.
+
+Backends with `transcribe_tokens` (OrtWhisperBackend) get exactly that; any other Backend
+gets the same cursor logic from its segments (a trailing segment ending at the window's
+duration is the unclosed one) and the previous text as a text prompt.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+from speech.backend import MAX_WINDOW_S, SAMPLE_RATE, Backend, DecodeRequest, DecodeResult, Segment
+
+WINDOW = int(MAX_WINDOW_S * SAMPLE_RATE)
+TIME_PRECISION = 0.02
+MIN_REST_S = 0.05  # a remainder shorter than this is not decoded
+PROMPT_CHARS = 600
+COMPRESSION_RATIO_THRESHOLD = 2.4
+
+
+def compression_ratio(text: str) -> float:
+    raw = text.encode("utf-8")
+    return len(raw) / len(zlib.compress(raw)) if raw else 0.0
+
+
+def transcribe(backend: Backend, audio: np.ndarray, language: str | None = None, prompt: str | None = None) -> DecodeResult:
+    audio = np.asarray(audio, dtype=np.float32).reshape(-1)
+    if hasattr(backend, "transcribe_tokens") and hasattr(backend, "tokenizer"):
+        return _transcribe_tokens(backend, audio, language, prompt)
+    return _transcribe_text(backend, audio, language, prompt)
+
+
+def _finish(segments, language, logprobs, no_speech, n_tokens) -> DecodeResult:
+    return DecodeResult(
+        text=" ".join(s.text.strip() for s in segments).strip(),
+        segments=segments,
+        language=language or "en",
+        avg_logprob=float(np.mean(logprobs)) if logprobs else 0.0,
+        no_speech_prob=float(np.mean(no_speech)) if no_speech else 0.0,
+        tokens=n_tokens,
+    )
+
+
+def _transcribe_tokens(backend, audio, language, prompt) -> DecodeResult:
+    tk = backend.tokenizer
+    tb = tk.timestamp_begin
+    total = len(audio)
+    seek = 0
+    history: list[int] = tk.encode(" " + prompt.strip()) if prompt else []
+    segments: list[Segment] = []
+    logprobs, no_speech, n_tokens = [], [], 0
+    while total - seek > int(MIN_REST_S * SAMPLE_RATE) or (seek == 0 and total > 0):
+        chunk = audio[seek : seek + WINDOW]
+        dur = len(chunk) / SAMPLE_RATE
+        req = DecodeRequest(audio=chunk, language=language)
+        res, toks = backend.transcribe_tokens([req], [history or None])[0]
+        if history and compression_ratio(res.text) > COMPRESSION_RATIO_THRESHOLD:
+            # repetition loop: Whisper would fall back to sampling; decoding without the prompt suffices here
+            res2, toks2 = backend.transcribe_tokens([req], [None])[0]
+            if compression_ratio(res2.text) < compression_ratio(res.text):
+                res, toks = res2, toks2
+        language = language or res.language
+        offset = seek / SAMPLE_RATE
+        toks = [t for t in toks if t < tk.eot or t >= tb]
+        if not res.text:  # silence (no-speech rule) or nothing decoded: skip the window
+            seek += len(chunk)
+            continue
+        logprobs.append(res.avg_logprob)
+        no_speech.append(res.no_speech_prob)
+        n_tokens += res.tokens
+        is_ts = [t >= tb for t in toks]
+        single_ending = len(toks) >= 2 and not is_ts[-2] and is_ts[-1]
+        consecutive = [i for i in range(1, len(toks)) if is_ts[i] and is_ts[i - 1]]
+        advance = len(chunk)
+        if consecutive:
+            slices = consecutive + ([len(toks)] if single_ending else [])
+            last = 0
+            for cur in slices:
+                part = toks[last:cur]
+                start = (part[0] - tb) * TIME_PRECISION if part and part[0] >= tb else 0.0
+                end = (part[-1] - tb) * TIME_PRECISION if part and part[-1] >= tb else dur
+                _add(segments, offset, start, end, tk.decode([t for t in part if t < tk.eot]), dur)
+                last = cur
+            if not single_ending:
+                last_ts = (toks[last - 1] - tb) * TIME_PRECISION
+                advance = int(last_ts * SAMPLE_RATE)
+            used = toks[:last] if not single_ending else toks
+        else:
+            stamps = [t for t in toks if t >= tb]
+            end = dur
+            if stamps and stamps[-1] != tb:
+                end = (stamps[-1] - tb) * TIME_PRECISION
+            start = (stamps[0] - tb) * TIME_PRECISION if stamps and toks[0] >= tb else 0.0
+            _add(segments, offset, start, end, tk.decode([t for t in toks if t < tk.eot]), dur)
+            used = toks
+        history = (history + used)[-223:]
+        seek += max(advance, SAMPLE_RATE // 2) if advance < len(chunk) else len(chunk)
+    return _finish(segments, language, logprobs, no_speech, n_tokens)
+
+
+def _add(segments: list[Segment], offset: float, start: float, end: float, text: str, dur: float) -> None:
+    text = text.strip()
+    if not text:
+        return
+    start = offset + min(max(start, 0.0), dur)
+    end = offset + min(max(end, 0.0), dur)
+    if segments and start < segments[-1].end:
+        start = segments[-1].end
+    end = max(end, start)
+    segments.append(Segment(round(start, 2), round(end, 2), text))
+
+
+def _transcribe_text(backend: Backend, audio, language, prompt) -> DecodeResult:
+    total = len(audio)
+    seek = 0
+    segments: list[Segment] = []
+    logprobs, no_speech, n_tokens = [], [], 0
+    context = prompt
+    while total - seek > int(MIN_REST_S * SAMPLE_RATE) or (seek == 0 and total > 0):
+        chunk = audio[seek : seek + WINDOW]
+        dur = len(chunk) / SAMPLE_RATE
+        res = backend.transcribe_batch([DecodeRequest(audio=chunk, language=language, prompt=context)])[0]
+        language = language or res.language
+        logprobs.append(res.avg_logprob)
+        no_speech.append(res.no_speech_prob)
+        n_tokens += res.tokens
+        segs = list(res.segments)
+        advance = len(chunk)
+        if len(chunk) == WINDOW and len(segs) >= 2 and abs(segs[-1].end - dur) < 1e-6 and segs[-1].start >= 1.0:
+            advance = int(segs[-1].start * SAMPLE_RATE)  # unclosed trailing segment: decode it again
+            segs = segs[:-1]
+        offset = seek / SAMPLE_RATE
+        for s in segs:
+            _add(segments, offset, s.start, s.end, s.text, dur)
+        if segs:
+            context = " ".join(s.text for s in segments)[-PROMPT_CHARS:]
+        seek += advance
+    return _finish(segments, language, logprobs, no_speech, n_tokens)

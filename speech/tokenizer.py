@@ -1,0 +1,112 @@
+"""Whisper's tokenizer: `tokenizers` BPE from tokenizer.json plus special tokens looked up by string.
+
+Works for the English-only (51864 tokens) and multilingual (51865) vocabularies; the
+CTranslate2 config.json (suppress_ids, suppress_ids_begin, lang_ids, alignment_heads) is
+read when present.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+# Whisper's language codes in token order (<|en|> is first).
+LANGUAGES = (
+    "en zh de es ru ko fr ja pt tr pl ca nl ar sv it id hi fi vi he uk el ms cs ro da hu ta no th ur "
+    "hr bg lt la mi ml cy sk te fa lv bn sr az sl kn et mk br eu is hy ne mn bs kk sq sw gl mr pa si "
+    "km sn yo so af oc ka be tg sd gu am yi lo uz fo ht ps tk nn mt sa lb my bo tl mg as tt haw ln ha "
+    "ba jw su yue"
+).split()
+
+TIME_PRECISION = 0.02  # seconds per timestamp token
+
+
+class WhisperTokenizer:
+    def __init__(self, model_dir: str | Path):
+        model_dir = Path(model_dir)
+        self.tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        cfg_path = model_dir / "config.json"
+        self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+
+        def tid(s: str) -> int | None:
+            return self.tok.token_to_id(s)
+
+        self.sot = tid("<|startoftranscript|>")
+        self.eot = tid("<|endoftext|>")
+        self.transcribe = tid("<|transcribe|>")
+        self.translate = tid("<|translate|>")
+        self.no_timestamps = tid("<|notimestamps|>")
+        self.sot_prev = tid("<|startofprev|>")
+        self.sot_lm = tid("<|startoflm|>")
+        self.no_speech = tid("<|nospeech|>") if tid("<|nospeech|>") is not None else tid("<|nocaptions|>")
+        if None in (self.sot, self.eot, self.no_timestamps):
+            raise ValueError(f"{model_dir}: tokenizer.json lacks Whisper's special tokens")
+        # many converted tokenizer.json files omit the 1501 timestamp tokens; they follow <|notimestamps|>
+        self.timestamp_begin = tid("<|0.00|>") or self.no_timestamps + 1
+        if self.timestamp_begin != self.no_timestamps + 1:
+            raise ValueError(f"{model_dir}: tokenizer.json lacks Whisper's special tokens")
+        self.lang_to_id: dict[str, int] = {}
+        for code in LANGUAGES:
+            i = tid(f"<|{code}|>")
+            if i is not None:
+                self.lang_to_id[code] = i
+        self.id_to_lang = {v: k for k, v in self.lang_to_id.items()}
+        # English-only vocabularies have <|en|> but none of the other language tokens
+        self.multilingual = len(self.lang_to_id) > 1 and self.transcribe is not None and self.eot == 50257
+        self.vocab_size = self.tok.get_vocab_size()
+
+    @property
+    def lang_ids(self) -> list[int]:
+        return sorted(self.lang_to_id.values())
+
+    @cached_property
+    def suppress_tokens(self) -> list[int]:
+        """Whisper's default "-1" set (config.json suppress_ids) plus the special tokens."""
+        base = list(self.config.get("suppress_ids", []))
+        if not base:
+            base = self._non_speech_tokens()
+        extra = [self.transcribe, self.translate, self.sot, self.sot_prev, self.sot_lm, self.no_speech]
+        return sorted({t for t in base + extra if t is not None})
+
+    @cached_property
+    def suppress_begin(self) -> list[int]:
+        ids = self.config.get("suppress_ids_begin")
+        if ids:
+            return list(ids)
+        return sorted(set(self.encode(" ") + [self.eot]))
+
+    def _non_speech_tokens(self) -> list[int]:
+        symbols = list('"#()*+/:;<=>@[\\]^_`{|}~「」『』')
+        symbols += "<< >> <<< >>> -- --- -( -[ (' (\" (( )) ((( ))) [[ ]] {{ }} ♪♪ ♪♪♪".split()
+        miscellaneous = set("♩♪♫♬♭♮♯")
+        result = {self.encode(" -")[0], self.encode(" '")[0]}
+        for symbol in symbols + list(miscellaneous):
+            for tokens in [self.encode(symbol), self.encode(" " + symbol)]:
+                if len(tokens) == 1 or symbol in miscellaneous:
+                    result.add(tokens[0])
+        return sorted(result)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode([i for i in ids if i < self.eot], skip_special_tokens=False)
+
+    def sot_sequence(self, language: str | None, task: str = "transcribe") -> list[int]:
+        seq = [self.sot]
+        if self.multilingual:
+            lang = language or "en"
+            if lang not in self.lang_to_id:
+                raise ValueError(f"unknown language {lang!r}")
+            seq.append(self.lang_to_id[lang])
+            seq.append(self.translate if task == "translate" else self.transcribe)
+        return seq
+
+    def prompt_tokens(self, prompt: str | None, max_len: int) -> list[int]:
+        if not prompt or self.sot_prev is None:
+            return []
+        toks = self.encode(" " + prompt.strip())
+        return [self.sot_prev] + toks[-(max_len - 1) :]

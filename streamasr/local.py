@@ -1,0 +1,62 @@
+"""`streamasr transcribe --local`: transcribe files in this process, no service needed."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import TextIO
+
+from config.settings import ModelConfig
+
+
+def run(
+    files: list[str],
+    model: str = "whisper-tiny.en",
+    language: str | None = None,
+    precision: str = "fp32",
+    as_json: bool = False,
+    threads: int = 1,
+    out: TextIO = sys.stdout,
+    cache_dir: str = "",
+) -> int:
+    """Print each file's transcript (plain text, or one JSON object per line); 0 if all succeeded."""
+    from speech import longform
+    from speech.audio import AudioError, load_audio
+    from speech.backend import SAMPLE_RATE
+    from speech.loader import ModelError, load_backend
+
+    try:
+        backend = load_backend(ModelConfig(name=model, precision=precision, threads=threads, cache_dir=cache_dir))
+    except (ModelError, ValueError, NotImplementedError) as exc:
+        print(f"error: cannot load model {model}: {exc}", file=sys.stderr)
+        return 2
+    status = 0
+    try:
+        for path in files:
+            try:
+                audio = load_audio(path)
+                result = longform.transcribe(backend, audio, language=language or None)
+            except AudioError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                status = 1
+                continue
+            except Exception as exc:  # one bad file must not stop the others
+                print(f"error: {path}: transcription failed: {exc!r}", file=sys.stderr)
+                status = 1
+                continue
+            if as_json:
+                obj = {
+                    "file": path,
+                    "text": result.text,
+                    "language": result.language,
+                    "segments": [{"start": s.start, "end": s.end, "text": s.text} for s in result.segments],
+                    "duration": round(len(audio) / SAMPLE_RATE, 3),
+                }
+                out.write(json.dumps(obj, ensure_ascii=False) + "\n")
+            else:
+                prefix = f"{path}: " if len(files) > 1 else ""
+                out.write(prefix + result.text + "\n")
+            out.flush()
+    finally:
+        backend.close()
+    return status

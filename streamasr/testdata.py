@@ -1,0 +1,104 @@
+"""The development set: pocketsphinx-testdata utterances with reference transcripts.
+
+Debian's ``pocketsphinx-testdata`` ships LibriVox sentences (librivox/*.wav + transcription),
+spoken card names (cards/*.wav + cards.transcription) and goforward.raw (16 kHz s16le mono,
+"go forward ten meters"). Used by the tests, `streamasr bench-model` and the service benchmark.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+DATA_ENV = "STREAMASR_TESTDATA"
+DEFAULT_DATA = Path("/usr/share/pocketsphinx/test/data")
+
+
+@dataclass(frozen=True)
+class Utterance:
+    name: str
+    path: str
+    reference: str
+
+
+def data_dir() -> Path:
+    return Path(os.environ.get(DATA_ENV) or DEFAULT_DATA)
+
+
+def _read_transcription(path: Path) -> dict[str, str]:
+    refs: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        m = re.match(r"\s*(?:<s>)?(.*?)(?:</s>)?\s*\(([^)]+)\)\s*$", line)
+        if m:
+            refs[m.group(2).strip()] = " ".join(m.group(1).split())
+    return refs
+
+
+def utterances() -> list[Utterance]:
+    """Every dev-set utterance with its reference (empty list if the package is not installed)."""
+    root = data_dir()
+    out: list[Utterance] = []
+    libri = root / "librivox"
+    if (libri / "transcription").exists():
+        for key, ref in sorted(_read_transcription(libri / "transcription").items()):
+            wav = libri / f"{key}.wav"
+            if wav.exists():
+                out.append(Utterance(f"librivox/{key}", str(wav), ref))
+    cards = root / "cards"
+    if (cards / "cards.transcription").exists():
+        for key, ref in sorted(_read_transcription(cards / "cards.transcription").items()):
+            wav = cards / f"{key}.wav"
+            if wav.exists():
+                out.append(Utterance(f"cards/{key}", str(wav), ref))
+    raw = root / "goforward.raw"
+    if raw.exists():
+        out.append(Utterance("goforward", str(raw), "go forward ten meters"))
+    return out
+
+
+_ONES = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen nineteen".split()
+_TENS = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
+_ABBREV = {"mr": "mister", "mrs": "missus", "dr": "doctor", "st": "saint", "metres": "meters", "metre": "meter"}
+
+
+def number_to_words(n: int) -> str:
+    if n < 0:
+        return "minus " + number_to_words(-n)
+    if n < 20:
+        return _ONES[n]
+    if n < 100:
+        return _TENS[n // 10] + ("" if n % 10 == 0 else " " + _ONES[n % 10])
+    if n < 1000:
+        rest = n % 100
+        return _ONES[n // 100] + " hundred" + ("" if rest == 0 else " " + number_to_words(rest))
+    for size, word in ((10**9, "billion"), (10**6, "million"), (1000, "thousand")):
+        if n >= size:
+            rest = n % size
+            return number_to_words(n // size) + " " + word + ("" if rest == 0 else " " + number_to_words(rest))
+    return str(n)
+
+
+def normalize(text: str) -> str:
+    """Lower case, no punctuation, integers as words, a few abbreviations expanded."""
+    text = text.lower().replace("’", "'")
+    text = re.sub(r"(\d),(\d{3})", r"\1\2", text)
+    text = re.sub(r"\d+", lambda m: " " + number_to_words(int(m.group())) + " ", text)
+    text = re.sub(r"[-‐–—/]", " ", text)
+    text = re.sub(r"[^\w\s']", " ", text)
+    text = text.replace("'", "")
+    words = [_ABBREV.get(w, w) for w in text.split()]
+    return " ".join(words)
+
+
+def wer(refs: list[str], hyps: list[str]) -> float:
+    """Word error rate (0..1+) over the whole set, after `normalize`."""
+    import jiwer
+
+    r = [normalize(x) for x in refs]
+    h = [normalize(x) for x in hyps]
+    pairs = [(a, b) for a, b in zip(r, h) if a]
+    if not pairs:
+        return 0.0
+    return float(jiwer.wer([a for a, _ in pairs], [b if b else "<empty>" for _, b in pairs]))

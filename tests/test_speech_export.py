@@ -1,0 +1,169 @@
+"""Weights reader, log-mel and ONNX export checked against CTranslate2 / faster-whisper."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import onnx
+import pytest
+
+from config.settings import ModelConfig
+from speech import loader
+from speech.audio import load_audio
+from speech.ct2 import CT2Model
+from speech.export import ALLOWED_OPS, build_encoder
+from speech.mel import N_FRAMES, log_mel, mel_filters
+from streamasr.testdata import utterances
+
+ENCODER_ATOL = 1e-3  # max |ours - CTranslate2| on encoder outputs of magnitude ~10 (measured 2e-5)
+MEL_ATOL = 1e-4
+TRT_FORBIDDEN = {"Loop", "If", "Scan", "STFT", "SequenceAt", "SequenceConstruct", "SplitToSequence", "ConcatFromSequence"}
+
+
+@pytest.fixture(scope="module")
+def tiny_files():
+    return loader.resolve_model(ModelConfig(name="whisper-tiny.en"))
+
+
+@pytest.fixture(scope="module")
+def ct2_tiny(tiny_files):
+    return CT2Model(tiny_files.model_bin)
+
+
+@pytest.fixture(scope="module")
+def speech_audio():
+    utt = [u for u in utterances() if u.name.startswith("librivox/")]
+    assert utt, "pocketsphinx-testdata is not installed"
+    return load_audio(utt[0].path)
+
+
+def test_ct2_reader(ct2_tiny):
+    m = ct2_tiny
+    assert m.spec == "WhisperSpec" and m.version == 6
+    assert m.raw["decoder/embeddings/weight"].dtype == np.float16
+    # the output projection is an alias of the token embedding
+    assert m.aliases["decoder/projection/weight"] == "decoder/embeddings/weight"
+    proj = m.get("decoder/projection/weight")
+    assert proj.dtype == np.float32 and proj.shape == (51864, 384)
+    np.testing.assert_array_equal(proj, m.raw["decoder/embeddings/weight"].astype(np.float32))
+    assert int(m.raw["decoder/num_heads"]) == 6
+
+
+def test_int8_dequantization(tmp_path):
+    import struct
+
+    w = np.array([[10, -20], [30, 40]], dtype=np.int8)
+    scale = np.array([10.0, 20.0], dtype=np.float32)
+
+    def s(x: str) -> bytes:
+        return struct.pack("<H", len(x) + 1) + x.encode() + b"\0"
+
+    def var(name: str, a: np.ndarray, tid: int) -> bytes:
+        return s(name) + struct.pack("<B", a.ndim) + b"".join(struct.pack("<I", d) for d in a.shape) + struct.pack("<BI", tid, a.nbytes) + a.tobytes()
+
+    blob = struct.pack("<I", 6) + s("WhisperSpec") + struct.pack("<II", 3, 2) + var("w/weight", w, 1) + var("w/weight_scale", scale, 0)
+    blob += struct.pack("<I", 1) + s("alias/weight") + s("w/weight")
+    path = tmp_path / "model.bin"
+    path.write_bytes(blob)
+    m = CT2Model(path)
+    np.testing.assert_allclose(m.get("alias/weight"), [[1.0, -2.0], [1.5, 2.0]])
+
+
+def test_mel_filters_match_reference():
+    from faster_whisper.feature_extractor import FeatureExtractor
+
+    ref = FeatureExtractor(feature_size=80).mel_filters
+    np.testing.assert_allclose(mel_filters(), ref, atol=1e-6)
+
+
+def test_log_mel_matches_reference(speech_audio):
+    from faster_whisper.feature_extractor import FeatureExtractor
+
+    audio = speech_audio
+    ours = log_mel(audio)
+    assert ours.shape == (80, N_FRAMES) and ours.dtype == np.float32
+    ref = FeatureExtractor(feature_size=80)(audio, padding=160 * N_FRAMES)  # audio + 30 s of zeros
+    content = len(audio) // 160
+    np.testing.assert_allclose(ours[:, :content], ref[:, :content], atol=MEL_ATOL)
+    assert np.all(ours[:, content:] == 0.0)  # Whisper pads the mel itself with zeros
+
+
+def test_encoder_matches_ctranslate2(ct2_tiny, tiny_files, speech_audio):
+    import ctranslate2
+    import onnxruntime as ort
+
+    mel = log_mel(speech_audio)[None]
+    sess = ort.InferenceSession(build_encoder(ct2_tiny).SerializeToString(), providers=["CPUExecutionProvider"])
+    ours = sess.run(["encoder_out"], {"mel": mel})[0]
+    ct2 = ctranslate2.models.Whisper(str(tiny_files.dir), device="cpu", compute_type="float32")
+    ref = np.array(ct2.encode(ctranslate2.StorageView.from_array(mel)))
+    assert ours.shape == ref.shape == (1, 1500, 384)
+    assert np.abs(ours - ref).max() < ENCODER_ATOL
+    # dynamic batch and a shortened audio context (5 s -> 250 positions)
+    short = np.concatenate([mel[:, :, :500], mel[:, :, :500]])
+    out = sess.run(None, {"mel": short})
+    assert out[0].shape == (2, 250, 384)
+    assert out[1].shape == (2, 6, 64, 250) and out[2].shape == (2, 6, 250, 64)  # cross_k_0, cross_v_0
+
+
+def _ops(path) -> set[str]:
+    return {n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node}
+
+
+def test_graphs_use_only_allowed_ops():
+    d = loader.ensure_exported(ModelConfig(name="whisper-tiny.en", precision="fp32"))
+    for name in ("encoder", "decoder"):
+        ops = _ops(d / f"{name}.onnx")
+        assert ops <= ALLOWED_OPS, ops - ALLOWED_OPS
+        assert not ops & TRT_FORBIDDEN
+
+
+def test_export_cache(tmp_path, capsys):
+    cfg = ModelConfig(name="whisper-tiny.en", cache_dir=str(tmp_path))
+    results: list = []
+    # two exporters at once: the lock makes the second wait and then reuse the first one's graphs
+    threads = [threading.Thread(target=lambda: results.append(loader.ensure_exported(cfg))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 2 and results[0] == results[1]
+    out = results[0]
+    assert "first run" in capsys.readouterr().err
+    assert (out / "encoder.onnx").exists() and (out / "decoder.onnx").exists() and (out / "meta.json").exists()
+    assert out.is_relative_to(tmp_path / "onnx") and "v" in out.name and out.name.endswith("-fp32")
+    mtime = (out / "decoder.onnx").stat().st_mtime_ns
+    t0 = time.perf_counter()
+    assert loader.ensure_exported(cfg) == out  # cache hit
+    assert time.perf_counter() - t0 < 1.0
+    assert (out / "decoder.onnx").stat().st_mtime_ns == mtime
+    assert "first run" not in capsys.readouterr().err
+    assert not list((tmp_path / "onnx").glob(".*tmp*"))  # no temporary leftovers
+
+
+def test_sha256_mismatch_is_reported(tmp_path):
+    f = tmp_path / "model.bin"
+    f.write_bytes(b"not a model")
+    with pytest.raises(loader.ModelError, match="sha256"):
+        loader._verify(f, "0" * 64, tmp_path, "whisper-test")
+
+
+def test_model_directory_by_path(tiny_files, tmp_path):
+    files = loader.resolve_model(ModelConfig(name=str(tiny_files.dir), cache_dir=str(tmp_path)))
+    assert files.sha256 == loader.TINY_EN_SHA256
+    with pytest.raises(loader.ModelError, match="unknown model"):
+        loader.resolve_model(ModelConfig(name=str(tmp_path / "nope")))
+
+
+def test_loader_backends():
+    from speech.backend import DecodeRequest
+    from speech.null_backend import NullBackend
+
+    b = loader.load_backend(ModelConfig(name="null", null_text="hi"))
+    assert isinstance(b, NullBackend)
+    r = b.transcribe_batch([DecodeRequest(audio=np.zeros(32000, np.float32))])[0]
+    assert r.text == "hi" and r.segments[0].end == 2.0
+    with pytest.raises(NotImplementedError, match="TensorRT"):
+        loader.load_backend(ModelConfig(backend="tensorrt"))
