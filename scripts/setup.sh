@@ -22,7 +22,7 @@ fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 if [ "$with_tests" = 1 ]; then
-    .venv/bin/python -m pip install -q -e '.[test,base]'
+    .venv/bin/python -m pip install -q -e '.[test,base,bench]'
 else
     .venv/bin/python -m pip install -q -e .
 fi

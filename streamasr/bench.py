@@ -1,0 +1,683 @@
+"""`streamasr bench`: a load generator for the service, in the spirit of Triton's perf_analyzer.
+
+N streams are spread over P client processes (streamasr.loadgen), each one DEALER serving its
+streams from one loop, paced in real time from the dev set and espeak-ng speech (or, with
+--offline, as fast as the flow-control window allows). Latency is measured in the clients, from
+the send time of the frame holding a result's last sample; the processes report raw samples here
+as msgpack and this module turns them into percentiles, throughput, batch sizes, per-process CPU
+and WER. The generator times its own sends, so a run where it fell behind says so instead of
+reporting latencies it inflated itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import psutil
+import zmq
+
+from client.client import handshake
+from client.core import LOCAL_HOSTS
+from config import settings
+from config.settings import Config
+from protocol import messages as m
+from streamasr.loadgen import Clip, Plan, RecordReader
+
+ROOT = Path(__file__).resolve().parents[1]
+GAP_S = 0.8  # silence after each clip: more than the VAD's minimum silence, so each clip ends a segment
+SAMPLE_EVERY_S = 0.5  # psutil sampling period
+PERCENTILES = (("p50", 50.0), ("p90", 90.0), ("p99", 99.0), ("p99_9", 99.9))
+ESPEAK_SENTENCES = (
+    "the quick brown fox jumps over the lazy dog",
+    "please call stella and ask her to bring these things with her from the store",
+    "we will meet at the station before the train leaves in the morning",
+    "a streaming recognizer returns partial words while the speaker is still talking",
+    "turn left at the second light and park behind the old library",
+    "she sells sea shells by the sea shore",
+    "the weather today is cold and windy with a chance of rain in the evening",
+    "open the window and let some fresh air into the room",
+)
+
+
+# ---------------------------------------------------------------------------------- the service
+
+
+def free_ports(count: int) -> int:
+    """A base port with `count` consecutive free ports on loopback."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count >= 65535:
+            continue
+        try:
+            for port in range(base + 1, base + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free port range")
+
+
+@dataclass
+class LocalService:
+    """A service this process started with `streamasr serve` (supervisord in the foreground)."""
+
+    cfg: Config
+    proc: subprocess.Popen
+    config_file: Path
+
+    @property
+    def address(self) -> str:
+        return self.cfg.ingest.address
+
+    def stop(self, timeout: float = 40.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_service(root: Path, model: str = "whisper-tiny.en", workers: int = 2, ingest: int = 1,
+                  ready_timeout: float = 300.0, overrides: dict[str, Any] | None = None) -> LocalService:
+    """Start an instance of its own (name, run directory under `root`, free loopback ports) and
+    wait until the broker reports every ingest and worker; `overrides` is merged into the config."""
+    from streamasr import service as svc
+
+    base = free_ports(ingest + 1)
+    instance = f"b{uuid.uuid4().hex[:8]}"
+    over: dict[str, Any] = {
+        "instance": instance,
+        "run_dir": str(root / instance),
+        "model": {"name": model, "backend": "null" if model == "null" else "onnxruntime"},
+        "workers": {"processes": workers},
+        "ingest": {"address": f"tcp://127.0.0.1:{base}", "port_base": base + 1, "processes": ingest},
+    }
+    over = settings.merge(over, overrides or {})
+    cfg = settings.load(None, over)
+    config_file = root / f"{instance}.toml"
+    config_file.write_text(settings.dump(cfg))
+    env = {**os.environ, "STREAMASR_CONFIG": str(config_file)}
+    env.pop("STREAMASR_RUN_DIR", None)
+    proc = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "serve"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    service = LocalService(cfg, proc, config_file)
+    deadline = time.monotonic() + ready_timeout
+    report: dict[str, Any] = {}
+    while time.monotonic() < deadline and proc.poll() is None:
+        report = svc.status(cfg)
+        if report.get("ready") and len(report.get("ingests", [])) >= ingest and len(report.get("workers", [])) >= workers:
+            return service
+        time.sleep(0.25)
+    service.stop()
+    raise RuntimeError(f"service did not become ready: {report}\n{proc.stderr.read() if proc.stderr else ''}")
+
+
+@dataclass
+class Target:
+    """The service under test, and what we can learn about its processes."""
+
+    address: str
+    local: LocalService | None = None
+
+    def status(self) -> m.StatusReply | None:
+        from streamasr.service import front_door
+
+        try:
+            reply = front_door(self.address, m.Status(), timeout=5.0)
+        except (TimeoutError, m.ProtocolError):
+            return None
+        return reply if isinstance(reply, m.StatusReply) else None
+
+    def settle(self, timeout: float = 60.0) -> None:
+        """Wait until no job is queued or in flight and the admission figure has decayed, so one run's
+        backlog neither slows the next nor gets its streams refused as `overloaded`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            reply = self.status()
+            if reply is not None and not reply.inflight and not sum(reply.queued.values()) and reply.load < 0.05:
+                return
+            time.sleep(0.25)
+
+    def pids(self) -> dict[str, int]:
+        """Program name -> pid: from supervisord when we started the service, else from the broker
+        (which knows ingest and worker pids but not its own)."""
+        if self.local is not None:
+            from streamasr.service import processes
+
+            return {p["name"]: p["pid"] for p in processes(self.local.cfg) if p["pid"]}
+        host = self.address.partition("://")[2].rpartition(":")[0]
+        reply = self.status() if host in LOCAL_HOSTS else None  # a remote service's pids are not ours to sample
+        if reply is None:
+            return {}
+        out = {f"ingest-{i.get('index')}": i["pid"] for i in reply.ingests if i.get("pid")}
+        out.update({str(w.get("id")): w["pid"] for w in reply.workers if w.get("pid")})
+        return out
+
+    def worker_logs(self) -> list[Path]:
+        if self.local is None:
+            return []
+        return sorted((self.local.cfg.run_path / "logs").glob("worker-*.log"))
+
+
+# ---------------------------------------------------------------------------------- the audio
+
+
+def corpus(workdir: Path) -> list[Clip]:
+    """The dev set plus espeak-ng sentences (synthesized once per run into `workdir`)."""
+    from streamasr.testdata import utterances
+
+    clips = [Clip(u.name, u.path, u.reference) for u in utterances()]
+    espeak = shutil.which("espeak-ng")
+    if espeak:
+        for i, text in enumerate(ESPEAK_SENTENCES):
+            path = workdir / f"espeak-{i}.wav"
+            subprocess.run([espeak, "-v", "en-us", "-s", "160", "-w", str(path), text], check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            clips.append(Clip(f"espeak/{i}", str(path), text))
+    if not clips:
+        raise SystemExit("error: no speech to send: install pocketsphinx-testdata or espeak-ng")
+    return clips
+
+
+# ---------------------------------------------------------------------------------- sampling
+
+
+@dataclass
+class Sampler:
+    """CPU time and RSS of every process under test, sampled from a thread during the run."""
+
+    pids: dict[str, int]
+    samples: dict[str, list[tuple[float, float, int]]] = field(default_factory=dict)  # (t, cpu s, rss)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> Sampler:
+        procs = {}
+        for name, pid in self.pids.items():
+            try:
+                procs[name] = psutil.Process(pid)
+            except psutil.NoSuchProcess:
+                continue
+
+        def run() -> None:
+            while True:
+                for name, p in procs.items():
+                    try:
+                        with p.oneshot():
+                            t = p.cpu_times()
+                            self.samples.setdefault(name, []).append((time.monotonic(), t.user + t.system, p.memory_info().rss))
+                    except psutil.NoSuchProcess:
+                        continue
+                if self._stop.wait(SAMPLE_EVERY_S):
+                    return
+
+        self._thread = threading.Thread(target=run, name="bench-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def report(self, start: float, end: float) -> list[dict[str, Any]]:
+        """Mean and peak CPU % (of one core) over [start, end], and the largest RSS seen."""
+        out = []
+        for name, rows in self.samples.items():
+            inside = [r for r in rows if start - SAMPLE_EVERY_S <= r[0] <= end + SAMPLE_EVERY_S] or rows
+            if len(inside) < 2:
+                continue
+            (t0, c0, _), (t1, c1, _) = inside[0], inside[-1]
+            steps = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in zip(inside, inside[1:]) if b[0] > a[0]]
+            out.append({"name": name, "pid": self.pids[name], "cpu_pct": round(100 * (c1 - c0) / max(t1 - t0, 1e-9), 1),
+                        "cpu_peak_pct": round(100 * max(steps, default=0.0), 1),
+                        "rss_mb": round(max(r[2] for r in inside) / 2**20, 1)})
+        return sorted(out, key=lambda r: r["name"])
+
+
+def batch_log_offsets(paths: list[Path]) -> dict[Path, int]:
+    return {p: p.stat().st_size for p in paths if p.exists()}
+
+
+def batch_sizes(offsets: dict[Path, int], paths: list[Path]) -> tuple[list[int], list[float]]:
+    """Sizes and backend seconds of the batches the workers logged since `offsets` (they log them at
+    debug level, which the bench turns on when it starts the service)."""
+    sizes: list[int] = []
+    seconds: list[float] = []
+    for path in paths:
+        with path.open("rb") as f:
+            f.seek(offsets.get(path, 0))
+            for line in f:
+                if b'"worker.batch"' not in line:
+                    continue
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                sizes.append(int(event.get("size", event.get("batch_size", 0))))
+                seconds.append(float(event.get("seconds", 0.0)))
+    return sizes, seconds
+
+
+# ---------------------------------------------------------------------------------- statistics
+
+
+def stats_ms(values: np.ndarray) -> dict[str, Any]:
+    """Percentiles, max, mean and stdev in milliseconds (None when there is nothing to measure)."""
+    out: dict[str, Any] = {"count": int(values.size)}
+    keys = [k for k, _ in PERCENTILES] + ["max", "mean", "stdev"]
+    if values.size == 0:
+        return out | {k: None for k in keys}
+    ms = values * 1000.0
+    for key, q in PERCENTILES:
+        out[key] = round(float(np.percentile(ms, q)), 3)
+    out["max"] = round(float(ms.max()), 3)
+    out["mean"] = round(float(ms.mean()), 3)
+    out["stdev"] = round(float(ms.std()), 3)
+    return out
+
+
+def cpu_pressure() -> float | None:
+    """Linux PSI: % of the last 60 s in which some runnable task waited for a CPU (None if unavailable).
+    High values mean every latency here includes waiting for a core."""
+    try:
+        line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+    except (OSError, IndexError):
+        return None
+    fields = dict(kv.split("=") for kv in line.split()[1:])
+    return float(fields["avg60"]) if "avg60" in fields else None
+
+
+def _rows(blob: bytes, width: int) -> np.ndarray:
+    return np.frombuffer(blob, dtype=np.float64).reshape(-1, width)
+
+
+def intervals(partials: list[np.ndarray]) -> np.ndarray:
+    """Receive-time gaps between consecutive partials of the same segment of the same stream."""
+    gaps = []
+    for p in partials:
+        if len(p) < 2:
+            continue
+        same = p[1:, 2] == p[:-1, 2]
+        gaps.append(np.diff(p[:, 0])[same])
+    return np.concatenate(gaps) if gaps else np.empty(0)
+
+
+@dataclass
+class RunSpec:
+    streams: int
+    duration_s: float
+    offline: bool
+    frame_ms: float
+    clients: int | None
+    model: str
+    workers: int | None
+    max_batch: int | None
+    drain_s: float
+
+
+def summarize(spec: RunSpec, results: list[dict[str, Any]], t0: float, wall_end: float, sampler: Sampler,
+              batches: tuple[list[int], list[float]] | None, jobs: tuple[m.StatusReply | None, m.StatusReply | None],
+              processes: int) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """One summary object, plus the raw arrays the plot needs."""
+    streams = [s for r in results for s in r["streams"]]
+    opened = [s for s in streams if s["ready"]]
+    partials = [_rows(s["partials"], 4) for s in opened]
+    finals = [_rows(s["finals"], 4) for s in opened]
+    p_all = np.concatenate(partials) if partials else np.empty((0, 4))
+    f_all = np.concatenate(finals) if finals else np.empty((0, 4))
+    lag = np.concatenate([np.frombuffer(r["lag"], dtype=np.float64) for r in results]) if results else np.empty(0)
+    errors: dict[str, int] = {}
+    for s in opened:
+        for code, n in s["errors"].items():
+            errors[code] = errors.get(code, 0) + n
+    refused: dict[str, int] = {}
+    for s in streams:
+        if s["open_error"]:
+            code = s["open_error"].partition(": ")[0]
+            refused[code] = refused.get(code, 0) + 1
+            if refused[code] == 1:
+                print(f"stream refused: {s['open_error']}", file=sys.stderr)
+    closed = [s for s in opened if s["closed_at"] is not None]
+    audio_s = sum(s["audio_s"] for s in opened)
+    ends = [s["closed_at"] for s in closed] + [float(f[:, 0].max()) for f in finals if len(f)]
+    wall = max((max(ends) if ends else wall_end) - t0, 0.0)
+    send_end = max((s["end_sent"] or 0.0) for s in opened) if opened else wall_end
+
+    lag_stats = stats_ms(lag)
+    partial_stats = stats_ms(p_all[:, 1])
+    lag_p99 = lag_stats["p99"] or 0.0
+    # Behind: frames left more than a frame late, and late enough to matter next to what is measured
+    # (the same loop takes the receive times, so they are late by about as much).
+    tolerance = max(spec.frame_ms, 0.1 * (partial_stats["p99"] or 0.0))
+    behind = lag_p99 > tolerance
+    if behind:
+        note = (f"GENERATOR BEHIND: p99 send lag {lag_p99:.1f} ms exceeds {tolerance:.1f} ms (a frame, or a tenth of "
+                "the p99 partial latency); it could not keep the schedule and its receive times are late too: "
+                "these latencies are not valid")
+    elif partial_stats["p99"] is not None and lag_p99 > 0.5 * partial_stats["p99"]:
+        note = (f"p99 send lag {lag_p99:.2f} ms is comparable to the p99 partial latency: the generator's own "
+                "scheduling delay is a large part of these latencies (an upper bound for the service)")
+    else:
+        note = "generator kept up"
+
+    wer = None
+    if spec.model != "null" and closed:
+        try:
+            from streamasr.testdata import wer as word_error_rate
+
+            wer = round(word_error_rate([" ".join(s["refs"]) for s in closed], [" ".join(s["texts"]) for s in closed]), 4)
+        except ImportError:
+            wer = None
+
+    sizes, seconds = batches if batches is not None else ([], [])
+    before, after = jobs
+    summary = {
+        "config": {"streams": spec.streams, "duration_s": spec.duration_s, "mode": "offline" if spec.offline else "realtime",
+                   "model": spec.model, "workers": spec.workers, "max_batch": spec.max_batch, "frame_ms": spec.frame_ms,
+                   "client_processes": processes},
+        "streams": {"requested": spec.streams, "opened": len(opened), "refused": refused, "closed": len(closed),
+                    "unfinished": len(opened) - len(closed), "with_finals": sum(1 for f in finals if len(f))},
+        "partials": int(len(p_all)),
+        "finals": int(len(f_all)),
+        "partial_latency_ms": partial_stats,
+        "final_latency_ms": stats_ms(f_all[:, 1]),
+        "ack_latency_ms": stats_ms(np.concatenate([_rows(s["acks"], 2)[:, 1] for s in opened]) if opened else np.empty(0)),
+        "jitter_ms": {"partial_latency_stdev": partial_stats["stdev"],
+                      "partial_interval": stats_ms(intervals(partials))},
+        "throughput": {"audio_s": round(audio_s, 3), "wall_s": round(wall, 3),
+                       "audio_s_per_s": round(audio_s / wall, 3) if wall > 0 else None,
+                       "rtf": round(wall / audio_s, 5) if audio_s > 0 else None},
+        "errors": errors,
+        "refused_frames": errors.get(m.OVERLOADED, 0),
+        "batches": ({"count": len(sizes), "mean_size": round(float(np.mean(sizes)), 3),
+                     "histogram": {str(k): int(v) for k, v in zip(*np.unique(sizes, return_counts=True))},
+                     "backend_ms": stats_ms(np.asarray(seconds))} if sizes else None),
+        "jobs": ({"done": after.jobs_done - before.jobs_done, "expired": after.expired - before.expired,
+                  "per_worker": {str(w.get("id")): w.get("jobs_done") for w in after.workers}}
+                 if before is not None and after is not None else None),
+        "processes": sampler.report(t0, t0 + wall if spec.offline else send_end),
+        "generator": {"send_lag_ms": lag_stats, "behind": behind, "note": note},
+        "wer": wer,
+        "load_average": [round(x, 2) for x in os.getloadavg()],  # 1/5/15 min at the end: was the machine shared?
+        "cpu_pressure_pct": cpu_pressure(),
+    }
+    raw = {"partials": p_all, "finals": f_all, "t0": np.array([t0])}
+    return summary, raw
+
+
+# ---------------------------------------------------------------------------------- one run
+
+
+def client_processes(streams: int, requested: int | None, per_client: int) -> int:
+    """P processes: as asked (default 2), at least enough for the service's per-client stream limit."""
+    p = requested if requested else min(2, streams)
+    return max(1, min(streams, max(p, math.ceil(streams / max(per_client, 1)))))
+
+
+def run_load(target: Target, spec: RunSpec, clips: list[Clip]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Open every stream, start them together, collect the clients' samples and summarize."""
+    welcome = handshake(zmq.Context.instance(), target.address, 30.0)
+    procs_n = client_processes(spec.streams, spec.clients, int(welcome.limits.get("max_streams_per_client", 64)))
+    tag = uuid.uuid4().hex[:8]
+    procs: list[subprocess.Popen] = []
+    readers: list[RecordReader] = []
+    share, extra = divmod(spec.streams, procs_n)
+    first = 0
+    try:
+        for k in range(procs_n):
+            count = share + (1 if k < extra else 0)
+            plan = Plan(address=target.address, tag=tag, first=first, count=count, clips=clips,
+                        duration_s=spec.duration_s, frame_ms=spec.frame_ms, offline=spec.offline, gap_s=GAP_S,
+                        drain_s=spec.drain_s)
+            first += count
+            proc = subprocess.Popen([sys.executable, "-m", "streamasr.loadgen"], cwd=ROOT, stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE)
+            assert proc.stdin is not None
+            proc.stdin.write(msgpack.packb(plan.to_wire(), use_bin_type=True))
+            proc.stdin.flush()
+            procs.append(proc)
+            assert proc.stdout is not None
+            readers.append(RecordReader(proc.stdout.fileno()))
+        for k, reader in enumerate(readers):
+            try:
+                reader.next()  # "ready": its streams are open
+            except EOFError:
+                raise RuntimeError(f"bench client {k} exited before opening its streams") from None
+        pids = target.pids() | {f"bench-client-{k}": p.pid for k, p in enumerate(procs)}
+        logs = target.worker_logs()
+        offsets = batch_log_offsets(logs)
+        before = target.status()
+        sampler = Sampler(pids).start()
+        t0 = time.monotonic() + 0.5
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write(msgpack.packb({"t0": t0}))
+            proc.stdin.close()
+        results = []
+        for k, reader in enumerate(readers):
+            try:
+                results.append(reader.next())
+            except EOFError:
+                raise RuntimeError(f"bench client {k} exited without a result") from None
+        wall_end = time.monotonic()
+        sampler.stop()
+        after = target.status()
+        batches = batch_sizes(offsets, logs) if logs else None
+        for proc in procs:
+            proc.wait(30)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return summarize(spec, results, t0, wall_end, sampler, batches, (before, after), procs_n)
+
+
+# ---------------------------------------------------------------------------------- output
+
+
+def _fmt(v: Any, digits: int = 2) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def print_report(s: dict[str, Any], out: Any = sys.stdout) -> None:
+    c = s["config"]
+    w = print
+    w(f"\n{c['streams']} streams x {c['duration_s']:g} s {c['mode']}, model {c['model']}, workers {c['workers'] or '?'}, "
+      f"max batch {c['max_batch'] or '?'}, frame {c['frame_ms']:g} ms, {c['client_processes']} client processes", file=out)
+    st = s["streams"]
+    w(f"machine at the end: load average (1/5/15 min) {s['load_average']}, CPU pressure (some, 60 s) "
+      f"{_fmt(s['cpu_pressure_pct'], 1)} %", file=out)
+    w(f"streams: {st['opened']} opened, {st['closed']} closed, {st['unfinished']} unfinished, refused {st['refused'] or 0}", file=out)
+    w(f"{'latency (ms)':<16}{'count':>8}{'p50':>9}{'p90':>9}{'p99':>9}{'p99.9':>9}{'max':>9}{'stdev':>9}", file=out)
+    for label, key in (("partial", "partial_latency_ms"), ("final", "final_latency_ms"), ("ack (ingest RTT)", "ack_latency_ms")):
+        x = s[key]
+        w(f"{label:<16}{x['count']:>8}" + "".join(f"{_fmt(x[k]):>9}" for k in ("p50", "p90", "p99", "p99_9", "max", "stdev")), file=out)
+    iv = s["jitter_ms"]["partial_interval"]
+    w(f"jitter: partial latency stdev {_fmt(s['jitter_ms']['partial_latency_stdev'])} ms; "
+      f"interval between partials of a segment p50 {_fmt(iv['p50'], 1)} ms, stdev {_fmt(iv['stdev'], 1)} ms", file=out)
+    t = s["throughput"]
+    w(f"throughput: {t['audio_s']:.1f} s of audio in {t['wall_s']:.1f} s = {_fmt(t['audio_s_per_s'])} audio s per wall s "
+      f"(RTF {_fmt(t['rtf'], 4)})", file=out)
+    w(f"errors: {s['errors'] or 'none'}; refused frames {s['refused_frames']}", file=out)
+    b = s["batches"]
+    if b:
+        w(f"batches: {b['count']}, mean size {b['mean_size']:.2f}, histogram {b['histogram']}, "
+          f"backend call p50 {_fmt(b['backend_ms']['p50'], 3)} ms p99 {_fmt(b['backend_ms']['p99'], 3)} ms", file=out)
+    else:
+        w("batches: unknown (batch sizes come from the worker logs of a service the bench starts)", file=out)
+    if s["jobs"]:
+        w(f"jobs: {s['jobs']['done']} done, {s['jobs']['expired']} stale partials skipped", file=out)
+    if s["wer"] is not None:
+        w(f"WER of finals: {100 * s['wer']:.2f} %", file=out)
+    w(f"{'process':<18}{'cpu %':>8}{'peak %':>8}{'rss MB':>9}", file=out)
+    for p in s["processes"]:
+        w(f"{p['name']:<18}{p['cpu_pct']:>8.1f}{p['cpu_peak_pct']:>8.1f}{p['rss_mb']:>9.1f}", file=out)
+    g = s["generator"]
+    lag = g["send_lag_ms"]
+    if lag["count"]:
+        w(f"generator send lag: p50 {_fmt(lag['p50'], 3)} ms, p99 {_fmt(lag['p99'], 3)} ms, max {_fmt(lag['max'], 1)} ms "
+          f"over {lag['count']} frames: {g['note']}", file=out)
+
+
+def plot(path: str, runs: list[tuple[dict[str, Any], dict[str, np.ndarray]]]) -> None:
+    """Latency distribution and latency over time of the last run; for a sweep, p50/p99 against N too."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary, raw = runs[-1]
+    ncols = 3 if len(runs) > 1 else 2
+    fig, axes = plt.subplots(1, ncols, figsize=(6 * ncols, 4.5))
+    t0 = float(raw["t0"][0])
+    for label, key, color in (("partial", "partials", "tab:blue"), ("final", "finals", "tab:orange")):
+        lat = raw[key][:, 1] * 1000
+        if lat.size:
+            x = np.sort(lat)
+            axes[0].plot(x, np.arange(1, x.size + 1) / x.size, label=label, color=color)
+            axes[1].scatter(raw[key][:, 0] - t0, lat, s=2, label=label, color=color, alpha=0.5)
+    axes[0].set(xscale="log", xlabel="latency (ms)", ylabel="fraction", title="latency distribution (CDF)")
+    axes[1].set(yscale="log", xlabel="seconds since start", ylabel="latency (ms)", title="latency over time")
+    for ax in axes[:2]:
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    if len(runs) > 1:
+        ns = [r[0]["config"]["streams"] for r in runs]
+        for key, label in (("partial_latency_ms", "partial"), ("final_latency_ms", "final")):
+            for q, style in (("p50", "--"), ("p99", "-")):
+                axes[2].plot(ns, [r[0][key][q] or np.nan for r in runs], style, marker="o", label=f"{label} {q}")
+        axes[2].set_xscale("log", base=2)
+        axes[2].set_xticks(ns, [str(n) for n in ns])
+        axes[2].set(yscale="log", xlabel="streams", ylabel="latency (ms)", title="sweep")
+        axes[2].grid(True, which="both", alpha=0.3)
+        axes[2].legend()
+    c = summary["config"]
+    fig.suptitle(f"streamasr bench: {c['streams']} streams {c['mode']}, model {c['model']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------- CLI
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="streamasr bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--streams", type=int, default=1, help="concurrent streams")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of audio per stream (whole clips, so a little more)")
+    pace = p.add_mutually_exclusive_group()
+    pace.add_argument("--realtime", action="store_true", help="send frames on a wall-clock schedule (default)")
+    pace.add_argument("--offline", action="store_true", help="send as fast as the window allows, priority batch")
+    p.add_argument("--model", default="whisper-tiny.en", help="null, whisper-tiny.en or whisper-base (when the bench starts the service)")
+    p.add_argument("--server", metavar="ADDR", help="front door of a running service (default: start one)")
+    p.add_argument("--workers", type=int, default=2, help="worker processes of the service the bench starts")
+    p.add_argument("--max-batch", type=int, help="the started service's model.max_batch (default: the config's)")
+    p.add_argument("--clients", type=int, help="client processes (default 2, fewer for fewer streams)")
+    p.add_argument("--frame-ms", type=float, default=20.0, help="audio per message in real-time mode")
+    p.add_argument("--sweep", help="comma-separated stream counts, e.g. 1,2,4,8: runs each, reports the largest N within the bounds")
+    p.add_argument("--p99-bound-ms", type=float, default=1000.0, help="sweep bound on p99 partial latency (finals: 1.5x)")
+    p.add_argument("--drain", type=float, default=60.0, help="give up waiting for results after this long without any")
+    p.add_argument("--json", dest="json_path", metavar="FILE", help="write the summary as one JSON object")
+    p.add_argument("--plot", metavar="FILE.png", help="latency distribution and latency over time (matplotlib)")
+    args = p.parse_args(argv)
+    if args.streams < 1 or args.duration <= 0 or args.frame_ms <= 0:
+        p.error("--streams, --duration and --frame-ms must be positive")
+    return args
+
+
+def within_bounds(s: dict[str, Any], bound_ms: float) -> bool:
+    pl, fl = s["partial_latency_ms"]["p99"], s["final_latency_ms"]["p99"]
+    return (s["streams"]["unfinished"] == 0 and not s["generator"]["behind"] and pl is not None and fl is not None
+            and pl <= bound_ms and fl <= 1.5 * bound_ms)
+
+
+def _terminate(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwind, so the service we started is stopped
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
+    signal.signal(signal.SIGTERM, _terminate)
+    counts = [int(x) for x in args.sweep.split(",")] if args.sweep else [args.streams]
+    command = " ".join(["streamasr", "bench", *argv])
+    workdir = Path(tempfile.mkdtemp(prefix="streamasr-bench-"))
+    target: Target | None = None
+    try:
+        clips = corpus(workdir)
+        if args.server:
+            target = Target(args.server)
+        else:
+            overrides: dict[str, Any] = {"log_level": "debug",  # the workers log each batch's size at debug
+                                         "ingest": {"max_streams_per_client": max(64, max(counts))}}
+            if args.max_batch:
+                overrides["model"] = {"max_batch": args.max_batch}
+            print(f"starting the service: model {args.model}, {args.workers} workers ...", file=sys.stderr, flush=True)
+            local = start_service(workdir, model=args.model, workers=args.workers, overrides=overrides)
+            target = Target(local.address, local)
+        runs: list[tuple[dict[str, Any], dict[str, np.ndarray]]] = []
+        best: int | None = None
+        for n in counts:
+            spec = RunSpec(n, args.duration, args.offline, args.frame_ms, args.clients, args.model,
+                           args.workers if not args.server else None,
+                           args.max_batch or (target.local.cfg.model.max_batch if target.local else None), args.drain)
+            target.settle()
+            summary, raw = run_load(target, spec, clips)
+            runs.append((summary, raw))
+            print_report(summary)
+            if args.sweep:
+                ok = within_bounds(summary, args.p99_bound_ms)
+                summary["within_bounds"] = ok
+                print(f"-> {n} streams: {'within' if ok else 'outside'} the bounds (p99 partial {args.p99_bound_ms:g} ms, "
+                      f"final {1.5 * args.p99_bound_ms:g} ms, every stream finished, generator on time)")
+                if ok and (best is None or n > best):
+                    best = n
+        result: dict[str, Any] = runs[-1][0] if not args.sweep else {
+            "sweep": [r[0] for r in runs], "p99_bound_ms": args.p99_bound_ms, "best_streams": best}
+        result |= {"command": command, "machine": {"cpus": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+                                                   "python": platform.python_version(), "platform": platform.platform()},
+                   "date": time.strftime("%Y-%m-%d")}
+        if args.sweep:
+            print(f"\nsweep: largest N within p99 partial <= {args.p99_bound_ms:g} ms and p99 final <= "
+                  f"{1.5 * args.p99_bound_ms:g} ms: {best if best is not None else 'none'}")
+        if args.json_path:
+            Path(args.json_path).write_text(json.dumps(result, indent=1))
+        if args.plot:
+            plot(args.plot, runs)
+        return 0
+    finally:
+        if target is not None and target.local is not None:
+            target.local.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

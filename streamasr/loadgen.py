@@ -1,0 +1,355 @@
+"""One client process of `streamasr bench`: many streams on one DEALER, driven by one loop.
+
+The bench starts these with `python -m streamasr.loadgen`, writes the plan as one msgpack map
+to stdin and reads msgpack records from stdout, so raw samples cross the process boundary
+without pickle. There is no thread per stream: a heap of due times drives the real-time sends
+and one non-blocking receive loop serves every stream, so the generator's own cost grows with
+the frame rate, not with a thread per stream.
+
+Latency follows the client's definition (client.core.SendLog): receive time minus the first
+send time of the frame holding the last sample a result covers, or of `end` if that was sent
+earlier. All times are time.monotonic(), which on Linux is one clock for every process.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import select
+import sys
+import time
+from array import array
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+import msgpack
+import numpy as np
+import zmq
+
+from client.client import handshake
+from client.core import StreamCore, ingest_endpoint, limits_from
+from protocol.messages import (
+    Ack,
+    Audio,
+    Closed,
+    End,
+    ErrorMsg,
+    Final,
+    Open,
+    Partial,
+    ProtocolError,
+    Ready,
+    decode_server,
+    encode,
+)
+
+RATE = 16000
+SAMPLE_BYTES = 2  # pcm_s16le mono
+OPEN_TIMEOUT_S = 30.0
+LEAD_MAX_S = 2.0  # streams begin with up to this much silence so their segments do not end in lockstep
+GOLDEN = 0.6180339887498949
+SLOT_S = 0.001  # resolution of the send schedule
+
+
+@dataclass(frozen=True)
+class Clip:
+    name: str
+    path: str
+    reference: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one client process does; `first` is the global index of its first stream."""
+
+    address: str
+    tag: str  # stream ids are f"{tag}-{index}", unique per run
+    first: int
+    count: int
+    clips: list[Clip]
+    duration_s: float
+    frame_ms: float
+    offline: bool
+    gap_s: float
+    drain_s: float  # stop waiting for results after this long without any message
+
+    def to_wire(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["clips"] = [[c.name, c.path, c.reference] for c in self.clips]
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> Plan:
+        d = dict(d)
+        d["clips"] = [Clip(*c) for c in d["clips"]]
+        return cls(**d)
+
+
+def playlist(index: int, clips: list[Clip], duration_s: float, gap_s: float, durations: list[float]) -> tuple[float, list[int]]:
+    """Lead-in silence and the clips stream `index` plays: whole clips, from a different start
+    per stream, until `duration_s` is reached (the last clip is finished, so WER stays exact)."""
+    lead = ((index * GOLDEN) % 1.0) * LEAD_MAX_S
+    total, order, k = lead, [], index
+    while total < duration_s:
+        c = k % len(clips)
+        order.append(c)
+        total += durations[c] + gap_s
+        k += 1
+    return lead, order
+
+
+def load_clips(clips: list[Clip]) -> list[np.ndarray]:
+    """Each clip as 16 kHz int16 mono."""
+    from speech.audio import load_audio
+
+    return [(np.clip(load_audio(c.path), -1.0, 1.0) * 32767.0).astype("<i2") for c in clips]
+
+
+def stream_audio(lead_s: float, order: list[int], pcm: list[np.ndarray], gap_s: float) -> bytes:
+    gap = np.zeros(int(gap_s * RATE), dtype="<i2")
+    parts = [np.zeros(int(lead_s * RATE), dtype="<i2")]
+    for c in order:
+        parts += [pcm[c], gap]
+    return np.concatenate(parts).tobytes()
+
+
+@dataclass(eq=False)
+class Stream:
+    sid: str
+    core: StreamCore
+    pcm: memoryview
+    refs: list[str]
+    offset: int = 0  # bytes handed to the core so far
+    ready: bool = False
+    open_error: str | None = None
+    closed_at: float | None = None
+    partials: array = field(default_factory=lambda: array("d"))  # recv, latency, seg, end
+    finals: array = field(default_factory=lambda: array("d"))  # recv, latency, seg, end
+    acks: array = field(default_factory=lambda: array("d"))  # recv, latency
+    texts: list[str] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "sid": self.sid, "ready": self.ready, "open_error": self.open_error, "closed_at": self.closed_at,
+            "end_sent": self.core.log.end_sent,
+            "audio_s": self.core.cut / RATE, "refs": self.refs, "texts": self.texts, "errors": self.errors,
+            "partials": self.partials.tobytes(), "finals": self.finals.tobytes(), "acks": self.acks.tobytes(),
+        }
+
+
+class LoadClient:
+    """The streams of one process and the loop that feeds them."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.ctx = zmq.Context()
+        welcome = handshake(self.ctx, plan.address, OPEN_TIMEOUT_S)
+        limits = limits_from(welcome)
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.linger = 0
+        self.sock.sndhwm = 0  # never drop or block on our own queue: lateness must show as send lag
+        self.sock.rcvhwm = 0
+        self.sock.connect(ingest_endpoint(plan.address, welcome.ingest))
+        self.fd = self.sock.getsockopt(zmq.FD)
+        self.packer = msgpack.Packer(use_bin_type=True)
+        pcm = load_clips(plan.clips)
+        durations = [len(p) / RATE for p in pcm]
+        self.streams: list[Stream] = []
+        for i in range(plan.first, plan.first + plan.count):
+            lead, order = playlist(i, plan.clips, plan.duration_s, plan.gap_s, durations)
+            core = StreamCore(f"{plan.tag}-{i}", priority="batch" if plan.offline else "realtime",
+                              frame_bytes=SAMPLE_BYTES, limits=limits, rate=RATE)
+            audio = memoryview(stream_audio(lead, order, pcm, plan.gap_s))
+            self.streams.append(Stream(core.stream, core, audio, [plan.clips[c].reference for c in order]))
+        self.by_id = {s.sid: s for s in self.streams}
+        self.frame_bytes = max(1, round(plan.frame_ms * RATE / 1000)) * SAMPLE_BYTES
+        self.lag = array("d")  # actual minus scheduled send time of every real-time frame
+        self.last_message = time.monotonic()
+
+    # ------------------------------------------------------------------ IO
+
+    def flush(self, s: Stream) -> None:
+        now = time.monotonic()
+        for msg in s.core.take(now):
+            if isinstance(msg, Audio):  # the hot path: a literal header costs a third of encode()'s introspection
+                frames = [self.packer.pack({"type": "audio", "stream": msg.stream, "seq": msg.seq}), msg.data]
+            else:
+                frames = encode(msg)
+            self.sock.send_multipart(frames, copy=False)
+
+    def receive(self) -> None:
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            now = time.monotonic()
+            self.last_message = now
+            try:
+                msg = decode_server(frames)
+            except ProtocolError:
+                continue
+            s = self.by_id.get(getattr(msg, "stream", None) or "")
+            if s is None:
+                continue
+            if isinstance(msg, Partial):
+                s.partials.extend((now, now - s.core.log.sent_at(msg.end), msg.seg, msg.end))
+            elif isinstance(msg, Final):
+                s.finals.extend((now, now - s.core.log.sent_at(msg.end), msg.seg, msg.end))
+                s.texts.append(msg.text)
+            elif isinstance(msg, Ack):
+                if msg.samples > s.core.accepted:  # news about audio: it left in the loop iteration that took the
+                    s.acks.extend((now, now - s.core.log.sent_at(msg.samples / RATE)))  # frame (the ingest round trip)
+                s.core.on_ack(msg)
+                self.flush(s)
+            elif isinstance(msg, Ready):
+                s.core.on_ready(msg.window)
+                s.ready = True
+            elif isinstance(msg, ErrorMsg):
+                if not s.ready:
+                    s.open_error = f"{msg.code}: {msg.message}"
+                    continue
+                s.errors[msg.code] = s.errors.get(msg.code, 0) + 1  # every refusal counts, echoes too
+                s.core.on_error(msg, now)
+            elif isinstance(msg, Closed):
+                s.closed_at = now
+
+    def wait(self, seconds: float) -> None:
+        """Sleep until a message may be waiting or `seconds` pass, with microsecond resolution
+        (zmq_poll counts whole milliseconds, which would make every send up to 1 ms late).
+
+        ZMQ_FD is edge-triggered: it only signals new activity, so the socket's own EVENTS
+        is checked first and every wake-up is followed by draining the socket."""
+        if seconds <= 0 or self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            return
+        select.select([self.fd], [], [], seconds)
+
+    # ------------------------------------------------------------------ phases
+
+    def open(self) -> None:
+        for s in self.streams:
+            self.sock.send_multipart(encode(Open(s.sid, rate=RATE, priority="batch" if self.plan.offline else "realtime")))
+        deadline = time.monotonic() + OPEN_TIMEOUT_S
+        while time.monotonic() < deadline and any(not s.ready and s.open_error is None for s in self.streams):
+            self.wait(0.1)
+            self.receive()
+        for s in self.streams:
+            if not s.ready and s.open_error is None:
+                s.open_error = "timeout"
+
+    def run(self, t0: float) -> None:
+        live = [s for s in self.streams if s.ready]
+        if self.plan.offline:
+            while time.monotonic() < t0:
+                self.wait(t0 - time.monotonic())
+                self.receive()
+            for s in live:
+                s.core.push(bytes(s.pcm))
+                s.core.end()
+                self.flush(s)
+        else:
+            self.realtime(live, t0)
+        self.drain(live)
+
+    def realtime(self, live: list[Stream], t0: float) -> None:
+        frame_s = self.plan.frame_ms / 1000
+        n = max(len(live), 1)
+        # Streams are spread over a frame period in steps of SLOT_S: streams in one slot share a wake-up,
+        # which keeps the generator's own cost at one wake-up per slot rather than one per frame.
+        slots = max(1, round(frame_s / SLOT_S))
+        due = [(t0 + frame_s * (k * slots // n) / slots, k) for k in range(len(live))]
+        heapq.heapify(due)
+        fb = self.frame_bytes
+        lag = self.lag
+        while due:
+            self.wait(due[0][0] - time.monotonic())
+            self.receive()
+            now = time.monotonic()
+            while due and due[0][0] <= now:
+                at, k = due[0]
+                s = live[k]
+                s.core.push(s.pcm[s.offset : s.offset + fb])
+                s.offset += fb
+                lag.append(now - at)
+                if s.offset >= len(s.pcm):
+                    s.core.end()
+                    heapq.heappop(due)
+                else:
+                    heapq.heapreplace(due, (at + frame_s, k))
+                self.flush(s)
+                now = time.monotonic()
+            self.retry(live)
+
+    def retry(self, live: list[Stream]) -> None:
+        """Resend refused audio whose retry timer ran out (StreamCore keeps the timer)."""
+        now = time.monotonic()
+        for s in live:
+            if s.core.retry_at is not None and s.core.retry_at <= now:
+                self.flush(s)
+
+    def drain(self, live: list[Stream]) -> None:
+        """Wait for every stream's `closed`, giving up after `drain_s` without any message."""
+        self.last_message = time.monotonic()
+        while any(s.closed_at is None for s in live):
+            if time.monotonic() - self.last_message > self.plan.drain_s:
+                return
+            self.wait(0.05)
+            self.receive()
+            self.retry(live)
+
+    def result(self) -> dict[str, Any]:
+        return {"kind": "result", "lag": self.lag.tobytes(), "streams": [s.record() for s in self.streams]}
+
+    def close(self) -> None:
+        for s in self.streams:
+            if s.ready and s.closed_at is None:
+                self.sock.send_multipart(encode(End(s.sid)))
+        self.sock.close()
+        self.ctx.term()
+
+
+def write_record(out: BinaryIO, obj: dict[str, Any]) -> None:
+    out.write(msgpack.packb(obj, use_bin_type=True))
+    out.flush()
+
+
+class RecordReader:
+    """msgpack records from a pipe, returned as soon as each is complete (a buffered file's
+    read(n) would wait for n bytes)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.unpacker = msgpack.Unpacker(raw=False, max_buffer_size=1 << 30)
+
+    def next(self) -> Any:
+        while True:
+            try:
+                return next(self.unpacker)
+            except StopIteration:
+                chunk = os.read(self.fd, 1 << 20)
+                if not chunk:
+                    raise EOFError("the other side closed the pipe") from None
+                self.unpacker.feed(chunk)
+
+
+def main() -> int:
+    """Plan on stdin; 'ready' after opening, then wait for 'go' with the start time; 'result' at the end."""
+    out = sys.stdout.buffer
+    sys.stdout = sys.stderr  # nothing but records may reach the parent's pipe
+    reader = RecordReader(sys.stdin.fileno())
+    plan = Plan.from_wire(reader.next())
+    client = LoadClient(plan)
+    try:
+        client.open()
+        write_record(out, {"kind": "ready", "opened": sum(s.ready for s in client.streams)})
+        go = reader.next()
+        client.run(float(go["t0"]))
+        write_record(out, client.result())
+    finally:
+        client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""`streamasr bench` end to end against the real service with the null model: the report is
+well formed. No timing thresholds: these machines are shared, the numbers belong in the docs."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from conftest import ROOT, Service
+
+LATENCY_KEYS = ("count", "p50", "p90", "p99", "p99_9", "max", "mean", "stdev")
+
+
+def bench(tmp_path: Path, *args: str) -> dict[str, Any]:
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, "-m", "streamasr.cli", "bench", *args, "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "latency (ms)" in proc.stdout
+    return json.loads(out.read_text())
+
+
+def check_latency(stats: dict[str, Any]) -> None:
+    assert set(LATENCY_KEYS) <= set(stats)
+    assert stats["count"] > 0
+    for key in LATENCY_KEYS[1:]:
+        assert math.isfinite(stats[key]) and stats[key] >= 0, (key, stats)
+    assert stats["p50"] <= stats["p90"] <= stats["p99"] <= stats["p99_9"] <= stats["max"]
+
+
+def test_realtime_report_is_well_formed(tmp_path: Path) -> None:
+    s = bench(tmp_path, "--streams", "2", "--duration", "5", "--model", "null")
+    for key in ("config", "streams", "partial_latency_ms", "final_latency_ms", "jitter_ms", "throughput", "errors",
+                "refused_frames", "batches", "jobs", "processes", "generator", "wer", "command", "machine", "date"):
+        assert key in s, key
+    assert s["streams"] == {"requested": 2, "opened": 2, "refused": {}, "closed": 2, "unfinished": 0, "with_finals": 2}
+    assert s["partials"] > 0 and s["finals"] >= 2
+    check_latency(s["partial_latency_ms"])
+    check_latency(s["final_latency_ms"])
+    check_latency(s["generator"]["send_lag_ms"])
+    assert s["throughput"]["audio_s"] >= 2 * 5 and s["throughput"]["audio_s_per_s"] > 0
+    assert s["batches"]["count"] > 0 and sum(s["batches"]["histogram"].values()) == s["batches"]["count"]
+    assert s["jobs"]["done"] > 0
+    names = {p["name"] for p in s["processes"]}
+    assert {"broker", "ingest-0", "worker-0", "worker-1", "bench-client-0", "bench-client-1"} <= names
+    for p in s["processes"]:
+        assert p["cpu_pct"] >= 0 and p["rss_mb"] > 0
+    assert s["wer"] is None  # the null model's fixed text is not a transcript
+
+
+def test_offline_receives_every_final(tmp_path: Path, null_service: Service) -> None:
+    s = bench(tmp_path, "--server", null_service.address, "--offline", "--streams", "3", "--duration", "5", "--model", "null")
+    assert s["config"]["mode"] == "offline"
+    assert s["streams"]["opened"] == s["streams"]["closed"] == s["streams"]["with_finals"] == 3
+    assert s["finals"] >= 3
+    check_latency(s["final_latency_ms"])
+    assert s["throughput"]["rtf"] > 0
