@@ -21,6 +21,7 @@ from broker.jobs import BATCH, REALTIME, JobResult
 from broker.queue import Dispatcher, JobQueue
 from broker.signals import StopSignal
 from config.settings import Config
+from protocol import auth
 from protocol import messages as m
 
 log = structlog.get_logger()
@@ -42,6 +43,7 @@ class IngestState:
     endpoint: str  # where clients reach it
     pid: int
     streams: int  # its load, from READY and heartbeats
+    rings: int  # shm rings in use, from heartbeats: a leak shows here
     registered: float
     link: Link
 
@@ -67,12 +69,19 @@ class Broker:
             final_deadline_s=cfg.broker.final_deadline_ms / 1000,
         ))
         self.ingests: dict[int, IngestState] = {}
+        # Admission figure sent to every ingest each tick: how long realtime jobs wait for a model,
+        # smoothed over ticks. It is the delay queueing adds for admitted streams right now.
+        self.load = 0.0
         self.worker_links: dict[bytes, Link] = {}
         self._outbox: dict[int, list[JobResult]] = {}  # results per ingest, sent once per loop turn
         self._ctx = zmq.Context()
         self._ingest_sock = self._ctx.socket(zmq.ROUTER)
         self._worker_sock = self._ctx.socket(zmq.ROUTER)
         self._front = self._ctx.socket(zmq.ROUTER)
+        self._auth = None
+        if auth.curve_settings(cfg.ingest.curve_secret_key, cfg.ingest.curve_authorized_keys):
+            self._auth = auth.start_authenticator(self._ctx, cfg.ingest.curve_authorized_keys, "broker")
+            auth.apply_server_curve(self._front, cfg.ingest.curve_secret_key)
         for sock in (self._ingest_sock, self._worker_sock):
             # Sending to a peer that is gone raises EHOSTUNREACH instead of vanishing silently:
             # for a worker that means its jobs must be re-queued now, not at the next timeout.
@@ -104,6 +113,8 @@ class Broker:
     def close(self) -> None:
         for sock in (self._ingest_sock, self._worker_sock, self._front):
             sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
 
     def _serve(self, stop: StopSignal) -> None:
@@ -204,7 +215,9 @@ class Broker:
                 self.dispatcher.cancel(index, [str(s) for s in wire.unpack(body[0])])
             elif kind == wire.HEARTBEAT:
                 if state is not None and body:
-                    state.streams = int(wire.unpack(body[0]).get("streams", state.streams))
+                    info = wire.unpack(body[0])
+                    state.streams = int(info.get("streams", state.streams))
+                    state.rings = int(info.get("rings", state.rings))
             else:
                 raise ValueError(f"unknown kind {kind[:16]!r}")
         except Exception as exc:
@@ -217,7 +230,7 @@ class Broker:
             dropped = self.dispatcher.drop_ingest(index)
             log.warning("broker.ingest_replaced", ingest=index, old_pid=old.pid, ingest_pid=pid, dropped=len(dropped))
         self.ingests[index] = IngestState(
-            index=index, endpoint=str(info["endpoint"]), pid=pid, streams=int(info.get("streams", 0)),
+            index=index, endpoint=str(info["endpoint"]), pid=pid, streams=int(info.get("streams", 0)), rings=0,
             registered=old.registered if old is not None and old.pid == pid else now,
             link=Link(seen=now, sent=now),
         )
@@ -240,7 +253,8 @@ class Broker:
     # -- liveness ------------------------------------------------------------------------------
 
     def _check_peers(self, now: float) -> None:
-        """Declare silent peers dead and heartbeat the idle links."""
+        """Declare silent peers dead and heartbeat the idle links; ingests get the load figure every tick."""
+        self.load = 0.5 * self.load + 0.5 * max(0.0, self.dispatcher.realtime_wait(now))
         for ident, link in list(self.worker_links.items()):
             if now - link.seen > self._patience_s:
                 self._lose_worker(ident, "silent", now)
@@ -254,9 +268,8 @@ class Broker:
                 del self.ingests[index]
                 dropped = self.dispatcher.drop_ingest(index)
                 log.warning("broker.ingest_lost", ingest=index, ingest_pid=state.pid, dropped=len(dropped))
-            elif now - state.link.sent >= self._interval_s / 2:
-                if self._send(self._ingest_sock, ingest_identity(index), [wire.HEARTBEAT]):
-                    state.link.sent = now
+            elif self._send(self._ingest_sock, ingest_identity(index), [wire.HEARTBEAT, wire.pack({"load": round(self.load, 3)})]):
+                state.link.sent = now
 
     @staticmethod
     def _send(sock: zmq.Socket, ident: bytes, frames: list[bytes]) -> bool:
@@ -307,7 +320,8 @@ class Broker:
         return m.StatusReply(
             ready=bool(self.ingests) and self.dispatcher.ready,
             ingests=[
-                {"index": s.index, "endpoint": s.endpoint, "pid": s.pid, "streams": s.streams, "alive_s": round(now - s.registered, 3)}
+                {"index": s.index, "endpoint": s.endpoint, "pid": s.pid, "streams": s.streams, "rings": s.rings,
+                 "alive_s": round(now - s.registered, 3)}
                 for s in sorted(self.ingests.values(), key=lambda s: s.index)
             ],
             workers=[
@@ -318,4 +332,5 @@ class Broker:
             inflight=self.dispatcher.inflight,
             jobs_done=self.dispatcher.jobs_done,
             expired=self.dispatcher.expired,
+            load=round(self.load, 3),
         )

@@ -31,6 +31,7 @@ def expired(job: Job, why: str) -> JobResult:
 @dataclass(slots=True)
 class _Entry:
     job: Job
+    order: tuple[int, int, int, float, int]
     alive: bool = True  # removal is lazy: dead entries are skipped when they reach the heap top
 
 
@@ -61,12 +62,17 @@ class JobQueue:
         """Queued jobs per priority."""
         return dict(self._counts)
 
+    def oldest_created(self, priority: int) -> float | None:
+        """Creation time of the longest-waiting queued job of `priority` (None: none queued)."""
+        return min((e.job.created for e in self._entries.values() if e.job.priority == priority and e.job.created), default=None)
+
     def push(self, job: Job, now: float, front: bool = False) -> list[JobResult]:
         """Queue `job`; returns EXPIRED answers for the partials it supersedes (or for itself)."""
         if job.deadline <= 0:  # the ingest left it to the broker's configured deadlines
             budget = self._final_deadline_s if job.final else self._partial_deadline_s
             job.deadline = (job.created or now) + budget
         answers: list[JobResult] = []
+        order = (job.priority, 0 if front else 1, 0 if job.final else 1, job.deadline, next(self._seq))
         stream = (job.ingest, job.stream)
         queued = self._partials.get(stream)
         if queued is not None:
@@ -77,11 +83,13 @@ class JobQueue:
             elif not job.final and old.end <= job.end:
                 self._discard(queued)
                 answers.append(expired(old, "superseded by a newer partial"))
+                # the stream keeps its place in line: a stream whose partials keep being replaced
+                # would otherwise always hold the latest deadline and never be served
+                order = min(order, (*queued.order[:4], order[4]))
             elif not job.final:  # a re-queued partial older than the one waiting
                 answers.append(expired(job, "superseded by a newer partial"))
                 return answers
-        entry = _Entry(job)
-        order = (job.priority, 0 if front else 1, 0 if job.final else 1, job.deadline, next(self._seq))
+        entry = _Entry(job, order)
         heapq.heappush(self._heap, (order, entry))
         self._entries[job_key(job)] = entry
         self._counts[job.priority] = self._counts.get(job.priority, 0) + 1
@@ -167,6 +175,7 @@ class Dispatcher:
         self._requeued: set[JobKey] = set()  # jobs that may be answered twice
         self._answered: OrderedDict[JobKey, None] = OrderedDict()  # answered re-queued jobs
         self._remember = remember
+        self._waited = 0.0  # longest queue wait of a realtime job answered since realtime_wait()
 
     @property
     def inflight(self) -> int:
@@ -175,6 +184,14 @@ class Dispatcher:
     @property
     def ready(self) -> bool:
         return bool(self.workers)
+
+    def realtime_wait(self, now: float) -> float:
+        """Seconds realtime jobs waited for a model since the last call: the longest wait of those
+        that started (broker queue plus worker batcher, the decode itself not counted, so a slow
+        model on an idle service reads 0) or the age of the oldest still queued."""
+        waited, self._waited = self._waited, 0.0
+        oldest = self.queue.oldest_created(REALTIME)
+        return max(waited, now - oldest if oldest is not None else 0.0)
 
     def submit(self, jobs: Iterable[Job], now: float) -> list[JobResult]:
         """Queue new jobs. An ingest that reconnects re-sends the jobs it still waits for; those
@@ -233,8 +250,11 @@ class Dispatcher:
         forward: list[JobResult] = []
         for result in results:
             key = job_key(result)
-            if worker is not None and worker.inflight.pop(key, None) is not None:
+            job = worker.inflight.pop(key, None) if worker is not None else None
+            if job is not None:
                 worker.jobs_done += 1
+                if job.priority == REALTIME and job.created and result.started:
+                    self._waited = max(self._waited, result.started - job.created)
             if key in self._answered:
                 continue
             if key in self._requeued:

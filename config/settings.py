@@ -26,9 +26,9 @@ class ModelConfig:
     arena: bool = True  # ONNX Runtime CPU memory arena
     cache_dir: str = ""  # exported graphs; "" = $XDG_CACHE_HOME/streamasr
     beam_size: int = 1
-    max_batch: int = 8  # dynamic batching: most requests per backend call
+    max_batch: int = 1  # dynamic batching: most requests per backend call (1: measured best for Whisper on CPU)
     max_wait_ms: float = 5.0  # dynamic batching: longest wait for a batch to fill
-    partial_window: str = "short"  # "short" (audio context sliced to the speech) | "full"
+    partial_window: str = "full"  # "full" 30 s window, or "short" (audio context sliced to the speech: faster, drops onsets)
     null_text: str = "null model"  # text the null backend returns
 
 
@@ -44,7 +44,7 @@ class VadConfig:
     min_silence_ms: int = 500  # a pause this long ends a segment
     min_speech_ms: int = 150  # shorter bursts are not segments
     max_segment_s: float = 25.0  # cut a segment that runs this long
-    pad_ms: int = 200  # audio kept before speech starts and after it ends
+    pad_ms: int = 400  # audio kept before speech starts and after it ends: Whisper misreads clipped onsets
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,12 @@ class IngestConfig:
     max_streams: int = 1000  # total over the service
     idle_timeout_s: float = 30.0  # a stream silent this long is closed (vanished client)
     drain_timeout_s: float = 8.0  # on SIGTERM, time to finish open streams (below supervisord's stopwaitsecs)
+    # Admission: a realtime open is refused (`overloaded`) while the broker's load figure — how
+    # long realtime jobs wait for a model, in seconds, smoothed — is above this. 0 = never.
+    admit_max_load_s: float = 1.5
+    # CurveZMQ on the client-facing sockets (front door and ingest): both empty = plain TCP.
+    curve_secret_key: str = ""  # the server's secret key file (zmq.auth certificate format)
+    curve_authorized_keys: str = ""  # directory of authorized clients' public key files (*.key)
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,11 @@ class WorkerConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    dashboard_port: int = 7780  # the ops page and /metrics, on localhost
+
+
+@dataclass(frozen=True)
 class Config:
     instance: str = "default"  # namespaces shm segments and the run directory
     run_dir: str = ""  # ipc sockets, supervisord files, logs; "" = /tmp/streamasr-<instance>
@@ -86,6 +97,7 @@ class Config:
     ingest: IngestConfig = field(default_factory=IngestConfig)
     broker: BrokerConfig = field(default_factory=BrokerConfig)
     workers: WorkerConfig = field(default_factory=WorkerConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     @property
     def run_path(self) -> Path:
@@ -98,6 +110,10 @@ class Config:
     @property
     def broker_worker_endpoint(self) -> str:
         return f"ipc://{self.run_path}/broker-workers.sock"
+
+    @property
+    def metrics_endpoint(self) -> str:
+        return f"ipc://{self.run_path}/metrics.sock"
 
     @property
     def worker_count(self) -> int:

@@ -20,6 +20,7 @@ from broker import jobs as j
 from config.settings import Config
 from ingest.session import SAMPLE_RATE, Session
 from ingest.vad import CHUNK, VadBank
+from protocol import auth
 from protocol import messages as m
 from shm.pool import PoolExhausted, RingPool
 
@@ -37,7 +38,12 @@ class IngestServer:
         self.pool = RingPool.create(cfg.shm_name(index), cfg.shm.streams_per_ingest, int(cfg.shm.ring_seconds * SAMPLE_RATE))
         self.vad = VadBank(threads=1)
         self.ctx = zmq.Context()
+        self.auth = None
+        if auth.curve_settings(cfg.ingest.curve_secret_key, cfg.ingest.curve_authorized_keys):
+            self.auth = auth.start_authenticator(self.ctx, cfg.ingest.curve_authorized_keys, f"ingest-{index}")
         self.clients = self.ctx.socket(zmq.ROUTER)
+        if self.auth is not None:
+            auth.apply_server_curve(self.clients, cfg.ingest.curve_secret_key)
         self.clients.setsockopt(zmq.MAXMSGSIZE, cfg.ingest.max_message_bytes)
         self.clients.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished client is an error we log, not a silent drop
         self.clients.setsockopt(zmq.SNDHWM, 100_000)
@@ -52,6 +58,7 @@ class IngestServer:
         self.hb_interval = cfg.broker.heartbeat_ms / 1000
         self.broker_seen = time.monotonic()
         self.hb_sent = 0.0
+        self.load = 0.0  # the broker's admission figure, from its heartbeats
         self.draining = False
         self.stop_at: float | None = None
         self._connect_broker()
@@ -77,7 +84,9 @@ class IngestServer:
     def _on_broker(self, frames: list[bytes]) -> None:
         self.broker_seen = time.monotonic()
         kind = frames[0]
-        if kind == j.RESULTS:
+        if kind == j.HEARTBEAT and len(frames) > 1:
+            self.load = float(j.unpack(frames[1]).get("load", 0.0))
+        elif kind == j.RESULTS:
             for res in j.unpack_results(frames[1]):
                 key = self.owner.pop(res.job_id, None)
                 session = self.sessions.get(key) if key else None
@@ -88,7 +97,7 @@ class IngestServer:
     def _heartbeat(self, now: float) -> None:
         if now - self.hb_sent >= self.hb_interval:
             self.hb_sent = now
-            self.broker.send_multipart([j.HEARTBEAT, j.pack({"streams": len(self.sessions)})])
+            self.broker.send_multipart([j.HEARTBEAT, j.pack({"streams": len(self.sessions), "rings": self.pool.in_use})])
         if now - self.broker_seen > self.hb_interval * self.cfg.broker.liveness:
             self.log.warning("broker_lost", silent_s=round(now - self.broker_seen, 2))
             self._connect_broker()
@@ -113,7 +122,7 @@ class IngestServer:
         elif isinstance(msg, m.End):
             session = self._session(ident, msg.stream, None)
             if session is not None:
-                session.end()
+                session.client_end()
                 self.dirty.add(session.key)
         elif isinstance(msg, m.Hello):
             self._send(ident, m.Welcome(ingest=self.endpoint, limits={"max_frame_bytes": self.limits.max_frame_bytes,
@@ -146,6 +155,12 @@ class IngestServer:
             return refuse(m.TOO_MANY_STREAMS, f"at most {self.cfg.ingest.max_streams_per_client} open streams per client")
         if len(self.sessions) >= self.max_streams:
             return refuse(m.TOO_MANY_STREAMS, "the service is at its stream limit; try again later")
+        limit = self.cfg.ingest.admit_max_load_s
+        if msg.priority == "realtime" and limit and self.load > limit:
+            # Admitting another realtime stream would delay every admitted one; batch streams
+            # are still taken, credits slow them down instead.
+            return refuse(m.OVERLOADED, f"the service is past its capacity (realtime jobs wait {self.load:.1f} s); "
+                                        "try again later or open with priority batch")
         try:
             ring = self.pool.acquire()
         except PoolExhausted:
@@ -156,7 +171,7 @@ class IngestServer:
         self.per_client[ident] = self.per_client.get(ident, 0) + 1
         self.vad.add(key)
         session.log.info("stream_opened", rate=msg.rate, encoding=msg.encoding, channels=msg.channels,
-                         priority=msg.priority, language=msg.language, partials=msg.partials)
+                         priority=msg.priority, language=msg.language, partials=msg.partials, offset=msg.offset)
         self._send(ident, m.Ready(stream=msg.stream, window=session.window()))
         session.acked_window = session.window()
 
@@ -283,6 +298,8 @@ class IngestServer:
             s.log.warning("stream_abandoned_at_shutdown", pending_jobs=len(s.inflight), **s.figures())
         self.clients.close(linger=0)
         self.broker.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
         self.ctx.term()
         self.pool.close()
         self.pool.unlink()

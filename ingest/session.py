@@ -19,6 +19,7 @@ from config.settings import Config
 from ingest.audio import AudioFormatError, Resampler, decode_pcm
 from ingest.segmenter import SegmentEvent, Segmenter
 from ingest.stabilizer import LocalAgreement
+from ingest.vad import CHUNK as VAD_CHUNK
 from protocol import messages as m
 from shm.pool import Ring
 
@@ -56,6 +57,8 @@ class Session:
         self.ingest_index = ingest_index
         self.shm_name = shm_name
         self.rate = opened.rate
+        self.offset = opened.offset  # input frames before this session: a resumed stream continues its times
+        self.offset_s = opened.offset / opened.rate
         self.priority = BATCH if opened.priority == "batch" else REALTIME
         self.resampler = Resampler(opened.rate)
         self.segmenter = Segmenter(cfg.vad, SAMPLE_RATE)
@@ -68,7 +71,7 @@ class Session:
         self.open_segment: _Segment | None = None
         self.next_segment = 0
         self.next_final = 0  # index of the next final to send
-        self.previous_text = ""
+        self.previous_text = opened.resume_text or ""  # a resumed stream is prompted as if never interrupted
         self.ending = False
         self.closed = False
         self.close_reason = "end"
@@ -77,6 +80,7 @@ class Session:
         self.acked_frames = 0
         self.acked_window = 0
         self.stats = {"partials": 0, "finals": 0, "refused": 0, "errors": 0}
+        self.refused_from: int | None = None  # seq of the first refused frame the client has not resent yet
         self.outbox: list[m.ServerMessage] = []  # events for the client
         self.jobs_out: list[Job] = []  # jobs for the broker
         self.inflight: dict[int, Job] = {}
@@ -87,7 +91,7 @@ class Session:
     def window(self) -> int:
         """Input frame index the client may send up to: what still fits in the ring."""
         free_out = self.ring.free_space() - 1024  # headroom for the resampler's flush
-        return self.in_frames + max(0, int(free_out * self.rate / SAMPLE_RATE))
+        return self.offset + self.in_frames + max(0, int(free_out * self.rate / SAMPLE_RATE))
 
     def accept_audio(self, msg: m.Audio) -> bool:
         """Take one audio frame; False means it was refused (an error is in the outbox)."""
@@ -112,14 +116,26 @@ class Session:
             return self._refuse(m.BAD_FORMAT, str(exc), msg.seq)
         self.ring.write(self.resampler.process(pcm))
         self.next_seq += 1
+        self.refused_from = None
         self.in_frames += frames
         return True
 
     def _refuse(self, code: str, message: str, seq: int) -> bool:
+        if code == m.OVERLOADED and self.refused_from is None:
+            self.refused_from = seq
         self.stats["errors"] += 1
         self.log.warning("audio_refused", code=code, seq=seq, reason=message)
         self.outbox.append(m.ErrorMsg(code=code, message=message, stream=self.opened.stream, seq=seq))
         return False
+
+    def client_end(self) -> None:
+        """The client's `end`: refused while audio it was told to resend is still missing."""
+        if self.refused_from is not None and not self.ending:
+            self.outbox.append(m.ErrorMsg(code=m.OVERLOADED, stream=self.opened.stream, seq=self.refused_from,
+                                          message=f"end refused: audio from seq {self.refused_from} was refused and not "
+                                                  "resent yet; resend it, then end"))
+            return
+        self.end()
 
     def end(self, reason: str = "end") -> None:
         """No more audio: flush the resampler and close the open segment."""
@@ -165,7 +181,7 @@ class Session:
             seg = self.open_segment
             seg.end = min(ev.end, self.ring.written)
             self.open_segment = None
-            self._submit(seg, final=True, end=seg.end)
+            self._submit_due_finals()
 
     # ------------------------------------------------------------------ jobs
 
@@ -208,7 +224,7 @@ class Session:
             text, stable = seg.stabilizer.update(self._clean(res))
             self.stats["partials"] += 1
             self.outbox.append(m.Partial(stream=self.opened.stream, seg=seg.index, text=text, stable=stable,
-                                         start=seg.start / SAMPLE_RATE, end=job.end / SAMPLE_RATE))
+                                         start=self._time(seg.start), end=self._time(job.end)))
         elif res.status == FAILED:
             self.log.warning("partial_failed", job=res.job_id, error=res.error)
         self._update_protection()
@@ -227,12 +243,12 @@ class Session:
             self.stats["errors"] += 1
             self.outbox.append(m.ErrorMsg(code=m.INTERNAL, stream=self.opened.stream,
                                           message=f"segment {seg.index} could not be transcribed: {res.error}"))
-            seg.result = m.Final(stream=self.opened.stream, seg=seg.index, text="", start=seg.start / SAMPLE_RATE,
-                                 end=job.end / SAMPLE_RATE)
+            seg.result = m.Final(stream=self.opened.stream, seg=seg.index, text="", start=self._time(seg.start),
+                                 end=self._time(job.end))
         else:
             text = seg.stabilizer.finalize(self._clean(res))
-            seg.result = m.Final(stream=self.opened.stream, seg=seg.index, text=text, start=seg.start / SAMPLE_RATE,
-                                 end=job.end / SAMPLE_RATE, avg_logprob=res.avg_logprob, no_speech_prob=res.no_speech_prob)
+            seg.result = m.Final(stream=self.opened.stream, seg=seg.index, text=text, start=self._time(seg.start),
+                                 end=self._time(job.end), avg_logprob=res.avg_logprob, no_speech_prob=res.no_speech_prob)
         # finals leave in segment order even when workers finish them out of order
         while self.next_final in self.segments and self.segments[self.next_final].result is not None:
             done = self.segments.pop(self.next_final)
@@ -240,7 +256,25 @@ class Session:
             if done.result.text:
                 self.previous_text = done.result.text
                 self.stats["finals"] += 1
+                done.result.durable = self.durable()  # after the pop: this segment no longer holds it back
                 self.outbox.append(done.result)
+        self._submit_due_finals()
+
+    def _submit_due_finals(self) -> None:
+        """Submit the final decodes of ended segments.
+
+        A final is prompted with the previous final's text. For a realtime stream its decode waits
+        until that text is out, so the prompt — and the transcript — never depends on timing: a
+        slow or killed worker or a broker restart cannot change a final. Finals of a realtime
+        stream are seconds apart, so this rarely waits at all. A batch stream sends audio faster
+        than its finals decode; its finals run in parallel, prompted with what is known then.
+        """
+        for seg in sorted(self.segments.values(), key=lambda s: s.index):
+            if seg.end is None or seg.final_job is not None or seg.result is not None:
+                continue
+            if self.priority == REALTIME and seg.index != self.next_final:
+                return
+            self._submit(seg, final=True, end=seg.end)
 
     @staticmethod
     def _clean(res: JobResult) -> str:
@@ -248,11 +282,29 @@ class Session:
             return ""
         return res.text.strip()
 
-    def _update_protection(self) -> None:
-        """The ring may overwrite only audio that no pending job and no future segment can need."""
+    def _time(self, sample: int) -> float:
+        """Seconds from the start of the original stream (a resumed one continues its times)."""
+        return self.offset_s + sample / SAMPLE_RATE
+
+    def _needed_from(self) -> int:
+        """Oldest 16 kHz sample that an undelivered final or a future segment can still need."""
         starts = [s.start for s in self.segments.values()]
         starts.append(self.segmenter.earliest_start)
-        self.ring.protected_from = min(starts)
+        return min(starts)
+
+    def durable(self) -> int:
+        """Input frame before which the client's audio is never needed again.
+
+        The same point the ring may overwrite up to: every segment touching earlier audio has
+        had its final delivered and the VAD is outside speech there, so a stream resumed at it
+        (Open.offset) neither repeats nor loses a final. Rounded down to the VAD's chunk grid so the
+        resumed stream's VAD sees the same chunks, and so finds the same segments.
+        """
+        return self.offset + self._needed_from() // VAD_CHUNK * VAD_CHUNK * self.rate // SAMPLE_RATE
+
+    def _update_protection(self) -> None:
+        """The ring may overwrite only audio that no pending job and no future segment can need."""
+        self.ring.protected_from = self._needed_from()
 
     # ------------------------------------------------------------------ acks and close
 
@@ -260,11 +312,12 @@ class Session:
         """An ack when enough audio arrived or the window moved; few messages, but never a stalled batch client."""
         window = self.window()
         if self.in_frames - self.acked_frames >= self.rate // 10 or window - self.acked_window >= self.rate // 2 or (
-            self.in_frames > self.acked_frames and window <= self.in_frames + self.rate // 10
+            self.in_frames > self.acked_frames and window <= self.offset + self.in_frames + self.rate // 10
         ):
             self.acked_frames = self.in_frames
             self.acked_window = window
-            return m.Ack(stream=self.opened.stream, seq=self.next_seq - 1, samples=self.in_frames, window=window)
+            return m.Ack(stream=self.opened.stream, seq=self.next_seq - 1, samples=self.offset + self.in_frames, window=window,
+                         durable=self.durable())
         return None
 
     def _maybe_close(self) -> None:

@@ -18,6 +18,7 @@ ENCODINGS = ("pcm_s16le", "f32le")
 PRIORITIES = ("realtime", "batch")
 MAX_STREAM_ID = 64
 MAX_PROMPT_CHARS = 1000
+MAX_OFFSET = 2**48  # input frames: years of audio at 48 kHz
 
 # error codes (ErrorMsg.code)
 BAD_MESSAGE = "bad_message"  # not msgpack, not a map, unknown type, wrong field types
@@ -28,7 +29,7 @@ UNKNOWN_STREAM = "unknown_stream"
 DUPLICATE_STREAM = "duplicate_stream"
 OUT_OF_ORDER = "out_of_order"  # an audio seq that is not the next expected one
 TOO_MANY_STREAMS = "too_many_streams"
-OVERLOADED = "overloaded"  # audio refused: the stream's buffer is full; resend later
+OVERLOADED = "overloaded"  # audio refused: the stream's buffer is full, resend later; or a realtime open refused: the service is past its capacity
 UNKNOWN_MODEL = "unknown_model"
 NOT_READY = "not_ready"
 UNAUTHORIZED = "unauthorized"
@@ -76,6 +77,11 @@ class Open:
     partials: bool = True
     priority: str = "realtime"
     prompt: str | None = None
+    # Resuming after a lost connection: the input frame index this stream's first audio frame
+    # has in the original stream (the last `durable` the client saw), so times continue, and
+    # the text of the last final received, which prompts the next decode as it would have.
+    offset: int = 0
+    resume_text: str | None = None
 
 
 @dataclass(slots=True)
@@ -122,8 +128,9 @@ class Ack:
     type: ClassVar[str] = "ack"
     stream: str
     seq: int  # last accepted audio seq
-    samples: int  # input frames accepted so far
+    samples: int  # input frames accepted so far (from 0 of the original stream: offset included)
     window: int
+    durable: int = 0  # audio before this input frame is never needed again: a resuming client keeps only what follows
 
 
 @dataclass(slots=True)
@@ -147,6 +154,7 @@ class Final:
     end: float
     avg_logprob: float = 0.0
     no_speech_prob: float = 0.0
+    durable: int = 0  # as in Ack, once this final is out: resuming from here never repeats it
 
 
 @dataclass(slots=True)
@@ -177,6 +185,7 @@ class StatusReply:
     inflight: int = 0
     jobs_done: int = 0
     expired: int = 0
+    load: float = 0.0  # seconds realtime jobs wait for a model (smoothed): the admission figure
 
 
 ClientMessage = Hello | Open | Audio | End | Status
@@ -275,6 +284,8 @@ def decode_client(frames: Sequence[bytes | memoryview], limits: Limits = Limits(
         _check(_optional_str(msg.language, 16), BAD_MESSAGE, "language must be a language code or nil", sid)
         _check(_optional_str(msg.model, 256), BAD_MESSAGE, "model must be a string or nil", sid)
         _check(_optional_str(msg.prompt, MAX_PROMPT_CHARS), BAD_MESSAGE, f"prompt must be a string of at most {MAX_PROMPT_CHARS} characters", sid)
+        _check(_is_int(msg.offset) and 0 <= msg.offset < MAX_OFFSET, BAD_MESSAGE, f"offset must be an integer in 0..{MAX_OFFSET - 1}", sid)
+        _check(_optional_str(msg.resume_text, MAX_PROMPT_CHARS), BAD_MESSAGE, f"resume_text must be a string of at most {MAX_PROMPT_CHARS} characters", sid)
     elif isinstance(msg, Audio):
         _check(_is_int(msg.seq) and 0 <= msg.seq < 2**63, BAD_MESSAGE, "audio: seq must be a non-negative integer", sid)
         _check(len(frames) == 2, BAD_MESSAGE, "audio: the samples must follow in frame 1", sid, msg.seq)

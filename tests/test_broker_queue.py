@@ -253,3 +253,16 @@ def test_worker_ready_again_requeues_what_it_held() -> None:
     d.add_worker(b"w1", capacity=2, now=NOW)  # reconnected: messages in its old socket may be lost
     assert d.inflight == 0
     assert len(d.queue) == 1
+
+
+def test_superseding_partial_keeps_the_streams_place_in_line() -> None:
+    """A stream whose partials keep being replaced must not be starved by streams that wait quietly."""
+    q = queue()
+    q.push(job("busy", deadline=NOW + 2.0, end=8_000), NOW)
+    q.push(job("quiet", deadline=NOW + 2.1), NOW)
+    newer = job("busy", deadline=NOW + 2.5, end=16_000)
+    [superseded] = q.push(newer, NOW)
+    assert superseded.status == EXPIRED
+    order, _ = drain(q)
+    assert [j.stream for j in order] == ["busy", "quiet"]
+    assert order[0] is newer  # the newest audio runs, at the oldest request's place

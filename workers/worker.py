@@ -168,7 +168,8 @@ class Worker:
         self.cfg = cfg
         self.index = index
         self.identity = f"worker-{index}-{os.getpid()}"
-        self.capacity = 2 * max(1, cfg.model.max_batch)  # one batch running, one gathering
+        # one batch at a time: jobs wait in the broker, where a final can still overtake queued partials
+        self.capacity = max(1, cfg.model.max_batch)
         self._batcher = Batcher(cfg.model.max_batch, cfg.model.max_wait_ms / 1000)
         self._pools: dict[str, RingPool] = {}
         self.backend: Backend | None = None

@@ -1,0 +1,83 @@
+"""CurveZMQ on the client-facing sockets: encryption plus a list of authorized client keys.
+
+Keys are pyzmq certificate files (`zmq.auth.create_certificates`): the server holds its secret
+key file, and a directory with one public key file per authorized client. A client needs the
+server's public key and its own key pair. The server side authenticates through ZAP in a thread
+of the same ZeroMQ context, so every refusal is logged where the process logs everything else.
+"""
+
+from __future__ import annotations
+
+import os
+
+import structlog
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+log = structlog.get_logger()
+
+
+def read_public_key(path: str | os.PathLike[str]) -> bytes:
+    """The z85 public key of a certificate file (public or secret)."""
+    public, _ = zmq.auth.load_certificate(path)
+    return public
+
+
+def read_key_pair(path: str | os.PathLike[str]) -> tuple[bytes, bytes]:
+    """(public, secret) z85 keys of a secret certificate file."""
+    public, secret = zmq.auth.load_certificate(path)
+    if secret is None:
+        raise ValueError(f"{path} holds no secret key")
+    return public, secret
+
+
+def apply_client_curve(sock: zmq.Socket, server_public: bytes, client_secret: bytes) -> None:
+    """Make `sock` a CURVE client of a server with `server_public`; call before connect.
+
+    Keys are z85 bytes; the client's public key is derived from its secret one.
+    """
+    sock.curve_serverkey = server_public
+    sock.curve_secretkey = client_secret
+    sock.curve_publickey = zmq.curve_public(client_secret)
+
+
+def apply_server_curve(sock: zmq.Socket, secret_key_file: str) -> None:
+    """Make `sock` a CURVE server with the key pair in `secret_key_file`; call before bind."""
+    public, secret = read_key_pair(secret_key_file)
+    sock.curve_publickey = public
+    sock.curve_secretkey = secret
+    sock.curve_server = True
+
+
+class _AuthorizedKeys:
+    """ZAP credentials callback: a key is in the directory, or the handshake is refused and logged."""
+
+    def __init__(self, directory: str, process: str) -> None:
+        self.keys = set(zmq.auth.load_certificates(directory))
+        self.process = process
+        if not self.keys:
+            log.warning("auth.no_authorized_keys", directory=directory)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key in self.keys:
+            return True
+        log.warning("auth.refused", process=self.process, client_key=key.decode(errors="replace"), domain=domain,
+                    reason="client public key not authorized")
+        return False
+
+
+def start_authenticator(ctx: zmq.Context, authorized_dir: str, process: str) -> ThreadAuthenticator:
+    """ZAP handler for every CURVE server socket of `ctx`; start it before binding them."""
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve_callback(domain="*", credentials_provider=_AuthorizedKeys(authorized_dir, process))
+    log.info("auth.curve_enabled", process=process, authorized=authorized_dir)
+    return auth
+
+
+def curve_settings(secret_key_file: str, authorized_dir: str) -> bool:
+    """True when CURVE is configured; half a configuration is refused rather than run in the clear."""
+    if bool(secret_key_file) != bool(authorized_dir):
+        raise ValueError("ingest.curve_secret_key and ingest.curve_authorized_keys must be set together")
+    return bool(secret_key_file)

@@ -1,0 +1,222 @@
+"""Real processes killed under real streams: no stream loses audio or sees an error.
+
+Each test SIGKILLs (or SIGTERMs) a process that supervisord runs, with pids taken from
+supervisord itself, while streams are in flight, and compares every stream's finals with a run
+of the same audio without the fault. Streams are opened with partials off, so the finals are the
+only decodes and the comparison is exact.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+
+from conftest import Service, start_service
+from config import settings
+from shm import pool
+from streamasr import service as svc
+from streaming import StreamClient, StreamResult, read_wav, speech_files, stream_many, wait_for
+
+GAP = np.zeros(12_000, np.int16).tobytes()  # 0.75 s of silence: a pause ends a segment
+FAULT_SPEED = 3.0  # three times real time: long enough to hit streams mid-flight
+
+
+def concat(paths: list[Path]) -> bytes:
+    return GAP.join(read_wav(p) for p in paths) + GAP
+
+
+@pytest.fixture(scope="module")
+def corpus() -> dict[str, bytes]:
+    """Three streams of 12-17 s, several segments each."""
+    files = speech_files()
+    return {f"stream{i}": concat(files[i::3]) for i in range(3)}
+
+
+@pytest.fixture(scope="module")
+def asr(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    # One request per decode: a batched decode's text can depend on which other requests share
+    # the batch, and a fault changes the batches, so only unbatched finals compare exactly.
+    # Admission off: the baseline sends every stream at once, and the backlog it leaves must not
+    # turn the next test's streams away (test_overload covers admission).
+    tmp = tmp_path_factory.mktemp("faults")
+    service = start_with_model_options(tmp, {"max_batch": 1}, model="whisper-tiny.en", workers=2,
+                                       ingest={"admit_max_load_s": 0})
+    yield service
+    service.stop()
+    assert pool.segments(service.cfg.instance) == []
+
+
+@pytest.fixture(scope="module")
+def baseline(asr: Service, corpus: dict[str, bytes]) -> dict[str, list[tuple[float, float, str]]]:
+    results = stream_many(asr.address, corpus, speed=None, partials=False)
+    for r in results.values():
+        assert r.errors == [] and r.closed is not None and r.closed.reason == "end", r
+        assert r.finals, r
+    return {name: finals(r) for name, r in results.items()}
+
+
+def start_with_model_options(tmp: Path, options: dict[str, Any], **kwargs: Any) -> Service:
+    """start_service with [model] options: its `model` argument is the name only, so they go in a
+    config file under the one it writes (settings.load layers $STREAMASR_CONFIG below overrides)."""
+    layer = tmp / "model-options.toml"
+    layer.write_text("[model]\n" + "".join(f"{k} = {v!r}\n" for k, v in options.items()))
+    saved = os.environ.get(settings.CONFIG_ENV)
+    os.environ[settings.CONFIG_ENV] = str(layer)
+    try:
+        return start_service(tmp, **kwargs)
+    finally:
+        if saved is None:
+            del os.environ[settings.CONFIG_ENV]
+        else:
+            os.environ[settings.CONFIG_ENV] = saved
+
+
+def finals(result: StreamResult) -> list[tuple[float, float, str]]:
+    """(start, end, text) of each final: times too, so a resumed stream must continue them."""
+    return [(round(f.start, 2), round(f.end, 2), f.text) for f in result.finals]
+
+
+def pid_of(service: Service, program: str) -> int:
+    info = next(p for p in svc.processes(service.cfg) if p["name"] == program)
+    assert info["statename"] == "RUNNING", info
+    return int(info["pid"])
+
+
+def restarted(service: Service, program: str, old_pid: int) -> int:
+    """Wait until supervisord runs `program` again under a new pid; returns it."""
+    def check() -> int | None:
+        info = next(p for p in svc.processes(service.cfg) if p["name"] == program)
+        return info["pid"] if info["statename"] == "RUNNING" and info["pid"] != old_pid else None
+    return wait_for(check, 120, f"supervisord to restart {program}")
+
+
+def busy_worker(service: Service) -> dict[str, Any] | None:
+    report = svc.status(service.cfg)
+    return next((w for w in report.get("workers", []) if w["inflight"] > 0), None)
+
+
+def words(segments: list[tuple[float, float, str]]) -> list[str]:
+    return " ".join(text for _, _, text in segments).lower().replace(".", "").replace(",", "").split()
+
+
+def assert_unchanged(results: dict[str, StreamResult], baseline: dict[str, list[tuple[float, float, str]]]) -> None:
+    for name, result in results.items():
+        assert result.refused is None and result.errors == [], (name, result.refused, result.errors)
+        assert result.closed is not None and result.closed.reason == "end", (name, result.closed)
+        assert finals(result) == baseline[name], (name, result.resumes)
+
+
+def test_worker_killed_mid_job(asr: Service, corpus: dict[str, bytes], baseline: dict[str, list[tuple[float, float, str]]]) -> None:
+    killed: dict[str, Any] = {}
+
+    def kill_busy_worker() -> None:
+        worker = wait_for(lambda: busy_worker(asr), 120, "a worker holding a job", interval=0.02)
+        os.kill(worker["pid"], signal.SIGKILL)
+        killed.update(worker)
+
+    killer = threading.Thread(target=kill_busy_worker, daemon=True)
+    killer.start()
+    results = stream_many(asr.address, corpus, speed=FAULT_SPEED, partials=False)
+    killer.join(10)
+    assert killed, "no worker was ever seen holding a job"
+    assert_unchanged(results, baseline)
+    name = "worker-" + killed["id"].split("-")[1]
+    restarted(asr, name, killed["pid"])
+    assert "broker.worker_lost" in asr.logs("broker")
+
+
+def test_broker_killed(asr: Service, corpus: dict[str, bytes], baseline: dict[str, list[tuple[float, float, str]]]) -> None:
+    broker_pid = pid_of(asr, "broker")
+    fired = threading.Event()
+
+    def kill_broker(client: StreamClient, pos: int) -> None:
+        if pos > client.total // 3 and not fired.is_set():
+            fired.set()
+            os.kill(broker_pid, signal.SIGKILL)
+
+    results = stream_many(asr.address, corpus, speed=FAULT_SPEED, partials=False, on_progress=kill_broker)
+    assert fired.is_set()
+    assert_unchanged(results, baseline)
+    restarted(asr, "broker", broker_pid)
+    assert "broker_lost" in asr.logs("ingest-0")  # the ingest noticed and re-registered
+
+
+def test_ingest_killed_client_resumes(asr: Service, corpus: dict[str, bytes], baseline: dict[str, list[tuple[float, float, str]]]) -> None:
+    ingest_pid = pid_of(asr, "ingest-0")
+    (segment,) = pool.segments(asr.cfg.instance)
+    inode = (pool.SHM_DIR / segment).stat().st_ino
+    fired = threading.Event()
+
+    def kill_ingest(client: StreamClient, pos: int) -> None:
+        # mid-stream, once a final is out: the resume must keep it and resend only what follows
+        if client.stream == "stream0" and client.durable > 0 and not fired.is_set():
+            fired.set()
+            os.kill(ingest_pid, signal.SIGKILL)
+
+    results = stream_many(asr.address, corpus, speed=2.0, partials=False, resume=True, on_progress=kill_ingest)
+    assert fired.is_set(), "stream0 sent all its audio before its first final: nothing was killed"
+    # it saw the connection fail and resent only the audio after its delivered finals
+    assert results["stream0"].resumes and results["stream0"].resumes[0] > 0
+    for name, result in results.items():
+        assert result.refused is None and result.errors == [], (name, result.refused, result.errors)
+        assert result.closed is not None and result.closed.reason == "end", (name, result.closed)
+        got, want = finals(result), baseline[name]
+        # Nothing lost, nothing repeated: the same segments, times continued from the offset.
+        # The restarted VAD starts without the dead one's recurrent state, so the boundary of
+        # the first segment after the resume may move by a few 32 ms chunks, and its text vary
+        # as any decode of slightly different audio may.
+        assert len(got) == len(want), (name, got, want)
+        for (start, end, text), (start0, end0, text0) in zip(got, want):
+            assert abs(start - start0) <= 0.25 and abs(end - end0) <= 0.25, (name, got, want)
+            if not result.resumes or end0 <= result.resumes[0] / 16_000:
+                assert text == text0, (name, got, want)  # before the resume point: untouched
+        similarity = difflib.SequenceMatcher(None, words(got), words(want)).ratio()
+        assert similarity >= 0.8, (name, got, want)
+    restarted(asr, "ingest-0", ingest_pid)
+    # the restart replaced the dead process's segment: same name, a new file, nothing left over
+    assert pool.segments(asr.cfg.instance) == [segment]
+    assert (pool.SHM_DIR / segment).stat().st_ino != inode
+
+
+def test_sigterm_drains_open_streams(service_factory: Any) -> None:
+    service = service_factory(model="null", workers=2)
+    files = speech_files()
+    buffers = {f"drain{i}": concat(files[i::3]) for i in range(3)}
+    stopping = threading.Event()
+
+    def stop_midway(client: StreamClient, pos: int) -> None:
+        # SIGTERM to supervisord, as `streamasr stop` sends it. (The CLI itself polls the pid,
+        # which stays a zombie here until this test, its parent, reaps it.)
+        if pos > client.total // 3 and not stopping.is_set():
+            stopping.set()
+            service.proc.send_signal(signal.SIGTERM)
+
+    pids = [p["pid"] for p in svc.processes(service.cfg) if p["pid"]]
+    results = stream_many(service.address, buffers, speed=2.0, partials=False, on_progress=stop_midway)
+    for name, result in results.items():
+        assert result.closed is not None and result.closed.reason == "shutdown", (name, result.closed)
+        # what the service accepted before the stop was transcribed and delivered
+        assert result.finals and result.closed.segments == len(result.finals), (name, result)
+        # audio the client kept sending after the drain began is refused, never dropped silently
+        assert all(e.code == "bad_message" and "after end" in e.message for e in result.errors), result.errors
+    # within supervisord's stop timeouts (ingest drains first, then workers, then the broker)
+    assert service.proc.wait(60) == 0
+    for pid in pids:
+        assert not _alive(pid), f"pid {pid} outlived the stop"
+    assert pool.segments(service.cfg.instance) == []
+    assert "stream_abandoned_at_shutdown" not in service.logs("ingest-0")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

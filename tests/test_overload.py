@@ -1,0 +1,150 @@
+"""Past its capacity the service says so: new realtime streams are refused with `overloaded`,
+admitted ones finish, batch streams are still taken and slowed by credits; stream limits hold.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import psutil
+import zmq
+
+from protocol import messages as m
+from shm import pool
+from streamasr import service as svc
+from streaming import StreamClient, StreamResult, hello, read_wav, speech_files, stream_many, wait_for
+
+GAP = np.zeros(8_000, np.int16).tobytes()
+
+
+def test_realtime_admission_control(service_factory: Any) -> None:
+    """tiny.en on 2 workers, more realtime streams than 2 cores can serve, one more every 0.3 s."""
+    service = service_factory(model="whisper-tiny.en", workers=2, ingest={"admit_max_load_s": 1.0})
+    pcm = GAP.join(read_wav(p) for p in speech_files()[:3])  # ~16 s of speech with pauses
+    results: list[StreamResult] = []
+    threads: list[threading.Thread] = []
+    peak = 0.0
+
+    def run(client: StreamClient) -> None:
+        results.append(client.run())
+
+    refused: StreamResult | None = None
+    for i in range(40):
+        client = StreamClient(service.address, pcm, f"rt{i}", speed=1.0, timeout=300)
+        thread = threading.Thread(target=run, args=(client,), daemon=True)
+        thread.start()
+        assert client.answered.wait(60), f"rt{i}: open not answered"
+        peak = max(peak, svc.status(service.cfg).get("load", 0.0))
+        if client.result.refused is not None:
+            thread.join(10)
+            refused = results.pop(results.index(client.result))
+            break
+        threads.append(thread)
+        time.sleep(0.3)
+    assert refused is not None, f"40 realtime streams admitted on 2 cores (peak load {peak} s)"
+    assert refused.refused == m.OVERLOADED
+    admitted = len(threads)
+    assert admitted >= 1
+    assert "open_refused" in service.logs("ingest-0")
+
+    # a batch stream is still taken while realtime ones are refused; credits pace it
+    batch = StreamClient(service.address, pcm, "batch", speed=None, priority="batch", timeout=300).run()
+    assert batch.refused is None and batch.errors == [] and batch.closed is not None and batch.finals
+
+    for t in threads:
+        t.join(300)
+    assert len(results) == admitted
+    for r in results:  # every admitted stream finished with its finals and no error
+        assert r.refused is None and r.errors == [], (r.stream, r.refused, r.errors)
+        assert r.closed is not None and r.closed.reason == "end" and r.finals, r
+    print(f"admitted {admitted} realtime streams, refused the next at load {peak:.2f} s")
+
+    # once the backlog is worked off, realtime streams are admitted again
+    wait_for(lambda: svc.status(service.cfg).get("load", 99) < 0.5, 120, "the load figure to fall")
+    again = StreamClient(service.address, pcm[: 3 * 16_000], "again", speed=None, timeout=120).run()
+    assert again.refused is None and again.closed is not None
+
+
+def _open(sock: zmq.Socket, stream: str) -> m.ServerMessage:
+    sock.send_multipart(m.encode(m.Open(stream=stream)))
+    assert sock.poll(10_000), "no answer to open"
+    return m.decode_server(sock.recv_multipart())
+
+
+def test_stream_limits(service_factory: Any) -> None:
+    service = service_factory(model="null", workers=1, ingest={"max_streams_per_client": 2, "max_streams": 3})
+    ctx = zmq.Context.instance()
+    welcome = hello(service.address)
+    assert welcome.limits["max_streams_per_client"] == 2
+    a, b = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    try:
+        for sock in (a, b):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(welcome.ingest)
+        assert isinstance(_open(a, "one"), m.Ready)
+        assert isinstance(_open(a, "two"), m.Ready)
+        dup = _open(a, "two")
+        assert isinstance(dup, m.ErrorMsg) and dup.code == m.DUPLICATE_STREAM
+        per_client = _open(a, "three")
+        assert isinstance(per_client, m.ErrorMsg) and per_client.code == m.TOO_MANY_STREAMS, per_client
+        assert isinstance(_open(b, "one"), m.Ready)
+        total = _open(b, "two")
+        assert isinstance(total, m.ErrorMsg) and total.code == m.TOO_MANY_STREAMS, total
+        # ending a stream frees its place
+        a.send_multipart(m.encode(m.End(stream="one")))
+        wait_for(lambda: a.poll(100) and isinstance(m.decode_server(a.recv_multipart()), m.Closed), 30, "closed")
+        assert isinstance(_open(b, "two"), m.Ready)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_soak_returns_to_baseline(service_factory: Any) -> None:
+    """Rounds of streams, some abandoned mid-way: fds, shm and rings come back to where they were.
+
+    Counts only; memory growth is printed for the record (a short run cannot tell a leak from
+    warm-up). The long soak is `streamasr bench --duration 3600` (docs/RELIABILITY.md).
+    """
+    service = service_factory(model="null", workers=2, ingest={"idle_timeout_s": 2.0})
+    pcm = read_wav(speech_files()[1])
+    buffers = {f"w{i}": pcm for i in range(4)}
+    stream_many(service.address, buffers, speed=None)  # warm-up: lazy imports, pools, sockets
+
+    def procs() -> dict[str, psutil.Process]:
+        return {p["name"]: psutil.Process(p["pid"]) for p in svc.processes(service.cfg) if p["group"] != "dashboard"}
+
+    def idle() -> bool:
+        ingest = svc.status(service.cfg)["ingests"][0]
+        return ingest["rings"] == 0 and ingest["streams"] == 0
+
+    wait_for(idle, 30, "the warm-up streams to release their rings")
+    before = procs()
+    fds = {name: p.num_fds() for name, p in before.items()}
+    rss = {name: p.memory_info().rss for name, p in before.items()}
+    segments = pool.segments(service.cfg.instance)
+
+    ctx = zmq.Context.instance()
+    welcome = hello(service.address)
+    for round_ in range(10):
+        results = stream_many(service.address, {f"r{round_}-{i}": pcm for i in range(8)}, speed=None)
+        assert all(r.errors == [] and r.closed is not None for r in results.values())
+        # a client that vanishes mid-stream: the idle sweep must give its ring back
+        gone = ctx.socket(zmq.DEALER)
+        gone.setsockopt(zmq.LINGER, 0)
+        gone.connect(welcome.ingest)
+        gone.send_multipart(m.encode(m.Open(stream="gone")))
+        gone.send_multipart(m.encode(m.Audio(stream="gone", seq=0, data=pcm[:32_000])))
+        assert gone.poll(10_000)
+        gone.close()
+
+    wait_for(idle, 60, "every ring back in the pool")
+    after = procs()
+    assert {n: p.pid for n, p in after.items()} == {n: p.pid for n, p in before.items()}
+    wait_for(lambda: all(after[n].num_fds() <= fds[n] for n in fds), 30,
+             f"fds back to {fds}: {({n: p.num_fds() for n, p in after.items()})}")
+    assert pool.segments(service.cfg.instance) == segments
+    growth = {n: round((after[n].memory_info().rss - rss[n]) / 2**20, 1) for n in rss}
+    print(f"soak: 80 streams + 10 abandoned; RSS growth MiB {growth}")
