@@ -26,7 +26,7 @@ CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; c
 class Dashboard:
     """The HTTP server bound to `host:port` (port 0 picks a free one, see `url`)."""
 
-    def __init__(self, collector: Collector, host: str = "127.0.0.1", port: int) -> None:
+    def __init__(self, collector: Collector, port: int, host: str = "127.0.0.1") -> None:
         self.collector = collector
         self.closing = threading.Event()
         self.httpd = ThreadingHTTPServer((host, port), _handler(self))

@@ -243,7 +243,7 @@ def test_every_job_answered_spread_over_workers_within_credit(running: Cluster) 
     peak: Counter[str] = Counter()
     while len(running.ingest.answers()) < len(jobs):
         for w in running.status()["workers"]:
-            assert w["inflight"] <= w["capacity"] == 2 * MAX_BATCH
+            assert w["inflight"] <= w["capacity"] == MAX_BATCH
             peak[w["id"]] = max(peak[w["id"]], w["inflight"])
     by_job = running.wait_answers(jobs)
     assert_exactly_once(by_job, jobs)
