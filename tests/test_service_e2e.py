@@ -42,17 +42,17 @@ def local_wer(service) -> float:
     return testdata.wer([REFS[f] for f in FILES], [out[f] for f in FILES])
 
 
-def _streamed(service, *flags: str) -> tuple[dict[str, list[dict]], float]:
-    proc = service.cli("transcribe", "--server", service.address, "--json", *flags, *FILES, timeout=600)
+def _streamed(service, mode: str, *files: str) -> tuple[dict[str, list[dict]], float]:
+    proc = service.cli("transcribe", "--server", service.address, "--json", mode, *files, timeout=600)
     assert proc.returncode == 0, proc.stderr
     rows = _lines(proc.stdout)
-    by_file: dict[str, list[dict]] = {f: [] for f in FILES}
+    by_file: dict[str, list[dict]] = {f: [] for f in files}
     for row in rows:
         by_file[row["file"]].append(row)
     summaries = {f: [r for r in rs if r["type"] == "summary"] for f, rs in by_file.items()}
     assert all(len(s) == 1 for s in summaries.values()), "one summary per file"
-    hyps = [summaries[f][0]["text"] for f in FILES]
-    return by_file, testdata.wer([REFS[f] for f in FILES], hyps)
+    hyps = [summaries[f][0]["text"] for f in files]
+    return by_file, testdata.wer([REFS[f] for f in files], hyps)
 
 
 def _check_finals(by_file: dict[str, list[dict]]) -> None:
@@ -66,23 +66,37 @@ def _check_finals(by_file: dict[str, list[dict]]) -> None:
 
 
 def test_realtime_streaming_matches_local(service, local_wer: float) -> None:
-    by_file, wer = _streamed(service, "--realtime")
+    """Every utterance at once, in real time: more than 2 cores decode as fast as it is spoken, so
+    partials thin out (by design) — but finals stay as accurate as the offline path."""
+    by_file, wer = _streamed(service, "--realtime", *FILES)
     assert wer <= local_wer + 0.01, f"streamed WER {wer:.3f} vs local {local_wer:.3f}"
     _check_finals(by_file)
-    for path, rows in by_file.items():
-        partials = [r for r in rows if r["type"] == "partial"]
-        assert partials, f"no partial for {path}"
-        # under real-time pacing the frame holding sample `end` left `end` seconds after the start,
-        # so the first partial reached the client at about end + latency
-        first = partials[0]
-        assert first["end"] + first["latency_ms"] / 1000 < _duration(path), (path, first)
-        stable = [p["stable"] for p in partials]
+    for rows in by_file.values():
+        stable = [p["stable"] for p in rows if p["type"] == "partial"]
         for earlier, later in zip(stable, stable[1:]):
             assert later.startswith(earlier), "a committed prefix was retracted"
+        for final in (r for r in rows if r["type"] == "final"):
+            if stable:
+                assert final["text"].startswith(stable[-1]), "a final retracted committed words"
+
+
+def test_partials_arrive_while_speaking(service) -> None:
+    """Within the service's capacity (one stream per worker) every file shows text before it ends."""
+    workers = service.cfg.workers.processes
+    for i in range(0, len(FILES), workers):
+        group = FILES[i:i + workers]
+        by_file, _ = _streamed(service, "--realtime", *group)
+        for path, rows in by_file.items():
+            partials = [r for r in rows if r["type"] == "partial"]
+            assert partials, f"no partial for {path}"
+            # under real-time pacing the frame holding sample `end` left `end` seconds after the
+            # start, so the first partial reached the client at about end + latency
+            first = partials[0]
+            assert first["end"] + first["latency_ms"] / 1000 < _duration(path), (path, first)
 
 
 def test_offline_streaming_matches_local(service, local_wer: float) -> None:
-    by_file, wer = _streamed(service, "--offline")
+    by_file, wer = _streamed(service, "--offline", *FILES)
     assert wer <= local_wer + 0.01, f"offline WER {wer:.3f} vs local {local_wer:.3f}"
     _check_finals(by_file)
 
@@ -217,7 +231,7 @@ def test_client_that_vanishes_is_closed_and_others_are_unaffected(null_svc) -> N
         if '"reason": "idle_timeout"' in log:
             break
         time.sleep(0.2)
-    closed = [json.loads(line) for line in log.splitlines() if '"stream_closed"' in line and '"vanishing"' in line]
+    closed = [json.loads(line) for line in log.splitlines() if '"ingest.stream_closed"' in line and '"vanishing"' in line]
     assert closed and closed[-1]["reason"] == "idle_timeout" and closed[-1]["audio_s"] > 1.0
     assert _pids(null_svc) == before
     other.close()
