@@ -18,7 +18,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,9 +36,9 @@ import zmq
 from client.client import handshake
 from client.core import LOCAL_HOSTS
 from config import settings
-from config.settings import Config
 from protocol import messages as m
 from streamasr.loadgen import Clip, Plan, RecordReader
+from streamasr.service import LocalService, launch
 
 ROOT = Path(__file__).resolve().parents[1]
 GAP_S = 0.8  # silence after each clip: more than the VAD's minimum silence, so each clip ends a segment
@@ -58,82 +57,6 @@ ESPEAK_SENTENCES = (
 
 
 # ---------------------------------------------------------------------------------- the service
-
-
-def free_ports(count: int) -> int:
-    """A base port with `count` consecutive free ports on loopback."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count >= 65535:
-            continue
-        try:
-            for port in range(base + 1, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free port range")
-
-
-@dataclass
-class LocalService:
-    """A service this process started with `streamasr serve` (supervisord in the foreground)."""
-
-    cfg: Config
-    proc: subprocess.Popen
-    config_file: Path
-
-    @property
-    def address(self) -> str:
-        return self.cfg.ingest.address
-
-    def stop(self, timeout: float = 40.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-
-def start_service(root: Path, model: str = "whisper-tiny.en", workers: int = 2, ingest: int = 1,
-                  ready_timeout: float = 300.0, overrides: dict[str, Any] | None = None) -> LocalService:
-    """Start an instance of its own (name, run directory under `root`, free loopback ports) and
-    wait until the broker reports every ingest and worker; `overrides` is merged into the config."""
-    from streamasr import service as svc
-
-    base = free_ports(ingest + 1)
-    instance = f"b{uuid.uuid4().hex[:8]}"
-    over: dict[str, Any] = {
-        "instance": instance,
-        "run_dir": str(root / instance),
-        "model": {"name": model, "backend": "null" if model == "null" else "onnxruntime"},
-        "workers": {"processes": workers},
-        "ingest": {"address": f"tcp://127.0.0.1:{base}", "port_base": base + 1, "processes": ingest},
-    }
-    over = settings.merge(over, overrides or {})
-    cfg = settings.load(None, over)
-    config_file = root / f"{instance}.toml"
-    config_file.write_text(settings.dump(cfg))
-    env = {**os.environ, "STREAMASR_CONFIG": str(config_file)}
-    env.pop("STREAMASR_RUN_DIR", None)
-    proc = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "serve"], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    service = LocalService(cfg, proc, config_file)
-    deadline = time.monotonic() + ready_timeout
-    report: dict[str, Any] = {}
-    while time.monotonic() < deadline and proc.poll() is None:
-        report = svc.status(cfg)
-        if report.get("ready") and len(report.get("ingests", [])) >= ingest and len(report.get("workers", [])) >= workers:
-            return service
-        time.sleep(0.25)
-    service.stop()
-    raise RuntimeError(f"service did not become ready: {report}\n{proc.stderr.read() if proc.stderr else ''}")
 
 
 @dataclass
@@ -641,7 +564,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.max_batch:
                 overrides["model"] = {"max_batch": args.max_batch}
             print(f"starting the service: model {args.model}, {args.workers} workers ...", file=sys.stderr, flush=True)
-            local = start_service(workdir, model=args.model, workers=args.workers, overrides=overrides)
+            overrides = settings.merge({"model": {"name": args.model, "backend": "null" if args.model == "null" else "onnxruntime"},
+                                        "workers": {"processes": args.workers}}, overrides)
+            local = launch(workdir, overrides)
             target = Target(local.address, local)
         runs: list[tuple[dict[str, Any], dict[str, np.ndarray]]] = []
         best: int | None = None

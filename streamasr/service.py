@@ -8,9 +8,14 @@ exports the model once (rather than in every worker at once), then hands over to
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import subprocess
 import sys
 import time
+import uuid
 import xmlrpc.client
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -144,3 +149,84 @@ def stop(cfg: Config, timeout: float = 30.0) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+# ------------------------------------------------------------------ private instances (bench, tests)
+
+
+def free_ports(count: int) -> int:
+    """A base port with `count` consecutive free ports on loopback."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count >= 65535:
+            continue
+        try:
+            for port in range(base + 1, base + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free port range")
+
+
+@dataclass
+class LocalService:
+    """An instance this process started with `streamasr serve` (supervisord in the foreground)."""
+
+    cfg: Config
+    proc: subprocess.Popen
+    config_file: Path
+
+    @property
+    def address(self) -> str:
+        return self.cfg.ingest.address
+
+    def logs(self, program: str) -> str:
+        path = self.cfg.run_path / "logs" / f"{program}.log"
+        return path.read_text() if path.exists() else ""
+
+    def stop(self, timeout: float = 40.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def launch(root: Path, overrides: dict[str, Any] | None = None, ready_timeout: float = 300.0,
+           cls: type[LocalService] = LocalService) -> LocalService:
+    """Start an instance of its own — name, run directory under `root`, free loopback ports — and
+    wait until the broker reports every ingest and worker of the config."""
+    overrides = overrides or {}
+    ingests = settings.load(None, overrides).ingest.processes
+    base = free_ports(ingests + 2)  # front door, ingest processes, dashboard
+    instance = f"s{uuid.uuid4().hex[:8]}"
+    own = {
+        "instance": instance,
+        "run_dir": str(root / instance),
+        "ingest": {"address": f"tcp://127.0.0.1:{base}", "port_base": base + 1},
+        "metrics": {"dashboard_port": base + 1 + ingests},
+    }
+    cfg = settings.load(None, settings.merge(overrides, own))
+    config_file = root / f"{instance}.toml"
+    config_file.write_text(settings.dump(cfg))
+    env = {**os.environ, "STREAMASR_CONFIG": str(config_file)}
+    proc = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "serve"], cwd=HOME, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    service = cls(cfg, proc, config_file)
+    deadline = time.monotonic() + ready_timeout
+    report: dict[str, Any] = {}
+    while time.monotonic() < deadline and proc.poll() is None:
+        report = status(cfg)
+        if (report.get("ready") and len(report.get("ingests", [])) >= ingests
+                and len(report.get("workers", [])) >= cfg.worker_count):
+            return service
+        time.sleep(0.25)
+    service.stop()
+    raise RuntimeError(f"service did not become ready: {report}\n{proc.stderr.read() if proc.stderr else ''}")

@@ -23,7 +23,8 @@ import zmq
 import zmq.auth
 
 from config import settings
-from conftest import ROOT, Service, free_ports
+from conftest import ROOT, Service
+from streamasr.service import free_ports
 from protocol import messages as m
 from protocol.auth import apply_client_curve, read_key_pair, read_public_key
 from shm import pool
