@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -29,10 +30,11 @@ class Service(LocalService):
 
 
 def start_service(tmp: Path, model: str = "whisper-tiny.en", workers: int = 2, ingests: int = 1,
-                  ready_timeout: float = 180, **sections: dict[str, Any]) -> Service:
+                  ready_timeout: float = 180, model_options: dict[str, Any] | None = None,
+                  **sections: dict[str, Any]) -> Service:
     """`streamasr serve` on free ports; `sections` are config tables merged on top (e.g. vad={...})."""
     over: dict[str, Any] = {
-        "model": {"name": model, "backend": "null" if model == "null" else "onnxruntime"},
+        "model": {"name": model, "backend": "null" if model == "null" else "onnxruntime", **(model_options or {})},
         "workers": {"processes": workers},
         "ingest": {"processes": ingests},
         "broker": {"heartbeat_ms": 250},
@@ -42,6 +44,17 @@ def start_service(tmp: Path, model: str = "whisper-tiny.en", workers: int = 2, i
     service = launch(tmp, over, ready_timeout, cls=Service)
     assert isinstance(service, Service)
     return service
+
+
+@contextmanager
+def running(tmp: Path, **kwargs: Any) -> Iterator[Service]:
+    """A service for the block; afterwards it is stopped and must have removed its shm segments."""
+    svc = start_service(tmp, **kwargs)
+    try:
+        yield svc
+    finally:
+        svc.stop()
+    assert pool.segments(svc.cfg.instance) == [], "shm segments left after shutdown"
 
 
 @pytest.fixture
@@ -63,16 +76,12 @@ def service_factory(tmp_path: Path) -> Iterator[Callable[..., Service]]:
 @pytest.fixture(scope="session")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     """One real service (Whisper tiny.en on ONNX Runtime, 2 workers) shared by the end-to-end tests."""
-    svc = start_service(tmp_path_factory.mktemp("svc"), model="whisper-tiny.en", workers=2)
-    yield svc
-    svc.stop()
-    assert pool.segments(svc.cfg.instance) == []
+    with running(tmp_path_factory.mktemp("svc"), model="whisper-tiny.en", workers=2) as svc:
+        yield svc
 
 
 @pytest.fixture(scope="session")
 def null_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     """The pipeline with the model-free backend: fast tests of protocol and process behaviour."""
-    svc = start_service(tmp_path_factory.mktemp("nullsvc"), model="null", workers=2)
-    yield svc
-    svc.stop()
-    assert pool.segments(svc.cfg.instance) == []
+    with running(tmp_path_factory.mktemp("nullsvc"), model="null", workers=2) as svc:
+        yield svc

@@ -18,8 +18,7 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 
-from conftest import Service, start_service
-from config import settings
+from conftest import Service, running
 from shm import pool
 from streamasr import service as svc
 from streaming import StreamClient, StreamResult, read_wav, speech_files, stream_many, wait_for
@@ -46,11 +45,9 @@ def asr(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     # Admission off: the baseline sends every stream at once, and the backlog it leaves must not
     # turn the next test's streams away (test_overload covers admission).
     tmp = tmp_path_factory.mktemp("faults")
-    service = start_with_model_options(tmp, {"max_batch": 1}, model="whisper-tiny.en", workers=2,
-                                       ingest={"admit_max_load_s": 0})
-    yield service
-    service.stop()
-    assert pool.segments(service.cfg.instance) == []
+    with running(tmp, model="whisper-tiny.en", workers=2, model_options={"max_batch": 1},
+                 ingest={"admit_max_load_s": 0}) as service:
+        yield service
 
 
 @pytest.fixture(scope="module")
@@ -60,22 +57,6 @@ def baseline(asr: Service, corpus: dict[str, bytes]) -> dict[str, list[tuple[flo
         assert r.errors == [] and r.closed is not None and r.closed.reason == "end", r
         assert r.finals, r
     return {name: finals(r) for name, r in results.items()}
-
-
-def start_with_model_options(tmp: Path, options: dict[str, Any], **kwargs: Any) -> Service:
-    """start_service with [model] options: its `model` argument is the name only, so they go in a
-    config file under the one it writes (settings.load layers $STREAMASR_CONFIG below overrides)."""
-    layer = tmp / "model-options.toml"
-    layer.write_text("[model]\n" + "".join(f"{k} = {v!r}\n" for k, v in options.items()))
-    saved = os.environ.get(settings.CONFIG_ENV)
-    os.environ[settings.CONFIG_ENV] = str(layer)
-    try:
-        return start_service(tmp, **kwargs)
-    finally:
-        if saved is None:
-            del os.environ[settings.CONFIG_ENV]
-        else:
-            os.environ[settings.CONFIG_ENV] = saved
 
 
 def finals(result: StreamResult) -> list[tuple[float, float, str]]:
@@ -145,7 +126,7 @@ def test_broker_killed(asr: Service, corpus: dict[str, bytes], baseline: dict[st
     assert fired.is_set()
     assert_unchanged(results, baseline)
     restarted(asr, "broker", broker_pid)
-    assert "broker_lost" in asr.logs("ingest-0")  # the ingest noticed and re-registered
+    assert "ingest.broker_lost" in asr.logs("ingest-0")  # the ingest noticed and re-registered
 
 
 def test_ingest_killed_client_resumes(asr: Service, corpus: dict[str, bytes], baseline: dict[str, list[tuple[float, float, str]]]) -> None:
@@ -211,7 +192,7 @@ def test_sigterm_drains_open_streams(service_factory: Any) -> None:
     for pid in pids:
         assert not _alive(pid), f"pid {pid} outlived the stop"
     assert pool.segments(service.cfg.instance) == []
-    assert "stream_abandoned_at_shutdown" not in service.logs("ingest-0")
+    assert "ingest.stream_abandoned_at_shutdown" not in service.logs("ingest-0")
 
 
 def _alive(pid: int) -> bool:

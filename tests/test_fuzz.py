@@ -22,9 +22,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import Service, start_service
+from conftest import Service, running
 from protocol import messages as m
-from shm import pool
 from streamasr import service as svc
 from streaming import StreamClient, hello, read_wav, speech_files, wait_for
 
@@ -124,10 +123,8 @@ def exchange(sock: zmq.Socket, batch: list[list[bytes]], timeout_ms: int = 60_00
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    service = start_service(tmp_path_factory.mktemp("fuzz"), model="null", workers=2)
-    yield service
-    service.stop()
-    assert pool.segments(service.cfg.instance) == []
+    with running(tmp_path_factory.mktemp("fuzz"), model="null", workers=2) as service:
+        yield service
 
 
 def connect(endpoint: str) -> zmq.Socket:

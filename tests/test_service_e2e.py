@@ -140,7 +140,8 @@ class RawClient:
                     return msg
         raise TimeoutError("no event")
 
-    def stream_file(self, stream: str, path: str, frame_s: float = 0.1, pace: float = 0.0) -> None:
+    def stream_file(self, stream: str, path: str, frame_s: float = 0.1, pace: float = 0.0) -> int:
+        """Open `stream` and send the file's frames; returns the number of input frames sent."""
         audio, rate = sf.read(path, dtype="int16")
         self.send(m.Open(stream=stream, rate=rate))
         assert isinstance(self.recv(), m.Ready)
@@ -149,6 +150,16 @@ class RawClient:
             self.send(m.Audio(stream=stream, seq=seq, data=audio[i:i + step].tobytes()))
             if pace:
                 time.sleep(pace)
+        return len(audio)
+
+    def wait_acked(self, frames: int, timeout: float = 10.0) -> None:
+        """Until the server acknowledged `frames` input frames: sent is not yet accepted."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            msg = self.recv(timeout, skip_acks=False)
+            if isinstance(msg, m.Ack) and msg.samples >= frames:
+                return
+        raise TimeoutError(f"{frames} frames not acknowledged")
 
     def until_closed(self, timeout: float = 60.0) -> list[m.ServerMessage]:
         events = []
@@ -168,14 +179,10 @@ def _pids(service) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def null_svc(tmp_path_factory):
-    from conftest import start_service
+    from conftest import running
 
-    s = start_service(tmp_path_factory.mktemp("e2e-null"), model="null", workers=2, ingest={"idle_timeout_s": 2.0})
-    yield s
-    s.stop()
-    from shm import pool
-
-    assert pool.segments(s.cfg.instance) == []
+    with running(tmp_path_factory.mktemp("e2e-null"), model="null", workers=2, ingest={"idle_timeout_s": 2.0}) as s:
+        yield s
 
 
 def test_bad_input_gets_clear_errors_and_nothing_dies(null_svc) -> None:
@@ -217,7 +224,7 @@ def test_bad_input_gets_clear_errors_and_nothing_dies(null_svc) -> None:
 def test_client_that_vanishes_is_closed_and_others_are_unaffected(null_svc) -> None:
     before = _pids(null_svc)
     gone = RawClient(null_svc.address)
-    gone.stream_file("vanishing", FILES[0])
+    gone.wait_acked(gone.stream_file("vanishing", FILES[0]))
     gone.close()  # no `end`: the client is simply gone
     other = RawClient(null_svc.address)
     other.stream_file("other", FILES[1])
