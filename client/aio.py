@@ -3,6 +3,10 @@
 One reader task owns the receive side; audio is sent from whichever coroutine makes it
 sendable (a `send`, an ack, a retry timer). Those sends are issued without awaiting in
 between, so pyzmq keeps them in order. Flow control is `client.core.StreamCore`.
+
+The reader also watches the connection; when the ingest is lost it says `hello` again and
+resumes every open stream from its last `durable` point, as the blocking client does. Audio
+sent meanwhile waits in the streams' queues.
 """
 
 from __future__ import annotations
@@ -16,15 +20,23 @@ from typing import AsyncIterator
 import numpy as np
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
+from client.client import HEARTBEAT_MS, HEARTBEAT_TIMEOUT_MS
 from client.core import (
     CLOSED,
+    LIVENESS_S,
+    LOST,
+    RESUME_TIMEOUT_S,
     SAMPLE_BYTES,
     Entry,
+    IngestLost,
+    Liveness,
     ServerError,
     StreamBase,
     StreamCore,
     StreamError,
+    due,
     ingest_endpoint,
     limits_from,
     route,
@@ -79,13 +91,22 @@ async def handshake(ctx: zmq.asyncio.Context, address: str, timeout: float) -> W
 
 
 class AsyncClient:
-    """`async with AsyncClient(address) as client:` or `client = await AsyncClient.connect(address)`."""
+    """`async with AsyncClient(address) as client:` or `client = await AsyncClient.connect(address)`.
 
-    def __init__(self, address: str, *, timeout: float = 10.0) -> None:
+    `liveness`, `resume_timeout` and `reconnects` as in the blocking Client.
+    """
+
+    def __init__(self, address: str, *, timeout: float = 10.0, liveness: float = LIVENESS_S,
+                 resume_timeout: float = RESUME_TIMEOUT_S) -> None:
         self.address = address
         self.timeout = timeout
+        self.resume_timeout = resume_timeout
+        self.reconnects = 0
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._liveness = Liveness(liveness)
+        self._reconnecting = False
         self._reader: asyncio.Task[None] | None = None
         self._streams: dict[str, Entry] = {}
         self._moved = asyncio.Event()  # set (and replaced) whenever audio goes out or a stream ends
@@ -94,8 +115,9 @@ class AsyncClient:
         self._closed = False
 
     @classmethod
-    async def connect(cls, address: str, *, timeout: float = 10.0) -> AsyncClient:
-        client = cls(address, timeout=timeout)
+    async def connect(cls, address: str, *, timeout: float = 10.0, liveness: float = LIVENESS_S,
+                      resume_timeout: float = RESUME_TIMEOUT_S) -> AsyncClient:
+        client = cls(address, timeout=timeout, liveness=liveness, resume_timeout=resume_timeout)
         await client.start()
         return client
 
@@ -108,10 +130,7 @@ class AsyncClient:
             self._closed = True
             raise
         self.limits = limits_from(welcome)
-        self.ingest = ingest_endpoint(self.address, welcome.ingest)
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.linger = LINGER_MS
-        self._sock.connect(self.ingest)
+        self._connect(welcome)
         self._reader = asyncio.create_task(self._read(), name="streamasr-client-reader")
 
     async def open(
@@ -135,15 +154,17 @@ class AsyncClient:
             raise ValueError(f"stream {msg.stream!r} is already open on this client")
         width = SAMPLE_BYTES.get(encoding, 1) * (channels if isinstance(channels, int) and channels > 0 else 1)
         core = StreamCore(msg.stream, priority=priority, frame_bytes=width, limits=self.limits, rate=rate)
-        entry = Entry(core, asyncio.get_running_loop().create_future(), asyncio.Queue())
+        entry = Entry(core, msg, asyncio.get_running_loop().create_future(), asyncio.Queue())
         self._streams[msg.stream] = entry
-        self._send(encode(msg))
+        if not self._reconnecting:  # else the reconnect opens it with the others
+            self._send(encode(msg))
         try:
             await asyncio.wait_for(asyncio.shield(entry.opened), self.timeout)
         except TimeoutError:
             if self._streams.get(msg.stream) is entry:
                 del self._streams[msg.stream]
-                self._send(encode(End(msg.stream)))  # in case the server opens it late
+                if not self._reconnecting:
+                    self._send(encode(End(msg.stream)))  # in case the server opens it late
             raise TimeoutError(f"stream {msg.stream}: no answer to open within {self.timeout:.1f}s") from None
         return AsyncStream(self, entry, msg)
 
@@ -161,8 +182,7 @@ class AsyncClient:
             except asyncio.CancelledError:
                 pass
         self._fail_all(StreamError(CLOSED, "client closed"))
-        if self._sock is not None:
-            self._sock.close()
+        self._disconnect(LINGER_MS)
         self._ctx.term()
 
     async def __aenter__(self) -> AsyncClient:
@@ -192,26 +212,103 @@ class AsyncClient:
         self._moved.set()
         self._moved = asyncio.Event()
 
+    def _connect(self, welcome: Welcome) -> None:
+        """A DEALER to the welcome's ingest, with heartbeats on and a monitor for its disconnects."""
+        self.ingest = ingest_endpoint(self.address, welcome.ingest)
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.linger = LINGER_MS
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(self.ingest)
+        self._sock = sock
+
+    def _disconnect(self, linger: int) -> None:
+        if self._sock is not None and self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._sock.close(linger)
+
     async def _read(self) -> None:
-        assert self._sock is not None
         try:
             while True:
-                frames = await self._sock.recv_multipart()
-                now = time.monotonic()
                 try:
-                    msg = decode_server(frames)
-                except ProtocolError as exc:
-                    log.warning("ignoring a server message: %s", exc.message)  # e.g. a type from a newer server
-                    continue
-                if route(self._streams, msg, now):
-                    self._wake_senders()
-                self._flush()
+                    await self._read_until_lost()
+                except IngestLost as exc:
+                    await self._reconnect(str(exc))
         except asyncio.CancelledError:
             raise
+        except StreamError as exc:  # the service could not be reached again
+            self._failure = exc
+            self._fail_all(exc)
         except Exception as exc:  # every waiter must learn why, not hang
             log.exception("client reader failed")
             self._failure = StreamError(INTERNAL, f"client IO failed: {exc!r}")
             self._fail_all(self._failure)
+
+    async def _read_until_lost(self) -> None:
+        """Route the ingest's messages until it is lost: IngestLost says how."""
+        assert self._sock is not None and self._monitor is not None
+        poller = zmq.asyncio.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        while True:
+            deadline = self._liveness.deadline(self._streams, time.monotonic())
+            wait_ms = None if deadline is None else max(int((deadline - time.monotonic()) * 1000) + 1, 0)
+            ready = dict(await poller.poll(wait_ms))
+            if self._sock in ready:  # what arrived counts before a disconnect: `closed`, then exit, is no loss
+                while True:
+                    try:
+                        frames = await self._sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._receive(frames)
+            if self._monitor in ready:
+                dropped = False
+                while await self._monitor.poll(0):
+                    event = parse_monitor_message(await self._monitor.recv_multipart())
+                    dropped = event["event"] == zmq.EVENT_DISCONNECTED or dropped
+                if dropped:
+                    raise IngestLost("the ingest connection dropped")
+            deadline = self._liveness.deadline(self._streams, time.monotonic())
+            if deadline is not None and time.monotonic() >= deadline:
+                raise IngestLost(f"no answer from the ingest for {self._liveness.interval:.1f}s")
+
+    def _receive(self, frames: list[bytes]) -> None:
+        now = time.monotonic()
+        self._liveness.heard(now)
+        try:
+            msg = decode_server(frames)
+        except ProtocolError as exc:
+            log.warning("ignoring a server message: %s", exc.message)  # e.g. a type from a newer server
+            return
+        if route(self._streams, msg, now):
+            self._wake_senders()
+        self._flush()
+
+    async def _reconnect(self, why: str) -> None:
+        """Hello again, connect to the ingest named, and re-open every stream where it is durable."""
+        log.warning("ingest %s lost (%s); resuming %d stream(s)", self.ingest, why, len(self._streams))
+        self._reconnecting = True
+        self._disconnect(0)
+        deadline = time.monotonic() + self.resume_timeout
+        delay = 0.1
+        while True:
+            try:
+                welcome = await handshake(self._ctx, self.address, min(self.timeout, max(deadline - time.monotonic(), 0.1)))
+                break
+            except (TimeoutError, ServerError) as exc:  # the front door may be restarting too
+                if time.monotonic() + delay >= deadline:
+                    raise StreamError(LOST, f"could not resume within {self.resume_timeout:.0f}s: {exc}") from None
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        self._connect(welcome)
+        self._reconnecting = False
+        self.reconnects += 1
+        for entry in self._streams.values():
+            self._send(encode(entry.resume()))
+        self._liveness.heard(time.monotonic())
+        self._flush()
 
     def _fail_all(self, failure: Exception) -> None:
         now = time.monotonic()
@@ -221,10 +318,14 @@ class AsyncClient:
         self._wake_senders()
 
     def _flush(self) -> None:
-        """Send whatever flow control allows now, and arm the retry timer of stalled streams."""
+        """Send whatever flow control allows now, and arm the timer of stalled or refused streams."""
+        if self._reconnecting or self._closed:
+            return
         now = time.monotonic()
         moved = False
         for entry in self._streams.values():
+            if entry.core.reopen_at is not None and now >= entry.core.reopen_at:
+                self._send(encode(entry.reopen()))
             cut = entry.core.cut
             for msg in entry.core.take(now):
                 self._send(encode(msg))
@@ -234,9 +335,9 @@ class AsyncClient:
         if self._retry is not None:
             self._retry.cancel()
             self._retry = None
-        retry = [e.core.retry_at for e in self._streams.values() if e.core.retry_at is not None]
-        if retry and not self._closed:
-            self._retry = asyncio.get_running_loop().call_later(max(min(retry) - now, 0.0), self._flush)
+        at = due(self._streams)
+        if at is not None:
+            self._retry = asyncio.get_running_loop().call_later(max(at - now, 0.0), self._flush)
 
     async def _wait_sent(self, entry: Entry, target: int, timeout: float | None) -> None:
         core = entry.core

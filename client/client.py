@@ -3,6 +3,10 @@
 ZeroMQ sockets are not thread-safe, so only the IO thread touches the socket: callers hand it
 work through a queue and wake it through a socketpair registered in its poller; it hands
 events back through one queue per stream. Flow control lives in `client.core.StreamCore`.
+
+When the ingest is lost (the connection drops, it forgets a stream, or it stops answering) the
+IO thread says `hello` again, connects to the ingest it is given and resumes every open stream
+from its last `durable` point; callers see the same Stream objects carry on.
 """
 
 from __future__ import annotations
@@ -20,14 +24,22 @@ from typing import Callable, Iterator
 import numpy as np
 import zmq
 
+from zmq.utils.monitor import recv_monitor_message
+
 from client.core import (
     CLOSED,
+    LIVENESS_S,
+    LOST,
+    RESUME_TIMEOUT_S,
     SAMPLE_BYTES,
     Entry,
+    IngestLost,
+    Liveness,
     ServerError,
     StreamBase,
     StreamCore,
     StreamError,
+    due,
     ingest_endpoint,
     limits_from,
     route,
@@ -53,6 +65,25 @@ from protocol.messages import (
 log = logging.getLogger(__name__)
 
 LINGER_MS = 500  # let a final `end` reach the server when closing right after it
+HEARTBEAT_MS = 2000  # ZeroMQ-level pings on the ingest connection: a vanished peer shows as a disconnect
+HEARTBEAT_TIMEOUT_MS = 6000
+
+
+def ingest_socket(ctx: zmq.Context, endpoint: str) -> tuple[zmq.Socket, zmq.Socket]:
+    """A DEALER connected to an ingest, with heartbeats on, and the monitor that reports its disconnects."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = LINGER_MS
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    sock.connect(endpoint)
+    return sock, monitor
+
+
+def close_ingest_socket(sock: zmq.Socket, monitor: zmq.Socket, linger: int | None = None) -> None:
+    sock.disable_monitor()
+    monitor.close(linger=0)
+    sock.close(linger)
 
 
 def request(ctx: zmq.Context, address: str, msg: Hello | Status, timeout: float) -> ServerMessage:
@@ -99,12 +130,18 @@ def status(address: str, *, timeout: float = 10.0) -> StatusReply:
 class Client:
     """A connection to the service; open any number of streams on it.
 
-    `timeout` bounds the handshake and each `open`.
+    `timeout` bounds the handshake and each `open`. A lost ingest is resumed from: `liveness` is
+    how long it may leave an open or audio unanswered before it is taken for dead, and
+    `resume_timeout` how long to keep trying to reach the service again before the streams fail
+    with StreamError('connection_lost'). `reconnects` counts the resumes so far.
     """
 
-    def __init__(self, address: str, *, timeout: float = 10.0) -> None:
+    def __init__(self, address: str, *, timeout: float = 10.0, liveness: float = LIVENESS_S,
+                 resume_timeout: float = RESUME_TIMEOUT_S) -> None:
         self.address = address
         self.timeout = timeout
+        self.resume_timeout = resume_timeout
+        self.reconnects = 0
         self._ctx = zmq.Context()
         try:
             welcome = handshake(self._ctx, address, timeout)
@@ -113,9 +150,8 @@ class Client:
             raise
         self.limits = limits_from(welcome)
         self.ingest = ingest_endpoint(address, welcome.ingest)
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.linger = LINGER_MS
-        self._sock.connect(self.ingest)
+        self._sock, self._monitor = ingest_socket(self._ctx, self.ingest)
+        self._liveness = Liveness(liveness)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_w.setblocking(False)
@@ -145,7 +181,7 @@ class Client:
                    model=model, partials=partials, priority=priority, prompt=prompt)
         width = SAMPLE_BYTES.get(encoding, 1) * (channels if isinstance(channels, int) and channels > 0 else 1)
         core = StreamCore(msg.stream, priority=priority, frame_bytes=width, limits=self.limits, rate=rate)
-        entry = Entry(core, Future(), queue.SimpleQueue())
+        entry = Entry(core, msg, Future(), queue.SimpleQueue())
         self._submit(lambda: self._io_open(entry, msg))
         try:
             entry.opened.result(self.timeout)
@@ -210,6 +246,7 @@ class Client:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         wake_fd = self._wake_r.fileno()
         failure: Exception = StreamError(CLOSED, "client closed")
@@ -219,9 +256,23 @@ class Client:
                 if wake_fd in ready:
                     self._wake_r.recv(4096)
                 self._run_commands()
-                if self._sock in ready:
-                    self._receive()
+                try:
+                    if self._sock in ready:  # what arrived counts before a disconnect: `closed`, then exit, is no loss
+                        self._receive()
+                    if self._monitor in ready and self._disconnected():
+                        raise IngestLost("the ingest connection dropped")
+                    deadline = self._liveness.deadline(self._streams, time.monotonic())
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise IngestLost(f"no answer from the ingest for {self._liveness.interval:.1f}s")
+                except IngestLost as exc:
+                    poller.unregister(self._sock)
+                    poller.unregister(self._monitor)
+                    self._reconnect(str(exc))
+                    poller.register(self._sock, zmq.POLLIN)
+                    poller.register(self._monitor, zmq.POLLIN)
                 self._flush()
+        except StreamError as exc:  # the service could not be reached again
+            failure = self._failure = exc
         except Exception as exc:  # the thread must not die silently: every waiter learns why
             log.exception("client IO thread failed")
             failure = self._failure = StreamError(INTERNAL, f"client IO failed: {exc!r}")
@@ -231,13 +282,46 @@ class Client:
             self._streams.clear()
             with self._progress:
                 self._progress.notify_all()
-            self._sock.close()
+            close_ingest_socket(self._sock, self._monitor)
 
     def _poll_ms(self) -> int | None:
-        retry = [e.core.retry_at for e in self._streams.values() if e.core.retry_at is not None]
-        if not retry:
+        now = time.monotonic()
+        times = [t for t in (due(self._streams), self._liveness.deadline(self._streams, now)) if t is not None]
+        if not times:
             return None
-        return max(int((min(retry) - time.monotonic()) * 1000) + 1, 0)
+        return max(int((min(times) - now) * 1000) + 1, 0)
+
+    def _disconnected(self) -> bool:
+        """Drain the monitor; True if it reported the ingest connection dropped."""
+        dropped = False
+        while self._monitor.poll(0):
+            dropped = recv_monitor_message(self._monitor)["event"] == zmq.EVENT_DISCONNECTED or dropped
+        return dropped
+
+    def _reconnect(self, why: str) -> None:
+        """Hello again, connect to the ingest named, and re-open every stream where it is durable.
+
+        Raises StreamError('connection_lost') if the front door gives no welcome within `resume_timeout`.
+        """
+        log.warning("ingest %s lost (%s); resuming %d stream(s)", self.ingest, why, len(self._streams))
+        close_ingest_socket(self._sock, self._monitor, linger=0)
+        deadline = time.monotonic() + self.resume_timeout
+        delay = 0.1
+        while True:
+            try:
+                welcome = handshake(self._ctx, self.address, min(self.timeout, max(deadline - time.monotonic(), 0.1)))
+                break
+            except (TimeoutError, ServerError) as exc:  # the front door may be restarting too
+                if time.monotonic() + delay >= deadline:
+                    raise StreamError(LOST, f"could not resume within {self.resume_timeout:.0f}s: {exc}") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        self.ingest = ingest_endpoint(self.address, welcome.ingest)
+        self._sock, self._monitor = ingest_socket(self._ctx, self.ingest)
+        self.reconnects += 1
+        for entry in self._streams.values():
+            self._sock.send_multipart(encode(entry.resume()))
+        self._liveness.heard(time.monotonic())
 
     def _run_commands(self) -> None:
         while True:
@@ -270,6 +354,7 @@ class Client:
             except zmq.Again:
                 return
             now = time.monotonic()
+            self._liveness.heard(now)
             try:
                 msg = decode_server(frames)
             except ProtocolError as exc:
@@ -283,6 +368,8 @@ class Client:
         now = time.monotonic()
         moved = False
         for entry in self._streams.values():
+            if entry.core.reopen_at is not None and now >= entry.core.reopen_at:
+                self._sock.send_multipart(encode(entry.reopen()))
             cut = entry.core.cut
             for msg in entry.core.take(now):
                 self._sock.send_multipart(encode(msg), copy=False)

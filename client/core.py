@@ -1,4 +1,4 @@
-"""What the blocking and the asyncio clients share: flow control, PCM conversion, send-time bookkeeping.
+"""What the blocking and the asyncio clients share: flow control, resuming, PCM conversion, send times.
 
 Everything here is free of IO so both clients drive the same state machine and it can be
 tested without a server. A `StreamCore` belongs to whichever thread or event loop owns the
@@ -8,6 +8,7 @@ socket; only `SendLog` is read from other threads.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field, fields
@@ -16,16 +17,21 @@ from typing import Any
 import numpy as np
 
 from protocol.messages import (
+    NOT_READY,
     OUT_OF_ORDER,
     OVERLOADED,
+    TOO_MANY_STREAMS,
+    UNKNOWN_STREAM,
     Ack,
     Audio,
     ClientMessage,
     Closed,
     End,
     ErrorMsg,
+    Final,
     Limits,
     Open,
+    Partial,
     Ready,
     ServerMessage,
     Welcome,
@@ -34,6 +40,10 @@ from protocol.messages import (
 SAMPLE_BYTES = {"pcm_s16le": 2, "f32le": 4}
 LOCAL_HOSTS = ("127.0.0.1", "0.0.0.0", "localhost", "*")
 CLOSED = "closed"  # StreamError code for a stream that ended or a client that was closed
+LOST = "connection_lost"  # StreamError code when the service could not be reached again to resume
+LIVENESS_S = 10.0  # an ingest silent this long while it owes an answer (ready, ack) is taken for dead
+RESUME_TIMEOUT_S = 60.0  # how long to keep trying to reach the service again before failing the streams
+REOPEN_CODES = (OVERLOADED, NOT_READY, TOO_MANY_STREAMS)  # a refused resume worth retrying: the service is busy
 RETRY_S = 0.25  # resend refused audio after this long even if no ack moves the window...
 MAX_RETRY_S = 2.0  # ...doubling up to this, so a server that acks only on receipt cannot stall us
 
@@ -53,6 +63,10 @@ class StreamError(ServerError):
     def __init__(self, code: str, message: str, stream: str | None = None) -> None:
         super().__init__(code, message)
         self.stream = stream
+
+
+class IngestLost(Exception):
+    """The ingest no longer knows a stream it had opened: it restarted, so the client must resume."""
 
 
 def limits_from(welcome: Welcome) -> Limits:
@@ -173,6 +187,10 @@ class StreamCore:
     seq is resent in order. The server refuses audio after `end`, so `end` goes out only when
     nothing is waiting to be (re)sent and, on a realtime stream, when everything is acked or
     no refusal came for RETRY_S after the last send.
+
+    For resuming on a new connection it also keeps every message cut since the last `durable`
+    point (`kept`): `rewind` turns that back into queued audio with seqs from 0, and `seg_base`
+    renumbers the new connection's segments so the caller sees one continuous stream.
     """
 
     def __init__(self, stream: str, *, priority: str, frame_bytes: int, limits: Limits, rate: int) -> None:
@@ -194,6 +212,20 @@ class StreamCore:
         self.last_send = 0.0
         self.retry_at: float | None = None
         self.retry_s = RETRY_S
+        self.end_out = False  # `end` sent on the current connection
+        self.durable = 0  # input frame: audio before it is never needed again, even to resume
+        self.kept: deque[OutFrame] = deque()  # messages cut since `durable` (seq unused), oldest first
+        self.last_text: str | None = None  # the last final's text: prompts a resumed stream
+        self.finals = 0  # finals delivered, over all connections
+        self.seg_base = 0  # added to the current connection's segment numbers
+        self.offset = 0  # input frame the current connection started at
+        self.resumes: list[int] = []  # offsets the stream was re-opened at
+        self.reopen_at: float | None = None  # when to retry a refused resume
+
+    @property
+    def waiting(self) -> bool:
+        """Whether the ingest owes this stream an answer: to its open, or an ack (it acks every 100 ms of audio)."""
+        return not self.ready or (self.stalled_window is None and self.cut - self.accepted >= self.log.rate // 10)
 
     def push(self, data: bytes) -> None:
         if data:
@@ -210,6 +242,7 @@ class StreamCore:
 
     def on_ack(self, ack: Ack) -> None:
         self.accepted = ack.samples
+        self.on_durable(ack.durable)
         while self.retained and self.retained[0].seq <= ack.seq:
             self.retained.popleft()
         self.next_seq = max(self.next_seq, ack.seq + 1)
@@ -217,6 +250,50 @@ class StreamCore:
             self._resume()
             self.retry_s = RETRY_S
         self.window = ack.window
+
+    def on_durable(self, durable: int) -> None:
+        """Forget kept audio before `durable`: the server will never need it again."""
+        if durable <= self.durable:
+            return
+        self.durable = durable
+        while self.kept and self.kept[0].end <= durable:
+            self.kept.popleft()
+        if self.kept:
+            head = self.kept[0]
+            start = head.end - len(head.data) // self.frame_bytes
+            if start < durable:
+                head.data = head.data[(durable - start) * self.frame_bytes :]
+
+    def on_result(self, msg: Partial | Final) -> None:
+        """Number a result in the whole stream; a final also moves `durable` and the resume prompt."""
+        msg.seg += self.seg_base
+        if isinstance(msg, Final):
+            self.finals = msg.seg + 1
+            self.last_text = msg.text
+            self.on_durable(msg.durable)
+
+    def on_closed(self, msg: Closed) -> None:
+        """Count `closed`'s figures over the whole stream, not just the last connection."""
+        msg.segments += self.seg_base
+        msg.audio_s += self.offset / self.log.rate
+
+    def rewind(self) -> None:
+        """Prepare to resume on a new connection, at `durable`.
+
+        Everything kept from `durable` on is queued again, in front of what was never sent, to go
+        out with seqs from 0 once the new `ready` arrives. Send times already recorded stand.
+        """
+        self.pending.extendleft(reversed([frame.data for frame in self.kept]))
+        self.kept.clear()
+        self.retained.clear()
+        self.cut = self.offset = self.durable
+        self.next_seq = 0
+        self.ready = False
+        self.end_out = False
+        self.stalled_window = self.refused = self.retry_at = self.reopen_at = None
+        self.retry_s = RETRY_S
+        self.seg_base = self.finals
+        self.resumes.append(self.durable)
 
     def on_error(self, err: ErrorMsg, now: float) -> bool:
         """Apply a stream error; False for a refusal that only echoes an earlier one (not news)."""
@@ -228,7 +305,7 @@ class StreamCore:
             return False  # sent behind a refused message (maybe before we heard of it): resent in turn
         if err.code == OUT_OF_ORDER or not self.retained or err.seq < self.retained[0].seq:
             return True  # nothing we hold can fix it
-        if self.log.end_sent is not None:
+        if self.end_out:
             return True  # the server has ended the stream: audio after `end` is refused, so this is lost
         self.next_seq = self.refused = err.seq
         self.stalled_window = self.window
@@ -270,18 +347,22 @@ class StreamCore:
             self.cut += size // self.frame_bytes
             frame = OutFrame(self.next_seq, self.cut, data)
             self.retained.append(frame)
-            self.log.record(self.cut, now)
+            self.kept.append(OutFrame(0, self.cut, data))
+            if not self.log.ends or self.cut > self.log.ends[-1]:  # a resend after a resume keeps its first time
+                self.log.record(self.cut, now)
             out.append(Audio(self.stream, frame.seq, data))
             self.next_seq += 1
             self.last_send = now
-        if self.end_requested and self.log.end_sent is None:
+        if self.end_requested and not self.end_out:
             if not self.batch and self.retained and now < self.last_send + RETRY_S:
                 # the server refuses audio after `end`, and a realtime stream can be refused: wait
                 # for the ack of what is out, or long enough for a refusal of it to have come
                 self.retry_at = self.last_send + RETRY_S
                 return out
             self.retry_at = None
-            self.log.end_sent = now
+            self.end_out = True
+            if self.log.end_sent is None:
+                self.log.end_sent = now
             out.append(End(self.stream))
         return out
 
@@ -292,13 +373,24 @@ class Entry:
 
     `opened` is a concurrent.futures or asyncio Future, `events` a queue.SimpleQueue or
     asyncio.Queue of (receive time, message or exception); both have the methods used here.
-    `failure` is what sending on the stream raises from then on.
+    `request` is the `open` as first sent, `failure` what sending on the stream raises from then on.
     """
 
     core: StreamCore
+    request: Open
     opened: Any
     events: Any
     failure: Exception | None = None
+
+    def resume(self) -> Open:
+        """The `open` that continues this stream on a new connection (its kept audio then follows)."""
+        self.core.rewind()
+        return self.reopen()
+
+    def reopen(self) -> Open:
+        """The `open` of the current connection again, after the service refused it for being busy."""
+        self.core.reopen_at = None
+        return dataclasses.replace(self.request, offset=self.core.offset, resume_text=self.core.last_text)
 
     def fail(self, failure: Exception, now: float) -> None:
         self.failure = failure
@@ -309,7 +401,10 @@ class Entry:
 
 
 def route(streams: dict[str, Entry], msg: ServerMessage, now: float) -> bool:
-    """Apply one message from the ingest to its stream; True when a stream closed (wake its senders)."""
+    """Apply one message from the ingest to its stream; True when a stream closed (wake its senders).
+
+    Raises IngestLost when the ingest answers `unknown_stream` for a stream it had opened.
+    """
     sid = getattr(msg, "stream", None)
     if isinstance(msg, ErrorMsg) and sid is None:
         for entry in streams.values():  # not about one stream: everyone should see it
@@ -318,25 +413,67 @@ def route(streams: dict[str, Entry], msg: ServerMessage, now: float) -> bool:
     entry = streams.get(sid) if isinstance(sid, str) else None
     if entry is None:
         return False  # late news about a stream we dropped
+    core = entry.core
     if isinstance(msg, Ready):
-        entry.core.on_ready(msg.window)
-        entry.opened.set_result(None)
+        core.on_ready(msg.window)
+        if not entry.opened.done():
+            entry.opened.set_result(None)
     elif isinstance(msg, Ack):
-        entry.core.on_ack(msg)
+        core.on_ack(msg)
     elif isinstance(msg, ErrorMsg) and not entry.opened.done():
         del streams[sid]
         entry.opened.set_exception(StreamError(msg.code, msg.message, sid))
+    elif isinstance(msg, ErrorMsg) and not core.ready and msg.seq is None:
+        if msg.code not in REOPEN_CODES:  # the resumed open was refused for good
+            del streams[sid]
+            entry.fail(StreamError(msg.code, f"resuming the stream: {msg.message}", sid), now)
+            return True
+        core.reopen_at = now + RETRY_S * 4
+    elif isinstance(msg, ErrorMsg) and msg.code == UNKNOWN_STREAM and core.ready:
+        raise IngestLost(f"stream {sid}: the ingest no longer knows it")
     elif isinstance(msg, ErrorMsg):
-        if entry.core.on_error(msg, now):
+        if core.on_error(msg, now):
             entry.events.put_nowait((now, msg))
     elif isinstance(msg, Closed):
         del streams[sid]
+        core.on_closed(msg)
         entry.failure = StreamError(CLOSED, f"stream closed ({msg.reason})", sid)
         entry.events.put_nowait((now, msg))
         return True
     else:
+        if isinstance(msg, (Partial, Final)):
+            core.on_result(msg)
         entry.events.put_nowait((now, msg))
     return False
+
+
+class Liveness:
+    """Decides when a silent ingest is dead: it owes an answer (ready, ack) and sent nothing for `interval`.
+
+    The protocol has no ping; ZeroMQ's heartbeats and disconnect events catch a dropped
+    connection, this catches an ingest that is connected but no longer answering. An ingest that
+    owes nothing (say, decoding the last segment after `end`) may stay silent as long as it likes.
+    """
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.heard_at = time.monotonic()
+
+    def heard(self, now: float) -> None:
+        self.heard_at = now
+
+    def deadline(self, streams: dict[str, Entry], now: float) -> float | None:
+        """When the ingest is due to be declared dead; None while it owes nothing (the clock restarts)."""
+        if not any(entry.core.waiting for entry in streams.values()):
+            self.heard_at = now
+            return None
+        return self.heard_at + self.interval
+
+
+def due(streams: dict[str, Entry]) -> float | None:
+    """The earliest time a stream needs the IO side again by itself: a retry or a re-open."""
+    times = [t for e in streams.values() for t in (e.core.retry_at, e.core.reopen_at) if t is not None]
+    return min(times, default=None)
 
 
 class StreamBase:
@@ -362,6 +499,11 @@ class StreamBase:
     def accepted(self) -> int:
         """Input frames the server has acknowledged."""
         return self._entry.core.accepted
+
+    @property
+    def resumes(self) -> list[int]:
+        """Input frame offsets this stream was re-opened at after losing its ingest connection."""
+        return list(self._entry.core.resumes)
 
     @property
     def send_times(self) -> list[tuple[int, float]]:

@@ -1,12 +1,30 @@
-"""Client flow control, PCM conversion and send-time bookkeeping, without a server."""
+"""Client flow control, resuming, PCM conversion and send-time bookkeeping, without a server."""
 
 from __future__ import annotations
+
+import queue
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
 
-from client.core import SendLog, StreamCore, ingest_endpoint, to_pcm
-from protocol.messages import OUT_OF_ORDER, OVERLOADED, Ack, Audio, End, ErrorMsg, Limits
+from client.core import Entry, IngestLost, Liveness, SendLog, StreamCore, ingest_endpoint, route, to_pcm
+from protocol.messages import (
+    BAD_FORMAT,
+    OUT_OF_ORDER,
+    OVERLOADED,
+    UNKNOWN_STREAM,
+    Ack,
+    Audio,
+    Closed,
+    End,
+    ErrorMsg,
+    Final,
+    Limits,
+    Open,
+    Partial,
+    Ready,
+)
 
 
 def core(priority: str = "realtime", max_frame_bytes: int = 200, window: int = 1000) -> StreamCore:
@@ -193,3 +211,82 @@ def test_to_pcm_refuses_what_does_not_fit_the_stream(pcm: object, encoding: str,
 ])
 def test_ingest_endpoint_uses_the_front_doors_host_for_a_local_one(front: str, welcome: str, expected: str) -> None:
     assert ingest_endpoint(front, welcome) == expected
+
+
+# ---------------------------------------------------------------- resuming on a new connection
+
+
+def entry(c: StreamCore) -> Entry:
+    fut: Future = Future()
+    fut.set_result(None)
+    return Entry(c, Open(stream="s", rate=100, prompt="names"), fut, queue.SimpleQueue())
+
+
+def test_only_audio_from_durable_on_is_kept_and_resent_with_fresh_seqs() -> None:
+    c = core(max_frame_bytes=200)
+    c.push(bytes(range(200)) * 3)  # 300 frames: messages end at 100, 200, 300
+    c.take(1.0)
+    c.on_ack(Ack("s", seq=2, samples=300, window=1000, durable=150))
+    assert [f.end for f in c.kept] == [200, 300] and len(c.kept[0].data) == 100  # 150..200 of the second
+    c.push(b"\1" * 20)  # not sent yet when the connection is lost
+    c.end()
+    c.take(2.0)
+    e = entry(c)
+    c.on_result(Final("s", seg=0, text="hello there", start=0.1, end=1.2, durable=150))
+    opened = e.resume()
+    assert (opened.offset, opened.resume_text, opened.prompt) == (150, "hello there", "names")
+    assert c.take(3.0) == []  # nothing before the new `ready`
+    c.on_ready(1000)
+    out = c.take(3.0)
+    assert seqs(out) == [0, 1, 2]
+    assert seqs(c.take(3.5)) == ["end"]  # `end` again, once a refusal of the resent audio would have come
+    assert b"".join(bytes(m.data) for m in out) == (bytes(range(200)) * 3)[300:] + b"\1" * 20
+    assert c.log.pairs() == [(100, 1.0), (200, 1.0), (300, 1.0), (310, 2.0)]  # resends keep their first times
+
+
+def test_a_resumed_stream_continues_its_segment_numbers_and_totals() -> None:
+    c = core()
+    streams = {"s": entry(c)}
+    route(streams, Final("s", seg=0, text="one", start=0.0, end=1.0, durable=120), 1.0)
+    route(streams, Final("s", seg=1, text="two", start=1.5, end=2.0, durable=250), 1.0)
+    streams["s"].resume()
+    route(streams, Ready("s", window=1000), 2.0)
+    after = [Partial("s", seg=0, text="thr", stable="", start=2.6, end=2.8),
+             Final("s", seg=0, text="three", start=2.6, end=3.0, durable=320),
+             Closed("s", reason="end", audio_s=1.0, segments=1)]
+    for msg in after:
+        route(streams, msg, 3.0)
+    assert [m.seg for m in after[:2]] == [2, 2]
+    assert (after[2].segments, after[2].audio_s) == (3, pytest.approx(3.5))
+    assert "s" not in streams
+
+
+def test_unknown_stream_for_an_open_stream_means_the_ingest_was_lost() -> None:
+    streams = {"s": entry(core())}
+    with pytest.raises(IngestLost):
+        route(streams, ErrorMsg(UNKNOWN_STREAM, "no such stream", stream="s", seq=4), 1.0)
+
+
+def test_a_busy_refusal_of_a_resume_is_retried_and_a_final_one_fails_the_stream() -> None:
+    c = core()
+    streams = {"s": entry(c)}
+    streams["s"].resume()
+    route(streams, ErrorMsg(OVERLOADED, "busy", stream="s"), 1.0)
+    assert c.reopen_at is not None and c.reopen_at > 1.0 and "s" in streams
+    assert streams["s"].reopen().offset == 0 and c.reopen_at is None
+    route(streams, ErrorMsg(BAD_FORMAT, "no", stream="s"), 2.0)
+    assert "s" not in streams
+
+
+def test_liveness_counts_only_while_an_answer_is_owed() -> None:
+    c = core()
+    streams = {"s": entry(c)}
+    live = Liveness(5.0)
+    assert live.deadline(streams, 10.0) is None  # ready, nothing sent
+    c.push(b"\0" * 20)  # 10 frames: 100 ms at rate 100
+    c.take(10.0)
+    assert live.deadline(streams, 11.0) == 15.0  # clock restarted at the last check with nothing owed
+    live.heard(12.0)
+    assert live.deadline(streams, 13.0) == 17.0
+    c.on_ack(Ack("s", seq=0, samples=10, window=1000))
+    assert live.deadline(streams, 30.0) is None
