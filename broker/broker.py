@@ -10,6 +10,7 @@ worker that dies.
 from __future__ import annotations
 
 import time
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,16 +18,18 @@ import structlog
 import zmq
 
 from broker import jobs as wire
-from broker.jobs import BATCH, REALTIME, JobResult
-from broker.queue import Dispatcher, JobQueue
+from broker.jobs import BATCH, EXPIRED, FAILED, OK, REALTIME, JobResult
+from broker.queue import Dispatcher, JobKey, JobQueue, job_key
 from broker.signals import StopSignal
 from config.settings import Config
+from metrics.registry import ProcessMetrics
 from protocol import auth
 from protocol import messages as m
 
 log = structlog.get_logger()
 
 DRAIN_MAX = 512  # messages taken from one socket per loop turn, so heartbeats stay on time
+STATUS_NAMES = {OK: "done", EXPIRED: "expired", FAILED: "failed"}  # `status` label of jobs_total
 
 
 @dataclass(slots=True)
@@ -62,6 +65,7 @@ def ingest_index(identity: bytes) -> int | None:
 class Broker:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+        self.metrics = ProcessMetrics(cfg, "broker")
         self._interval_s = cfg.broker.heartbeat_ms / 1000
         self._patience_s = self._interval_s * cfg.broker.liveness
         self.dispatcher = Dispatcher(JobQueue(
@@ -96,6 +100,7 @@ class Broker:
     def run(self) -> None:
         """Serve until SIGTERM/SIGINT."""
         self.cfg.run_path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.metrics.start()
         try:
             self._ingest_sock.bind(self.cfg.broker_ingest_endpoint)
             self._worker_sock.bind(self.cfg.broker_worker_endpoint)
@@ -108,6 +113,7 @@ class Broker:
                 self._serve(stop)
         finally:
             self.close()
+            self.metrics.close()
         log.info("broker.stopped", queued=len(self.dispatcher.queue), inflight=self.dispatcher.inflight)
 
     def close(self) -> None:
@@ -162,10 +168,15 @@ class Broker:
                 self.worker_links[ident] = Link(seen=now, sent=now)
                 log.info("broker.worker_ready", worker=ident.decode(errors="replace"), capacity=info["capacity"], model=info.get("model"))
             elif kind == wire.RESULTS:
-                self._answer(self.dispatcher.complete(ident, wire.unpack_results(body[0])))
+                results = wire.unpack_results(body[0])
+                worker = self.dispatcher.workers.get(ident)
+                held = worker.inflight if worker is not None else {}
+                finals = {key for key in map(job_key, results) if key in held and held[key].final}
+                self._answer(self.dispatcher.complete(ident, results), finals)
             elif kind != wire.HEARTBEAT:
                 raise ValueError(f"unknown kind {kind[:16]!r}")
         except Exception as exc:
+            self.metrics.inc("errors_total", code=m.INTERNAL)
             log.warning("broker.bad_worker_message", worker=ident.decode(errors="replace"), error=repr(exc))
 
     def _lose_worker(self, ident: bytes, why: str, now: float) -> None:
@@ -221,6 +232,7 @@ class Broker:
             else:
                 raise ValueError(f"unknown kind {kind[:16]!r}")
         except Exception as exc:
+            self.metrics.inc("errors_total", code=m.INTERNAL)
             log.warning("broker.bad_ingest_message", ingest=ident.decode(errors="replace"), error=repr(exc))
 
     def _register_ingest(self, index: int, info: dict[str, Any], now: float) -> None:
@@ -236,9 +248,18 @@ class Broker:
         )
         log.info("broker.ingest_ready", ingest=index, endpoint=info["endpoint"], ingest_pid=pid)
 
-    def _answer(self, results: list[JobResult]) -> None:
+    def _answer(self, results: list[JobResult], finals: AbstractSet[JobKey] = frozenset()) -> None:
+        """Queue results for their ingests and count them as finished jobs.
+
+        `finals` names the final jobs among worker results (looked up in the answering worker's
+        credit); every other answer the broker makes is a queued partial it expired, since the queue
+        never expires a final. A late result from a worker already declared lost is not in its
+        credit any more and counts as a partial: rare, and only the `kind` label is off.
+        """
         for result in results:
             self._outbox.setdefault(result.ingest, []).append(result)
+            kind = "final" if job_key(result) in finals else "partial"
+            self.metrics.inc("jobs_total", kind=kind, status=STATUS_NAMES.get(result.status, str(result.status)))
 
     def _flush_results(self, now: float) -> None:
         for index, results in self._outbox.items():
@@ -255,6 +276,10 @@ class Broker:
     def _check_peers(self, now: float) -> None:
         """Declare silent peers dead and heartbeat the idle links; ingests get the load figure every tick."""
         self.load = 0.5 * self.load + 0.5 * max(0.0, self.dispatcher.realtime_wait(now))
+        queued = self.dispatcher.queue.counts()
+        self.metrics.set("jobs_queued", queued.get(REALTIME, 0), priority="realtime")
+        self.metrics.set("jobs_queued", queued.get(BATCH, 0), priority="batch")
+        self.metrics.set("jobs_inflight", self.dispatcher.inflight)
         for ident, link in list(self.worker_links.items()):
             if now - link.seen > self._patience_s:
                 self._lose_worker(ident, "silent", now)

@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         collector.start()
     except RuntimeError as exc:
-        log.error("dashboard_refused", reason=str(exc))
+        log.error("dashboard.refused", reason=str(exc))
         return 1
     dashboard = Dashboard(collector, port=cfg.metrics.dashboard_port if args.port is None else args.port)
 
@@ -36,12 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     print(f"dashboard {dashboard.url}", flush=True)  # the first stdout line: where to point a browser
-    log.info("dashboard_started", url=dashboard.url, endpoint=collector.endpoint)
+    log.info("dashboard.started", url=dashboard.url, endpoint=collector.endpoint)
     try:
         dashboard.serve_forever()
     finally:
         collector.close()
-    log.info("dashboard_stopped")
+    log.info("dashboard.stopped")
     return 0
 
 

@@ -20,6 +20,7 @@ from broker import jobs as j
 from config.settings import Config
 from ingest.session import SAMPLE_RATE, Session
 from ingest.vad import CHUNK, VadBank
+from metrics.registry import ProcessMetrics
 from protocol import auth
 from protocol import messages as m
 from shm.pool import PoolExhausted, RingPool
@@ -32,6 +33,7 @@ class IngestServer:
         self.cfg = cfg
         self.index = index
         self.log = structlog.get_logger().bind(ingest=index)
+        self.metrics = ProcessMetrics(cfg, f"ingest-{index}")
         self.limits = m.Limits(cfg.ingest.max_frame_bytes, cfg.ingest.max_message_bytes)
         self.endpoint = cfg.ingest_endpoint(index)
         self.max_streams = min(cfg.shm.streams_per_ingest, math.ceil(cfg.ingest.max_streams / cfg.ingest.processes))
@@ -77,7 +79,7 @@ class IngestServer:
                                                      "streams": len(self.sessions)})])
         pending = [job for s in self.sessions.values() for job in s.inflight.values()]
         if pending:
-            self.log.info("jobs_resent", jobs=len(pending))
+            self.log.info("ingest.jobs_resent", jobs=len(pending))
             self.broker.send_multipart([j.JOBS, j.pack_jobs(pending)])
         self.broker_seen = time.monotonic()
 
@@ -99,7 +101,7 @@ class IngestServer:
             self.hb_sent = now
             self.broker.send_multipart([j.HEARTBEAT, j.pack({"streams": len(self.sessions), "rings": self.pool.in_use})])
         if now - self.broker_seen > self.hb_interval * self.cfg.broker.liveness:
-            self.log.warning("broker_lost", silent_s=round(now - self.broker_seen, 2))
+            self.log.warning("ingest.broker_lost", silent_s=round(now - self.broker_seen, 2))
             self._connect_broker()
 
     # ------------------------------------------------------------------ clients
@@ -109,7 +111,8 @@ class IngestServer:
         try:
             msg = m.decode_client([f.buffer for f in frames[1:]], self.limits)
         except m.ProtocolError as exc:
-            self.log.warning("bad_message", client=ident.hex(), code=exc.code, reason=exc.message, stream=exc.stream)
+            self.metrics.inc("refusals_total", code=exc.code)
+            self.log.warning("ingest.bad_message", client=ident.hex(), code=exc.code, reason=exc.message, stream=exc.stream)
             self._send(ident, exc.reply())
             return
         if isinstance(msg, m.Audio):
@@ -128,12 +131,14 @@ class IngestServer:
             self._send(ident, m.Welcome(ingest=self.endpoint, limits={"max_frame_bytes": self.limits.max_frame_bytes,
                                                                       "max_message_bytes": self.limits.max_message_bytes}))
         else:
+            self.metrics.inc("refusals_total", code=m.BAD_MESSAGE)
             self._send(ident, m.ErrorMsg(code=m.BAD_MESSAGE, message=f"{msg.type} is answered by the front door only"))
 
     def _session(self, ident: bytes, stream: str, seq: int | None) -> Session | None:
         session = self.sessions.get(f"{ident.hex()}/{stream}")
         if session is None or session.closed:
-            self.log.warning("unknown_stream", client=ident.hex(), stream=stream)
+            self.metrics.inc("refusals_total", code=m.UNKNOWN_STREAM)
+            self.log.warning("ingest.unknown_stream", client=ident.hex(), stream=stream)
             self._send(ident, m.ErrorMsg(code=m.UNKNOWN_STREAM, message=f"no open stream {stream!r}", stream=stream, seq=seq))
             return None
         return session
@@ -142,7 +147,8 @@ class IngestServer:
         key = f"{ident.hex()}/{msg.stream}"
 
         def refuse(code: str, message: str) -> None:
-            self.log.warning("open_refused", client=ident.hex(), stream=msg.stream, code=code, reason=message)
+            self.metrics.inc("refusals_total", code=code)
+            self.log.warning("ingest.open_refused", client=ident.hex(), stream=msg.stream, code=code, reason=message)
             self._send(ident, m.ErrorMsg(code=code, message=message, stream=msg.stream))
 
         if self.draining:
@@ -165,12 +171,12 @@ class IngestServer:
             ring = self.pool.acquire()
         except PoolExhausted:
             return refuse(m.TOO_MANY_STREAMS, "no free audio buffer; try again later")
-        session = Session(key, ident, msg, ring, self.cfg, self.index, self.pool.name)
+        session = Session(key, ident, msg, ring, self.cfg, self.index, self.pool.name, self.metrics)
         self.sessions[key] = session
         self.scratch[key] = np.empty(CHUNK, np.float32)
         self.per_client[ident] = self.per_client.get(ident, 0) + 1
         self.vad.add(key)
-        session.log.info("stream_opened", rate=msg.rate, encoding=msg.encoding, channels=msg.channels,
+        session.log.info("ingest.stream_opened", rate=msg.rate, encoding=msg.encoding, channels=msg.channels,
                          priority=msg.priority, language=msg.language, partials=msg.partials, offset=msg.offset)
         self._send(ident, m.Ready(stream=msg.stream, window=session.window()))
         session.acked_window = session.window()
@@ -180,7 +186,7 @@ class IngestServer:
             self.clients.send_multipart([ident, *m.encode(msg)], flags=zmq.NOBLOCK)
             return True
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the client is gone; EAGAIN: it stopped reading
-            self.log.warning("client_unreachable", client=ident.hex(), error=exc.strerror, event_type=msg.type)
+            self.log.warning("ingest.client_unreachable", client=ident.hex(), error=exc.strerror, event_type=msg.type)
             return False
 
     # ------------------------------------------------------------------ per-iteration work
@@ -235,9 +241,18 @@ class IngestServer:
         """Close streams whose client went quiet: their accepted audio is still transcribed."""
         for key, s in self.sessions.items():
             if not s.ending and now - s.last_activity > self.cfg.ingest.idle_timeout_s:
-                s.log.warning("stream_idle", idle_s=round(now - s.last_activity, 1))
+                s.log.warning("ingest.stream_idle", idle_s=round(now - s.last_activity, 1))
                 s.end("idle_timeout")
                 self.dirty.add(key)
+
+    def _publish_gauges(self) -> None:
+        """Stream and ring gauges, set once a second from the loop rather than on every open and close."""
+        active = {"realtime": 0, "batch": 0}
+        for s in self.sessions.values():
+            active[s.opened.priority] = active.get(s.opened.priority, 0) + 1
+        for priority, count in active.items():
+            self.metrics.set("streams_active", count, priority=priority)
+        self.metrics.set("shm_rings_used", self.pool.in_use)
 
     # ------------------------------------------------------------------ main loop
 
@@ -247,7 +262,7 @@ class IngestServer:
             return
         self.draining = True
         self.stop_at = time.monotonic() + self.cfg.ingest.drain_timeout_s
-        self.log.info("draining", streams=len(self.sessions))
+        self.log.info("ingest.draining", streams=len(self.sessions))
         for key, s in self.sessions.items():
             s.end("shutdown")
             self.dirty.add(key)
@@ -258,7 +273,10 @@ class IngestServer:
         registered = self.broker
         poller.register(registered, zmq.POLLIN)
         last_sweep = time.monotonic()
-        self.log.info("ingest_ready", endpoint=self.endpoint, shm=self.pool.name, slots=self.pool.slots)
+        self.metrics.set("shm_rings_total", self.pool.slots)
+        self._publish_gauges()
+        self.metrics.start()
+        self.log.info("ingest.ready", endpoint=self.endpoint, shm=self.pool.name, slots=self.pool.slots)
         while True:
             if self.broker is not registered:
                 poller.unregister(registered)
@@ -283,6 +301,7 @@ class IngestServer:
             if now - last_sweep >= 1.0:
                 last_sweep = now
                 self._sweep(now)
+                self._publish_gauges()
             if self.dirty:
                 self._run_vad()
                 self._flush()
@@ -295,7 +314,7 @@ class IngestServer:
         for s in self.sessions.values():
             self._send(s.client, m.Closed(stream=s.opened.stream, reason="shutdown", audio_s=round(s.in_frames / s.rate, 3),
                                           segments=s.stats["finals"]))
-            s.log.warning("stream_abandoned_at_shutdown", pending_jobs=len(s.inflight), **s.figures())
+            s.log.error("ingest.stream_abandoned_at_shutdown", pending_jobs=len(s.inflight), **s.figures())
         self.clients.close(linger=0)
         self.broker.close(linger=0)
         if self.auth is not None:
@@ -303,7 +322,8 @@ class IngestServer:
         self.ctx.term()
         self.pool.close()
         self.pool.unlink()
-        self.log.info("ingest_stopped")
+        self.metrics.close()
+        self.log.info("ingest.stopped")
 
 
 def main(cfg: Config, index: int) -> None:

@@ -20,6 +20,7 @@ from ingest.audio import AudioFormatError, Resampler, decode_pcm
 from ingest.segmenter import SegmentEvent, Segmenter
 from ingest.stabilizer import LocalAgreement
 from ingest.vad import CHUNK as VAD_CHUNK
+from metrics.registry import ProcessMetrics
 from protocol import messages as m
 from shm.pool import Ring
 
@@ -48,8 +49,10 @@ class _Segment:
 class Session:
     """State machine of one stream; the ingest server feeds it messages and drains `outbox`."""
 
-    def __init__(self, key: str, client: bytes, opened: m.Open, ring: Ring, cfg: Config, ingest_index: int, shm_name: str):
+    def __init__(self, key: str, client: bytes, opened: m.Open, ring: Ring, cfg: Config, ingest_index: int, shm_name: str,
+                 metrics: ProcessMetrics):
         self.key = key
+        self.metrics = metrics  # the ingest process's: refusals, internal errors and result latencies happen here
         self.client = client
         self.opened = opened
         self.ring = ring
@@ -124,13 +127,15 @@ class Session:
         if code == m.OVERLOADED and self.refused_from is None:
             self.refused_from = seq
         self.stats["errors"] += 1
-        self.log.warning("audio_refused", code=code, seq=seq, reason=message)
+        self.metrics.inc("refusals_total", code=code)
+        self.log.warning("ingest.audio_refused", code=code, seq=seq, reason=message)
         self.outbox.append(m.ErrorMsg(code=code, message=message, stream=self.opened.stream, seq=seq))
         return False
 
     def client_end(self) -> None:
         """The client's `end`: refused while audio it was told to resend is still missing."""
         if self.refused_from is not None and not self.ending:
+            self.metrics.inc("refusals_total", code=m.OVERLOADED)
             self.outbox.append(m.ErrorMsg(code=m.OVERLOADED, stream=self.opened.stream, seq=self.refused_from,
                                           message=f"end refused: audio from seq {self.refused_from} was refused and not "
                                                   "resent yet; resend it, then end"))
@@ -216,6 +221,9 @@ class Session:
         job = self.inflight.pop(res.job_id, None)
         if job is None:
             return  # a duplicate after a re-dispatch
+        if job.created:
+            self.metrics.observe("final_latency_seconds" if job.final else "partial_latency_seconds",
+                                 time.monotonic() - job.created)
         seg = self.segments.get(job.seg)
         if job.final:
             self._on_final(job, res, seg)
@@ -226,7 +234,8 @@ class Session:
             self.outbox.append(m.Partial(stream=self.opened.stream, seg=seg.index, text=text, stable=stable,
                                          start=self._time(seg.start), end=self._time(job.end)))
         elif res.status == FAILED:
-            self.log.warning("partial_failed", job=res.job_id, error=res.error)
+            self.metrics.inc("errors_total", code=m.INTERNAL)
+            self.log.warning("ingest.partial_failed", job=res.job_id, error=res.error)
         self._update_protection()
         self._maybe_close()
 
@@ -236,10 +245,11 @@ class Session:
             # finals are never skipped: retry, then tell the client rather than drop the segment silently
             if res.status == FAILED and seg.retries < FINAL_RETRIES:
                 seg.retries += 1
-                self.log.warning("final_retry", job=res.job_id, error=res.error, seg=seg.index)
+                self.log.warning("ingest.final_retry", job=res.job_id, error=res.error, seg=seg.index)
                 self._submit(seg, final=True, end=job.end)
                 return
-            self.log.error("final_failed", job=res.job_id, error=res.error, status=res.status, seg=seg.index)
+            self.metrics.inc("errors_total", code=m.INTERNAL)
+            self.log.error("ingest.final_failed", job=res.job_id, error=res.error, status=res.status, seg=seg.index)
             self.stats["errors"] += 1
             self.outbox.append(m.ErrorMsg(code=m.INTERNAL, stream=self.opened.stream,
                                           message=f"segment {seg.index} could not be transcribed: {res.error}"))
@@ -329,7 +339,7 @@ class Session:
         figures = self.figures()
         self.outbox.append(m.Closed(stream=self.opened.stream, reason=self.close_reason,
                                     audio_s=round(self.in_frames / self.rate, 3), segments=self.stats["finals"]))
-        self.log.info("stream_closed", reason=self.close_reason, **figures)
+        self.log.info("ingest.stream_closed", reason=self.close_reason, **figures)
 
     def figures(self) -> dict[str, object]:
         return {

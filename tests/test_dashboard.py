@@ -1,7 +1,8 @@
 """The dashboard process over HTTP, and its page in real headless Chromium.
 
-`check_dashboard` is the whole browser check for any running instance: give it the instance's config
-file, the processes the page must list, and optionally a load to run while it watches.
+`check_dashboard` is the whole browser check for any running dashboard: give it the page's URL, the
+processes the page must list, and optionally a load to run while it watches. The last test runs it
+against the real service (supervisord's own dashboard) under `streamasr bench`.
 """
 
 from __future__ import annotations
@@ -89,19 +90,32 @@ def check_page(url: str, processes: Iterable[str], screenshot: Path, watch_s: fl
             browser.close()
 
 
-def check_dashboard(config_file: Path, processes: Iterable[str], out_dir: Path,
-                    load: Callable[[], subprocess.Popen] | None = None) -> Path:
-    """Start the instance's dashboard and check its page (with `load` running, if given); returns the screenshot."""
+def check_dashboard(url: str, processes: Iterable[str], out_dir: Path,
+                    load: Callable[[], subprocess.Popen] | None = None, watch_s: float = 6.0) -> Path:
+    """Check the page at `url` (with `load` running, if given; stopped after unless it finished); returns the screenshot."""
     screenshot = out_dir / "dashboard.png"
-    with running_dashboard(config_file) as url:
-        loader = load() if load is not None else None
-        try:
-            check_page(url, processes, screenshot)
-        finally:
-            if loader is not None and loader.poll() is None:
-                loader.terminate()
-                loader.wait(30)
+    loader = load() if load is not None else None
+    try:
+        check_page(url, processes, screenshot, watch_s)
+    finally:
+        if loader is not None and loader.poll() is None:
+            loader.terminate()
+            loader.wait(30)
     return screenshot
+
+
+def exported(url: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """The dashboard's /metrics, parsed by prometheus_client (which checks the format): sample name -> labels -> value."""
+    samples: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(get(url + "metrics")[1].decode()):
+        for s in family.samples:
+            samples.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return samples
+
+
+def counters(url: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """The samples of counter `name` (without `_total`), by labels."""
+    return exported(url).get(name + "_total", {})
 
 
 @pytest.fixture
@@ -155,5 +169,55 @@ def test_top_prints_one_frame_from_the_dashboard_or_its_own_collector(fake_insta
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium (apt-get install chromium)")
 def test_page_in_headless_chromium(fake_instance, tmp_path: Path) -> None:
     config_file, names = fake_instance
-    screenshot = check_dashboard(config_file, names, tmp_path)
+    with running_dashboard(config_file) as url:
+        screenshot = check_dashboard(url, names, tmp_path)
     assert screenshot.stat().st_size > 10_000
+
+
+SERVICE_PROCESSES = ("broker", "ingest-0", "worker-0", "worker-1")
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium (apt-get install chromium)")
+def test_full_service_dashboard_under_bench(service_factory, tmp_path: Path) -> None:
+    """The real processes publish what the page shows: every one is listed, its figures move under
+    `streamasr bench`, and the exported counters grow."""
+    svc = service_factory(model="null", workers=2)
+    url = f"http://127.0.0.1:{svc.cfg.metrics.dashboard_port}/"
+    snap = wait_for(lambda: (s := json.loads(get(url + "api/snapshot")[1]))
+                    and set(SERVICE_PROCESSES) <= {p["name"] for p in s["processes"]} and s,
+                    timeout=20, what="every service process in the dashboard's snapshot")
+    names = [p["name"] for p in snap["processes"] if p["name"] in (*SERVICE_PROCESSES, "dashboard")]
+    before = counters(url, "streamasr_jobs")
+    assert counters(url, "streamasr_refusals") == {} and counters(url, "streamasr_errors") == {}
+
+    bench = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "bench", "--server", svc.address,
+                              "--streams", "8", "--duration", "8", "--model", "null"],
+                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        screenshot = check_dashboard(url, names, tmp_path, watch_s=20)
+        during = counters(url, "streamasr_jobs")
+        _, stderr = bench.communicate(timeout=120)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+    assert bench.returncode == 0, stderr
+    assert screenshot.stat().st_size > 10_000
+
+    def done(sample: dict[tuple[tuple[str, str], ...], float], kind: str) -> float:
+        return sample.get((("kind", kind), ("status", "done")), 0)
+
+    assert done(during, "partial") > done(before, "partial"), (before, during)
+    after = wait_for(lambda: (a := counters(url, "streamasr_jobs")) and done(a, "final") > done(before, "final") and a,
+                     what="finals counted in streamasr_jobs_total")
+    assert all(after[labels] >= value for labels, value in during.items()), (during, after)
+    figures = exported(url)
+    assert figures["streamasr_shm_rings_total"][()] == svc.cfg.shm.streams_per_ingest
+    for name in ("streamasr_streams_active", "streamasr_shm_rings_used", "streamasr_jobs_queued", "streamasr_jobs_inflight",
+                 "streamasr_busy_seconds_total"):
+        assert name in figures, name
+    for name in ("streamasr_partial_latency_seconds", "streamasr_final_latency_seconds", "streamasr_batch_size"):
+        assert figures[name + "_count"][()] > 0, name
+    decoded = counters(url, "streamasr_worker_jobs")
+    # kept per worker, not summed; an idle-fast null model may leave one worker with all the jobs
+    assert decoded and {dict(labels)["worker"] for labels in decoded} <= {"worker-0", "worker-1"}, decoded

@@ -6,6 +6,7 @@ so these tests need no model and no service; the dashboard tests reuse the helpe
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -292,6 +293,29 @@ def test_operations_guide_documents_every_metric() -> None:
     guide = (ROOT / "docs" / "OPERATIONS.md").read_text()
     for name in SPECS:
         assert f"`{name}`" in guide, name
+
+
+LOG_CALL = re.compile(r"\blog\.(debug|info|warning|error|exception)\(\s*\"([a-z_.]+)\"")
+LEVELS = {"exception": "error"}  # log.exception logs at error level
+
+
+def test_operations_guide_documents_every_log_event() -> None:
+    """Every event the service logs is in the guide's table under its program prefix and actual level,
+    so the table can be trusted for alerting and for grepping the files."""
+    guide = (ROOT / "docs" / "OPERATIONS.md").read_text()
+    table = guide[guide.index("## Log events"):]
+    rows = {cells[0].strip("`"): cells[2] for line in table.splitlines() if line.startswith("| `")
+            for cells in [[c.strip() for c in line.strip("|").split("|")]]}
+    logged: dict[str, str] = {}
+    for package in ("broker", "workers", "ingest", "dashboard", "protocol", "shm"):
+        for source in (ROOT / package).glob("*.py"):
+            for level, event in LOG_CALL.findall(source.read_text()):
+                logged[event] = LEVELS.get(level, level)
+    assert len(logged) > 40
+    for event, level in logged.items():
+        assert event.split(".")[0] in {"broker", "worker", "ingest", "dashboard", "auth", "shm"}, event
+        assert rows.get(event) == level, (event, level, rows.get(event))
+    assert set(rows) == set(logged), set(rows) ^ set(logged)
 
 
 def test_gpu_figures_come_from_nvml_when_it_is_there(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

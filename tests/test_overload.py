@@ -48,7 +48,7 @@ def test_realtime_admission_control(service_factory: Any) -> None:
     assert refused.refused == m.OVERLOADED
     admitted = len(threads)
     assert admitted >= 1
-    assert "open_refused" in service.logs("ingest-0")
+    assert "ingest.open_refused" in service.logs("ingest-0")
 
     # a batch stream is still taken while realtime ones are refused; credits pace it
     batch = StreamClient(service.address, pcm, "batch", speed=None, priority="batch", timeout=300).run()

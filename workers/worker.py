@@ -24,6 +24,8 @@ from broker import jobs as wire
 from broker.jobs import EXPIRED, FAILED, Job, JobResult
 from broker.signals import StopSignal
 from config.settings import Config
+from metrics.registry import ProcessMetrics
+from protocol.messages import INTERNAL
 from shm.pool import RingPool
 from shm.ring import Ring
 from speech.backend import Backend, DecodeRequest
@@ -173,6 +175,8 @@ class Worker:
         self._batcher = Batcher(cfg.model.max_batch, cfg.model.max_wait_ms / 1000)
         self._pools: dict[str, RingPool] = {}
         self.backend: Backend | None = None
+        # Created here, published from run(): process() records into it when driven directly too.
+        self.metrics = ProcessMetrics(cfg, f"worker-{index}")
 
     def load(self) -> None:
         """Load and warm the model before announcing READY: the broker never waits on a load."""
@@ -186,6 +190,14 @@ class Worker:
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT; returns the process exit status."""
+        self.metrics.inc("busy_seconds_total", 0)  # an idle worker reads 0 % busy, not absent
+        self.metrics.start()  # published during the load too: the dashboard shows a loading worker as alive
+        try:
+            return self._run()
+        finally:
+            self.metrics.close()
+
+    def _run(self) -> int:
         # Loading comes before the signal handlers: SIGTERM during a load (an ONNX export may
         # take minutes) ends the process at once, and exports are atomic, so that is safe.
         self.load()
@@ -250,6 +262,7 @@ class Worker:
             try:
                 ring, audio = self._audio(job)
             except Exception as exc:  # a vanished segment is as much the job's problem as an overrun
+                self.metrics.inc("errors_total", code=INTERNAL)
                 log.warning("worker.audio_unavailable", job=job.job_id, stream=job.stream, error=str(exc))
                 results.append(_answer(job, FAILED, self.identity, f"audio unavailable: {exc}"))
                 continue
@@ -265,11 +278,14 @@ class Worker:
             if len(decoded) != len(requests):
                 raise RuntimeError(f"backend returned {len(decoded)} results for {len(requests)} requests")
         except Exception as exc:
+            self.metrics.inc("errors_total", len(taken), code=INTERNAL)
             log.exception("worker.batch_failed", batch=len(requests))
             return results + [_answer(job, FAILED, self.identity, f"backend error: {exc!r}") for job, _ in taken]
         finished = time.monotonic()
+        self._record(taken, finished - started)
         for (job, ring), out in zip(taken, decoded):
             if not ring.intact(job.start, job.generation):
+                self.metrics.inc("errors_total", code=INTERNAL)
                 results.append(_answer(job, FAILED, self.identity, "audio overwritten while it was decoded"))
                 continue
             results.append(JobResult(
@@ -280,6 +296,16 @@ class Worker:
             ))
         log.debug("worker.batch", size=len(taken), seconds=round(finished - started, 4))
         return results
+
+    def _record(self, taken: list[tuple[Job, Ring]], seconds: float) -> None:
+        """Per batch, not per job: the busy ratio and batch sizes are what tell a worker's load."""
+        finals = sum(job.final for job, _ in taken)
+        self.metrics.observe("batch_size", len(taken))
+        self.metrics.inc("busy_seconds_total", seconds)
+        if finals:
+            self.metrics.inc("worker_jobs_total", finals, kind="final")
+        if finals < len(taken):
+            self.metrics.inc("worker_jobs_total", len(taken) - finals, kind="partial")
 
     def _audio(self, job: Job) -> tuple[Ring, np.ndarray]:
         """The job's samples as a view into shm (attached on first use, re-attached when the
