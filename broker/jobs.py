@@ -44,6 +44,7 @@ class Job:
     prompt: str | None = None
     prefix: str | None = None
     created: float = 0.0  # time.monotonic() when ingest made it
+    first: bool = False  # the segment's first partial: the backend may take a faster, rougher look
 
     def to_wire(self) -> tuple[Any, ...]:
         return astuple(self)

@@ -29,6 +29,7 @@ class ModelConfig:
     max_batch: int = 1  # dynamic batching: most requests per backend call (1: measured best for Whisper on CPU)
     max_wait_ms: float = 5.0  # dynamic batching: longest wait for a batch to fill
     partial_window: str = "full"  # "full" 30 s window, or "short" (audio context sliced to the speech: faster, drops onsets)
+    quick_first_partial: bool = True  # a segment's first partial on the short window: text on screen sooner
     null_text: str = "null model"  # text the null backend returns
 
 

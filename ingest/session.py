@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import structlog
 
-from broker.jobs import BATCH, EXPIRED, FAILED, OK, REALTIME, Job, JobResult
+from broker.jobs import BATCH, FAILED, OK, REALTIME, Job, JobResult
 from config.settings import Config
 from ingest.audio import AudioFormatError, Resampler, decode_pcm
 from ingest.segmenter import SegmentEvent, Segmenter
@@ -40,6 +40,7 @@ class _Segment:
     end: int | None = None
     stabilizer: LocalAgreement = field(default_factory=LocalAgreement)
     last_partial_end: int = 0  # end of the last partial job submitted
+    partials_submitted: int = 0
     shown_end: int = 0  # end of the last partial sent: an older result arriving late is not shown
     final_job: int | None = None
     result: m.Final | None = None  # held until every earlier segment's final is out
@@ -211,9 +212,12 @@ class Session:
             prompt=prompt,
             prefix=seg.stabilizer.committed or None,
             created=now,
+            first=not final and seg.partials_submitted == 0,
         )
         if final:
             seg.final_job = job.job_id
+        else:
+            seg.partials_submitted += 1
         self.inflight[job.job_id] = job
         self.jobs_out.append(job)
 

@@ -23,6 +23,7 @@ class DecodeRequest:
     prompt: str | None = None  # previous text or hotwords, given as Whisper's <|startofprev|> context
     prefix: str | None = None  # text the transcript must start with (committed words of a stream)
     partial: bool = False  # a partial decode may trade a little accuracy for latency
+    first: bool = False  # a segment's first partial: with quick_first_partial, decoded on a short window
     timestamps: bool = True
 
 

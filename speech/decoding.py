@@ -43,6 +43,7 @@ MAX_INITIAL_TIMESTAMP = 1.0
 class DecodeOptions:
     beam_size: int = 1
     partial_window: str = "short"  # "short" | "full"
+    quick_first_partial: bool = True  # a segment's first partial on the short window even when partial_window is "full"
     sample_len: int = SAMPLE_LEN
     suppress_silence: bool = True  # no_speech_prob > 0.6 and avg_logprob < -1 -> empty result
 
@@ -117,7 +118,7 @@ class WhisperDecoder:
         caps: dict[int, int] = {}
         for i, r in enumerate(requests):
             n = int(np.asarray(r.audio).shape[-1])
-            if r.partial and self.opt.partial_window == "short":
+            if r.partial and (self.opt.partial_window == "short" or (r.first and self.opt.quick_first_partial)):
                 frames = short_window_frames(n)
                 if frames < N_FRAMES:
                     groups.setdefault(frames, []).append(i)

@@ -49,7 +49,8 @@ class OrtWhisperBackend(Backend):
         self.dims = self._dims()
         self.decoding = WhisperDecoder(
             self.encoder, self.decoder, self.tokenizer, self.dims,
-            DecodeOptions(beam_size=max(1, int(cfg.beam_size)), partial_window=cfg.partial_window),
+            DecodeOptions(beam_size=max(1, int(cfg.beam_size)), partial_window=cfg.partial_window,
+                          quick_first_partial=cfg.quick_first_partial),
         )  # fmt: skip
         self.name = f"{files.name}/{cfg.precision}/onnxruntime"
         self.multilingual = self.tokenizer.multilingual

@@ -269,6 +269,7 @@ class Worker:
             taken.append((job, ring))
             requests.append(DecodeRequest(
                 audio=audio, language=job.language, prompt=job.prompt, prefix=job.prefix, partial=not job.final,
+                first=job.first,
             ))
         if not requests:
             return results
