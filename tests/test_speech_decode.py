@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -118,6 +119,21 @@ def test_language_detection(base, tmp_path, voice, text, lang):
     assert res.text
     en = base.transcribe_batch([DecodeRequest(audio=load_audio(utterances()[0].path))])[0]
     assert en.language == "en"
+
+
+@pytest.mark.base
+def test_cli_local_base_with_a_given_language(tmp_path):
+    """`streamasr transcribe --local --model whisper-base --language zh`: the language is forced, not
+    detected, so even espeak-ng's Mandarin (which Whisper hears as Thai) comes out in Chinese script."""
+    wav = tmp_path / "zh.wav"
+    subprocess.run(["espeak-ng", "-v", "cmn", "-w", str(wav), "今天天气很好，我们去公园散步吧。"], check=True, capture_output=True)
+    proc = subprocess.run([sys.executable, "-m", "streamasr.cli", "transcribe", "--local", "--model", "whisper-base",
+                           "--language", "zh", "--json", str(wav)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    obj = json.loads(proc.stdout)
+    assert obj["language"] == "zh"
+    assert any("\u4e00" <= ch <= "\u9fff" for ch in obj["text"]), obj["text"]
+    assert obj["segments"] and all(seg["start"] < seg["end"] for seg in obj["segments"])
 
 
 def test_empty_file(tmp_path):
