@@ -183,9 +183,15 @@ def test_full_service_dashboard_under_bench(service_factory, tmp_path: Path) -> 
     `streamasr bench`, and the exported counters grow."""
     svc = service_factory(model="null", workers=2)
     url = f"http://127.0.0.1:{svc.cfg.metrics.dashboard_port}/"
-    snap = wait_for(lambda: (s := json.loads(get(url + "api/snapshot")[1]))
-                    and set(SERVICE_PROCESSES) <= {p["name"] for p in s["processes"]} and s,
-                    timeout=20, what="every service process in the dashboard's snapshot")
+    def listed() -> dict | None:
+        """The snapshot once it lists every service process; the dashboard may still be starting."""
+        try:
+            snapshot = json.loads(get(url + "api/snapshot")[1])
+        except OSError:
+            return None
+        return snapshot if set(SERVICE_PROCESSES) <= {p["name"] for p in snapshot["processes"]} else None
+
+    snap = wait_for(listed, timeout=30, what="every service process in the dashboard's snapshot")
     names = [p["name"] for p in snap["processes"] if p["name"] in (*SERVICE_PROCESSES, "dashboard")]
     before = counters(url, "streamasr_jobs")
     assert counters(url, "streamasr_refusals") == {} and counters(url, "streamasr_errors") == {}
