@@ -107,7 +107,16 @@ class IngestServer:
     # ------------------------------------------------------------------ clients
 
     def _on_client(self, frames: list[zmq.Frame]) -> None:
+        """One client message; a bug in handling it fails that message, never the process."""
         ident = frames[0].bytes
+        try:
+            self._handle_client(ident, frames)
+        except Exception as exc:
+            self.metrics.inc("errors_total", code=m.INTERNAL)
+            self.log.exception("ingest.internal_error", client=ident.hex())
+            self._send(ident, m.ErrorMsg(code=m.INTERNAL, message=f"the server failed on this message: {type(exc).__name__}"))
+
+    def _handle_client(self, ident: bytes, frames: list[zmq.Frame]) -> None:
         try:
             msg = m.decode_client([f.buffer for f in frames[1:]], self.limits)
         except m.ProtocolError as exc:
