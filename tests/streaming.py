@@ -250,7 +250,7 @@ def stream_many(address: str, buffers: dict[str, bytes], **kwargs: Any) -> dict[
     return results
 
 
-def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
+def wait_for(check: Callable[[], Any], timeout: float = 10.0, what: str = "condition", interval: float = 0.1) -> Any:
     """Poll `check` until it is truthy; bounded generously, asserting on the outcome only."""
     deadline = time.monotonic() + timeout
     while True:

@@ -23,7 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from config import settings
 from streamasr import top
-from test_metrics import ROOT, instance_config, start_publisher, wait_for
+from streaming import wait_for
+from test_metrics import ROOT, instance_config, start_publisher
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -26,6 +26,7 @@ from config.settings import Config
 from metrics.collector import Collector, Histogram
 from metrics.names import SPECS
 from metrics.registry import ProcessMetrics, endpoint
+from streaming import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,17 +91,6 @@ def instance_config(tmp: Path) -> tuple[Config, Path]:
     config_file = tmp / f"{instance}.toml"
     config_file.write_text(settings.dump(cfg))
     return cfg, config_file
-
-
-def wait_for(check: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
