@@ -67,6 +67,9 @@ class IngestConfig:
     # CurveZMQ on the client-facing sockets (front door and ingest): both empty = plain TCP.
     curve_secret_key: str = ""  # the server's secret key file (zmq.auth certificate format)
     curve_authorized_keys: str = ""  # directory of authorized clients' public key files (*.key)
+    # Ops tools (`streamasr status`, the service's readiness wait) are clients of the front door
+    # too: with CURVE on they use this key pair file (a *.key_secret), whose public key must be authorized.
+    curve_client_key: str = ""
 
 
 @dataclass(frozen=True)

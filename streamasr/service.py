@@ -24,6 +24,7 @@ from supervisor.xmlrpc import SupervisorTransport
 
 from config import settings
 from config.settings import Config
+from protocol import auth
 from protocol import messages as m
 from shm import pool
 
@@ -82,11 +83,31 @@ def serve(cfg: Config) -> None:
     os.execve(str(supervisord), [str(supervisord), "-n", "-c", str(SUPERVISORD_CONF)], env)
 
 
-def front_door(address: str, msg: m.ClientMessage, timeout: float = 2.0) -> m.ServerMessage:
-    """One request/reply with the broker's front door."""
+Curve = tuple[bytes, bytes]  # (server public key, client secret key), z85
+
+
+def ops_curve(cfg: Config) -> Curve | None:
+    """The keys ops tools talk to the front door with; None when CURVE is off.
+
+    Raises ValueError when CURVE is on but `ingest.curve_client_key` is not set: a plain query
+    would only go unanswered, which reads as a dead service. The server's public key comes from
+    its key file, so the service's own config file is all an operator needs.
+    """
+    if not auth.curve_settings(cfg.ingest.curve_secret_key, cfg.ingest.curve_authorized_keys):
+        return None
+    if not cfg.ingest.curve_client_key:
+        raise ValueError("CURVE is on and ingest.curve_client_key (an authorized client key pair) is not set")
+    _, secret = auth.read_key_pair(cfg.ingest.curve_client_key)
+    return auth.read_public_key(cfg.ingest.curve_secret_key), secret
+
+
+def front_door(address: str, msg: m.ClientMessage, timeout: float = 2.0, curve: Curve | None = None) -> m.ServerMessage:
+    """One request/reply with the broker's front door; `curve` when it is a CURVE server (see `ops_curve`)."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        auth.apply_client_curve(sock, *curve)
     sock.connect(address)
     try:
         sock.send_multipart(m.encode(msg))
@@ -117,10 +138,10 @@ def status(cfg: Config) -> dict[str, Any]:
         report["processes"] = []
         report["supervisor_error"] = str(exc)
     try:
-        reply = front_door(cfg.ingest.address, m.Status())
+        reply = front_door(cfg.ingest.address, m.Status(), curve=ops_curve(cfg))
         report.update(m.as_dict(reply))
         report.pop("type", None)
-    except (TimeoutError, zmq.ZMQError, m.ProtocolError) as exc:
+    except (TimeoutError, zmq.ZMQError, m.ProtocolError, ValueError, OSError) as exc:  # OSError: a key file unreadable
         report["ready"] = False
         report["broker_error"] = str(exc)
     return report

@@ -2,19 +2,18 @@
 
 With keys configured, both the front door and the ingest ROUTER speak CURVE: a client whose
 public key is in the authorized directory works as before; one with another key, or none, gets
-no answer at all and the refusal is logged. The ipc sockets between processes are guarded by the
-run directory's mode (0700) and the audio by the shm segments' (0600).
+no answer at all and the refusal is logged. Ops tools reach the front door with the key pair of
+`ingest.curve_client_key`. The ipc sockets between processes are guarded by the run directory's
+mode (0700) and the audio by the shm segments' (0600).
 """
 
 from __future__ import annotations
 
-import os
+import dataclasses
+import json
 import shutil
 import stat
-import subprocess
-import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -23,8 +22,7 @@ import zmq
 import zmq.auth
 
 from config import settings
-from conftest import ROOT, Service
-from streamasr.service import free_ports
+from conftest import Service, start_service
 from protocol import messages as m
 from protocol.auth import apply_client_curve, read_key_pair, read_public_key
 from shm import pool
@@ -35,12 +33,13 @@ Curve = Callable[[zmq.Socket], None]
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """server key pair, an authorized client and an intruder; only the client's public key is listed."""
+    """server key pair, an authorized client, the ops tools' key and an intruder; client and ops are listed."""
     root = tmp_path_factory.mktemp("keys")
-    for name in ("server", "client", "intruder"):
+    for name in ("server", "client", "ops", "intruder"):
         zmq.auth.create_certificates(root, name)
     (root / "authorized").mkdir()
-    shutil.copy(root / "client.key", root / "authorized" / "client.key")
+    for name in ("client", "ops"):
+        shutil.copy(root / f"{name}.key", root / "authorized" / f"{name}.key")
     return root
 
 
@@ -52,34 +51,15 @@ def curve_for(keys: Path, who: str) -> Curve:
 
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory, keys: Path) -> Iterator[Service]:
-    """A null-model service with CURVE on; ready when an authorized hello is welcomed (the plain
-    status query of the test harness cannot get through, which is the point)."""
-    tmp = tmp_path_factory.mktemp("auth")
-    base = free_ports(2)
-    instance = f"t{uuid.uuid4().hex[:8]}"
-    cfg = settings.load(None, {
-        "instance": instance, "run_dir": str(tmp / instance),
-        "model": {"name": "null", "backend": "null"}, "workers": {"processes": 1},
-        "ingest": {"address": f"tcp://127.0.0.1:{base}", "port_base": base + 1, "processes": 1,
-                   "curve_secret_key": str(keys / "server.key_secret"),
-                   "curve_authorized_keys": str(keys / "authorized")},
-        "broker": {"heartbeat_ms": 250},
+    """A null-model service with CURVE on; its readiness is polled through the ops key."""
+    service = start_service(tmp_path_factory.mktemp("auth"), model="null", workers=1, ingest={
+        "curve_secret_key": str(keys / "server.key_secret"),
+        "curve_authorized_keys": str(keys / "authorized"),
+        "curve_client_key": str(keys / "ops.key_secret"),
     })
-    config_file = tmp / f"{instance}.toml"
-    config_file.write_text(settings.dump(cfg))
-    env = {**os.environ, "STREAMASR_CONFIG": str(config_file)}
-    env.pop("STREAMASR_RUN_DIR", None)
-    proc = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "serve"], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    service = Service(cfg, proc, config_file)
-    try:
-        hello(cfg.ingest.address, timeout=120, curve=curve_for(keys, "client"))
-    except BaseException:
-        service.stop()
-        raise
     yield service
     service.stop()
-    assert pool.segments(instance) == []
+    assert pool.segments(service.cfg.instance) == []
 
 
 def unanswered(endpoint: str, curve: Curve | None, wait_s: float = 3.0) -> bool:
@@ -115,6 +95,30 @@ def test_unauthorized_clients_refused_and_logged(secured: Service, keys: Path) -
             time.sleep(0.1)
         refusals = [line for line in secured.logs(program).splitlines() if '"auth.refused"' in line]
         assert any(intruder_key in line for line in refusals), f"{program} did not log the refusal"
+
+
+def status_with(service: Service, tmp: Path, client_key: str) -> tuple[int, dict]:
+    """`streamasr status --json` with the service's config but `ingest.curve_client_key` = `client_key`."""
+    cfg = service.cfg
+    config_file = tmp / "ops.toml"
+    config_file.write_text(settings.dump(dataclasses.replace(cfg, ingest=dataclasses.replace(cfg.ingest, curve_client_key=client_key))))
+    done = service.cli("status", "--json", "--config", str(config_file))
+    return done.returncode, json.loads(done.stdout)
+
+
+def test_status_with_the_ops_key(secured: Service) -> None:
+    done = secured.cli("status", "--json")
+    report = json.loads(done.stdout)
+    assert done.returncode == 0 and report["ready"] is True, report
+    assert "broker_error" not in report and len(report["ingests"]) == 1 and len(report["workers"]) == 1
+
+
+def test_status_without_an_authorized_key_is_refused(secured: Service, keys: Path, tmp_path: Path) -> None:
+    code, report = status_with(secured, tmp_path, str(keys / "intruder.key_secret"))
+    assert code == 1 and report["ready"] is False and "no answer" in report["broker_error"], report
+    assert "ingests" not in report
+    code, report = status_with(secured, tmp_path, "")
+    assert code == 1 and report["ready"] is False and "curve_client_key" in report["broker_error"], report
 
 
 def test_local_permissions(secured: Service) -> None:

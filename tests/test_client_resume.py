@@ -1,13 +1,14 @@
-"""The blocking Client survives a SIGKILLed ingest: it resumes by itself and the transcript stays whole.
+"""Both clients survive a SIGKILLed ingest: they resume by themselves and the transcript stays whole.
 
-One live stream of three utterances is run twice on the same service: once undisturbed, once
-with the ingest process killed right after the first final. supervisord restarts the ingest;
-the client must re-hello, re-open at the last `durable` point and resend what it kept, so the
-second run's finals cover every utterance, repeat nothing and keep their times in order.
+One live stream of three utterances is run undisturbed once, then with each client (blocking and
+asyncio) with the ingest process killed right after the first final. supervisord restarts the
+ingest; the client must re-hello, re-open at the last `durable` point and resend what it kept, so
+the finals cover every utterance, repeat nothing and keep their times in order.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 from client import Client
+from client.aio import AsyncClient, AsyncStream
 from client.client import Stream
 from conftest import Service, start_service
 from protocol.messages import Closed, ErrorMsg, Final
@@ -99,29 +101,76 @@ def run(service: Service, pcm: np.ndarray, speed: float,
     return client, stream, finals, errors
 
 
+async def run_async(service: Service, pcm: np.ndarray, speed: float, on_final: Callable[[Final], None] | None = None
+                    ) -> tuple[AsyncClient, AsyncStream, list[Final], list[ErrorMsg]]:
+    """`run` on the asyncio client: a sender task paces the audio while this coroutine reads events."""
+    client = await AsyncClient.connect(service.address, liveness=5.0)
+    finals: list[Final] = []
+    errors: list[ErrorMsg] = []
+    try:
+        stream = await client.open(language="en", partials=False)
+
+        async def send() -> None:
+            started = time.monotonic()
+            for i, start in enumerate(range(0, len(pcm), CHUNK)):
+                await asyncio.sleep(max(0.0, started + i * CHUNK / RATE / speed - time.monotonic()))
+                await stream.send(pcm[start : start + CHUNK])
+            await stream.end()
+
+        sender = asyncio.create_task(send())
+        try:
+            async for ev in stream.events(timeout=40):
+                if isinstance(ev, Final):
+                    finals.append(ev)
+                    if on_final is not None:
+                        on_final(ev)
+                elif isinstance(ev, ErrorMsg):
+                    errors.append(ev)
+                elif isinstance(ev, Closed):
+                    assert ev.reason == "end", ev
+        except BaseException:
+            sender.cancel()
+            raise
+        await asyncio.wait_for(sender, 10)  # re-raises what the sender failed with
+    finally:
+        await client.close()
+    return client, stream, finals, errors
+
+
 def joined(finals: list[Final]) -> str:
     return " ".join(f.text.strip() for f in finals)
 
 
-def test_client_resumes_after_ingest_killed(asr: Service) -> None:
+@pytest.fixture(scope="module")
+def baseline(asr: Service) -> tuple[str, list[Final]]:
+    """The reference text and the finals of an undisturbed run: what a resumed run is held to."""
     pcm, reference = speech()
-    _, _, base_finals, base_errors = run(asr, pcm, speed=3.0)
-    assert base_errors == [] and len(base_finals) >= len(NAMES)
-    base_wer = testdata.wer([reference], [joined(base_finals)])
+    _, _, finals, errors = run(asr, pcm, speed=3.0)
+    assert errors == [] and len(finals) >= len(NAMES)
+    return reference, finals
 
-    old_pid, _ = ingest_pid(asr)
-    killed: list[float] = []
 
-    def kill_once(final: Final) -> None:
-        if not killed:
-            killed.append(final.end)
-            os.kill(old_pid, signal.SIGKILL)
+class Killer:
+    """SIGKILLs the ingest process at the first final it is shown, once."""
 
-    client, stream, finals, errors = run(asr, pcm, speed=1.0, on_final=kill_once)
-    assert killed, "no final arrived before the end"
-    assert client.reconnects >= 1 and stream.resumes, "the client never resumed"
-    new_pid, state = ingest_pid(asr)
-    assert new_pid != old_pid and state == "RUNNING"
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.pid, _ = ingest_pid(service)
+        self.at: float | None = None  # the end of the final it killed at
+
+    def __call__(self, final: Final) -> None:
+        if self.at is None:
+            self.at = final.end
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def check_resumed(killer: Killer, reconnects: int, resumes: list[int], finals: list[Final],
+                  errors: list[ErrorMsg], baseline: tuple[str, list[Final]]) -> None:
+    """The stream resumed on a restarted ingest and its finals read as one undisturbed stream."""
+    assert killer.at is not None, "no final arrived before the end"
+    assert reconnects >= 1 and resumes, "the client never resumed"
+    new_pid, state = ingest_pid(killer.service)
+    assert new_pid != killer.pid and state == "RUNNING"
     assert errors == []
 
     # nothing repeated, numbered and timed as one stream
@@ -133,5 +182,21 @@ def test_client_resumes_after_ingest_killed(asr: Service) -> None:
     assert len(texts) == len(set(texts)), texts
 
     # the transcript covers every utterance about as well as the undisturbed run
+    reference, base_finals = baseline
+    base_wer = testdata.wer([reference], [joined(base_finals)])
     resumed_wer = testdata.wer([reference], [joined(finals)])
     assert resumed_wer <= base_wer + 0.05, (resumed_wer, base_wer, joined(finals), joined(base_finals))
+
+
+def test_client_resumes_after_ingest_killed(asr: Service, baseline: tuple[str, list[Final]]) -> None:
+    pcm, _ = speech()
+    killer = Killer(asr)
+    client, stream, finals, errors = run(asr, pcm, speed=1.0, on_final=killer)
+    check_resumed(killer, client.reconnects, stream.resumes, finals, errors, baseline)
+
+
+def test_async_client_resumes_after_ingest_killed(asr: Service, baseline: tuple[str, list[Final]]) -> None:
+    pcm, _ = speech()
+    killer = Killer(asr)
+    client, stream, finals, errors = asyncio.run(run_async(asr, pcm, speed=1.0, on_final=killer))
+    check_resumed(killer, client.reconnects, stream.resumes, finals, errors, baseline)
