@@ -20,6 +20,7 @@ from broker import jobs as j
 from config.settings import Config
 from ingest.session import SAMPLE_RATE, Session
 from ingest.vad import CHUNK, VadBank
+from metrics.gcwatch import freeze_and_watch
 from metrics.registry import ProcessMetrics
 from protocol import auth
 from protocol import messages as m
@@ -285,6 +286,7 @@ class IngestServer:
         self.metrics.set("shm_rings_total", self.pool.slots)
         self._publish_gauges()
         self.metrics.start()
+        freeze_and_watch(self.metrics)  # start-up done: what is allocated from here on is the serving path's
         self.log.info("ingest.ready", endpoint=self.endpoint, shm=self.pool.name, slots=self.pool.slots)
         while True:
             if self.broker is not registered:

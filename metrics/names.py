@@ -13,6 +13,8 @@ LATENCY_BUCKETS: tuple[float, ...] = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
                                       1.0, 2.5, 5.0, 10.0, 30.0)
 # Requests per backend call: powers of two up to the largest batch a worker can be configured for.
 BATCH_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64)
+# Seconds: a young collection takes tens of microseconds, a full one over a large heap can take 100s of ms.
+GC_BUCKETS: tuple[float, ...] = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,9 @@ SPECS: dict[str, MetricSpec] = {s.name: s for s in (
     MetricSpec("batch_size", "histogram", "worker", "Requests per backend call.", buckets=BATCH_BUCKETS),
     MetricSpec("busy_seconds_total", "counter", "worker", "Seconds spent in backend calls.", per_process="worker"),
     MetricSpec("worker_jobs_total", "counter", "worker", "Requests decoded, by kind.", ("kind",), per_process="worker"),
+    MetricSpec("gc_pause_seconds", "histogram", "any",
+               "Python garbage-collection pauses after start-up (frozen heap), by generation.", ("generation",),
+               buckets=GC_BUCKETS, per_process="process"),
 )}
 
 

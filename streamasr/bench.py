@@ -7,6 +7,11 @@ the send time of the frame holding a result's last sample; the processes report 
 as msgpack and this module turns them into percentiles, throughput, batch sizes, per-process CPU
 and WER. The generator times its own sends, so a run where it fell behind says so instead of
 reporting latencies it inflated itself.
+
+With --ramp the streams open one by one during the run instead of together, so admission control,
+which reacts to the broker's measured queue wait, gets the chance to refuse some: refused opens are
+counted by error code, latencies are those of the admitted streams, and the report carries the peak
+admission figure and, for a service the bench started, each process's GC pauses.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 import numpy as np
@@ -36,6 +41,7 @@ import zmq
 from client.client import handshake
 from client.core import LOCAL_HOSTS
 from config import settings
+from metrics.registry import PUBLISH_INTERVAL_S
 from protocol import messages as m
 from streamasr.loadgen import Clip, Plan, RecordReader
 from streamasr.service import LocalService, launch
@@ -100,6 +106,35 @@ class Target:
         out.update({str(w.get("id")): w["pid"] for w in reply.workers if w.get("pid")})
         return out
 
+    def gc_pauses(self) -> dict[str, tuple[list[float], list[float], float]]:
+        """Process -> (bucket bounds, cumulative counts, total seconds) of `gc_pause_seconds`, over all
+        generations, from the dashboard's /metrics; empty for a service we did not start (its
+        dashboard is on its own machine's localhost)."""
+        if self.local is None:
+            return {}
+        from urllib.request import urlopen
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            with urlopen(f"http://127.0.0.1:{self.local.cfg.metrics.dashboard_port}/metrics", timeout=5) as r:
+                text = r.read().decode()
+        except OSError:
+            return {}
+        buckets: dict[str, dict[float, float]] = {}
+        totals: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            if family.name != "streamasr_gc_pause_seconds":
+                continue
+            for sample in family.samples:
+                proc = sample.labels.get("process", "?")
+                if sample.name.endswith("_bucket"):  # summed over generations
+                    le, per_bound = float(sample.labels["le"]), buckets.setdefault(proc, {})
+                    per_bound[le] = per_bound.get(le, 0.0) + sample.value
+                elif sample.name.endswith("_sum"):
+                    totals[proc] = totals.get(proc, 0.0) + sample.value
+        return {proc: (sorted(b), [b[le] for le in sorted(b)], totals.get(proc, 0.0)) for proc, b in buckets.items()}
+
     def worker_logs(self) -> list[Path]:
         if self.local is None:
             return []
@@ -134,7 +169,9 @@ class Sampler:
     """CPU time and RSS of every process under test, sampled from a thread during the run."""
 
     pids: dict[str, int]
+    load: Callable[[], float | None] | None = None  # the broker's admission figure, sampled alongside
     samples: dict[str, list[tuple[float, float, int]]] = field(default_factory=dict)  # (t, cpu s, rss)
+    loads: list[tuple[float, float]] = field(default_factory=list)  # (t, load s)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -155,6 +192,9 @@ class Sampler:
                             self.samples.setdefault(name, []).append((time.monotonic(), t.user + t.system, p.memory_info().rss))
                     except psutil.NoSuchProcess:
                         continue
+                value = self.load() if self.load is not None else None
+                if value is not None:
+                    self.loads.append((time.monotonic(), value))
                 if self._stop.wait(SAMPLE_EVERY_S):
                     return
 
@@ -180,6 +220,22 @@ class Sampler:
                         "cpu_peak_pct": round(100 * max(steps, default=0.0), 1),
                         "rss_mb": round(max(r[2] for r in inside) / 2**20, 1)})
         return sorted(out, key=lambda r: r["name"])
+
+
+def gc_report(before: dict[str, tuple[list[float], list[float], float]],
+              after: dict[str, tuple[list[float], list[float], float]]) -> dict[str, dict[str, Any]]:
+    """Per process, the GC pauses of this run: count, total ms, and the max as the upper bound of the
+    highest bucket that gained a pause (a histogram keeps no exact max)."""
+    out = {}
+    for proc, (bounds, counts, total) in sorted(after.items()):
+        old_counts, old_total = (before[proc][1], before[proc][2]) if proc in before else ([0.0] * len(counts), 0.0)
+        new = [c - o for c, o in zip(counts, old_counts)]
+        n = int(new[-1]) if new else 0
+        top = next((b for b, c in zip(bounds, new) if c >= n), math.inf) if n else None
+        out[proc] = {"count": n, "total_ms": round(1000 * (total - old_total), 3),
+                     "max_ms_at_most": round(1000 * top, 3) if top is not None and math.isfinite(top) else None,
+                     "over_largest_bucket": top == math.inf}
+    return out
 
 
 def batch_log_offsets(paths: list[Path]) -> dict[Path, int]:
@@ -261,11 +317,13 @@ class RunSpec:
     workers: int | None
     max_batch: int | None
     drain_s: float
+    ramp_s: float = 0.0
+    admit_limit_s: float | None = None  # the started service's ingest.admit_max_load_s (unknown for --server)
 
 
 def summarize(spec: RunSpec, results: list[dict[str, Any]], t0: float, wall_end: float, sampler: Sampler,
               batches: tuple[list[int], list[float]] | None, jobs: tuple[m.StatusReply | None, m.StatusReply | None],
-              processes: int) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+              processes: int, gc_pauses: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """One summary object, plus the raw arrays the plot needs."""
     streams = [s for r in results for s in r["streams"]]
     opened = [s for s in streams if s["ready"]]
@@ -322,7 +380,7 @@ def summarize(spec: RunSpec, results: list[dict[str, Any]], t0: float, wall_end:
     summary = {
         "config": {"streams": spec.streams, "duration_s": spec.duration_s, "mode": "offline" if spec.offline else "realtime",
                    "model": spec.model, "workers": spec.workers, "max_batch": spec.max_batch, "frame_ms": spec.frame_ms,
-                   "client_processes": processes},
+                   "ramp_s": spec.ramp_s, "client_processes": processes},
         "streams": {"requested": spec.streams, "opened": len(opened), "refused": refused, "closed": len(closed),
                     "unfinished": len(opened) - len(closed), "with_finals": sum(1 for f in finals if len(f))},
         "partials": int(len(p_all)),
@@ -345,6 +403,12 @@ def summarize(spec: RunSpec, results: list[dict[str, Any]], t0: float, wall_end:
                  if before is not None and after is not None else None),
         "processes": sampler.report(t0, t0 + wall if spec.offline else send_end),
         "generator": {"send_lag_ms": lag_stats, "behind": behind, "note": note},
+        # The figure admission control compares with ingest.admit_max_load_s: why streams were or were not refused.
+        "admission_load_s": {"max": max((v for _, v in sampler.loads), default=None), "samples": len(sampler.loads),
+                             "limit": spec.admit_limit_s,
+                             "first_over_limit_s": next((round(t - t0, 1) for t, v in sampler.loads
+                                                         if spec.admit_limit_s and v > spec.admit_limit_s), None)},
+        "gc_pauses": gc_pauses,
         "wer": wer,
         "load_average": [round(x, 2) for x in os.getloadavg()],  # 1/5/15 min at the end: was the machine shared?
         "cpu_pressure_pct": cpu_pressure(),
@@ -363,7 +427,8 @@ def client_processes(streams: int, requested: int | None, per_client: int) -> in
 
 
 def run_load(target: Target, spec: RunSpec, clips: list[Clip]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Open every stream, start them together, collect the clients' samples and summarize."""
+    """Open every stream, start them together (or, with a ramp, open them one by one during the run),
+    collect the clients' samples and summarize."""
     welcome = handshake(zmq.Context.instance(), target.address, 30.0)
     procs_n = client_processes(spec.streams, spec.clients, int(welcome.limits.get("max_streams_per_client", 64)))
     tag = uuid.uuid4().hex[:8]
@@ -376,7 +441,7 @@ def run_load(target: Target, spec: RunSpec, clips: list[Clip]) -> tuple[dict[str
             count = share + (1 if k < extra else 0)
             plan = Plan(address=target.address, tag=tag, first=first, count=count, clips=clips,
                         duration_s=spec.duration_s, frame_ms=spec.frame_ms, offline=spec.offline, gap_s=GAP_S,
-                        drain_s=spec.drain_s)
+                        drain_s=spec.drain_s, ramp_s=spec.ramp_s, total=spec.streams)
             first += count
             proc = subprocess.Popen([sys.executable, "-m", "streamasr.loadgen"], cwd=ROOT, stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE)
@@ -395,7 +460,8 @@ def run_load(target: Target, spec: RunSpec, clips: list[Clip]) -> tuple[dict[str
         logs = target.worker_logs()
         offsets = batch_log_offsets(logs)
         before = target.status()
-        sampler = Sampler(pids).start()
+        gc_before = target.gc_pauses()
+        sampler = Sampler(pids, load=lambda: (reply.load if (reply := target.status()) is not None else None)).start()
         t0 = time.monotonic() + 0.5
         for proc in procs:
             assert proc.stdin is not None
@@ -410,6 +476,9 @@ def run_load(target: Target, spec: RunSpec, clips: list[Clip]) -> tuple[dict[str
         wall_end = time.monotonic()
         sampler.stop()
         after = target.status()
+        if target.local is not None:
+            time.sleep(PUBLISH_INTERVAL_S)  # the last pauses reach the dashboard with the next publish
+        gc_after = target.gc_pauses()
         batches = batch_sizes(offsets, logs) if logs else None
         for proc in procs:
             proc.wait(30)
@@ -418,7 +487,7 @@ def run_load(target: Target, spec: RunSpec, clips: list[Clip]) -> tuple[dict[str
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    return summarize(spec, results, t0, wall_end, sampler, batches, (before, after), procs_n)
+    return summarize(spec, results, t0, wall_end, sampler, batches, (before, after), procs_n, gc_report(gc_before, gc_after))
 
 
 # ---------------------------------------------------------------------------------- output
@@ -432,11 +501,13 @@ def print_report(s: dict[str, Any], out: Any = sys.stdout) -> None:
     c = s["config"]
     w = print
     w(f"\n{c['streams']} streams x {c['duration_s']:g} s {c['mode']}, model {c['model']}, workers {c['workers'] or '?'}, "
-      f"max batch {c['max_batch'] or '?'}, frame {c['frame_ms']:g} ms, {c['client_processes']} client processes", file=out)
+      f"max batch {c['max_batch'] or '?'}, frame {c['frame_ms']:g} ms, {c['client_processes']} client processes"
+      + (f", opened over {c['ramp_s']:g} s" if c["ramp_s"] else ""), file=out)
     st = s["streams"]
     w(f"machine at the end: load average (1/5/15 min) {s['load_average']}, CPU pressure (some, 60 s) "
       f"{_fmt(s['cpu_pressure_pct'], 1)} %", file=out)
     w(f"streams: {st['opened']} opened, {st['closed']} closed, {st['unfinished']} unfinished, refused {st['refused'] or 0}", file=out)
+    w("latencies below are of the admitted (opened) streams only", file=out)
     w(f"{'latency (ms)':<16}{'count':>8}{'p50':>9}{'p90':>9}{'p99':>9}{'p99.9':>9}{'max':>9}{'stdev':>9}", file=out)
     for label, key in (("partial", "partial_latency_ms"), ("final", "final_latency_ms"), ("ack (ingest RTT)", "ack_latency_ms")):
         x = s[key]
@@ -461,6 +532,17 @@ def print_report(s: dict[str, Any], out: Any = sys.stdout) -> None:
     w(f"{'process':<18}{'cpu %':>8}{'peak %':>8}{'rss MB':>9}", file=out)
     for p in s["processes"]:
         w(f"{p['name']:<18}{p['cpu_pct']:>8.1f}{p['cpu_peak_pct']:>8.1f}{p['rss_mb']:>9.1f}", file=out)
+    load = s["admission_load_s"]
+    if load["samples"]:
+        over = (f", first above the limit ({load['limit']:g} s) {load['first_over_limit_s']:g} s after the start"
+                if load["first_over_limit_s"] is not None else "")
+        w(f"admission load (broker's realtime queue wait, sampled every {SAMPLE_EVERY_S:g} s): max {load['max']:.3f} s"
+          + over, file=out)
+    if s["gc_pauses"]:
+        w("GC pauses: " + ", ".join(
+            f"{name} {g['count']} ({g['total_ms']:.1f} ms, max "
+            + ("-" if not g["count"] else "> largest bucket" if g["over_largest_bucket"] else f"<= {g['max_ms_at_most']:g} ms") + ")"
+            for name, g in s["gc_pauses"].items()), file=out)
     g = s["generator"]
     lag = g["send_lag_ms"]
     if lag["count"]:
@@ -525,6 +607,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, help="the started service's model.max_batch (default: the config's)")
     p.add_argument("--clients", type=int, help="client processes (default 2, fewer for fewer streams)")
     p.add_argument("--frame-ms", type=float, default=20.0, help="audio per message in real-time mode")
+    p.add_argument("--ramp", type=float, default=0.0, metavar="SECONDS",
+                   help="real-time only: stream i of N opens at i x SECONDS / N, so admission control sees the load "
+                        "grow; a refused open is counted by its error code and not retried (0: open all at once)")
     p.add_argument("--sweep", help="comma-separated stream counts, e.g. 1,2,4,8: runs each, reports the largest N within the bounds")
     p.add_argument("--p99-bound-ms", type=float, default=1000.0, help="sweep bound on p99 partial latency (finals: 1.5x)")
     p.add_argument("--drain", type=float, default=60.0, help="give up waiting for results after this long without any")
@@ -533,6 +618,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.streams < 1 or args.duration <= 0 or args.frame_ms <= 0:
         p.error("--streams, --duration and --frame-ms must be positive")
+    if args.ramp < 0 or (args.ramp and args.offline):
+        p.error("--ramp must be >= 0 and applies to real-time streams only (batch streams are never refused as overloaded)")
     return args
 
 
@@ -573,7 +660,8 @@ def main(argv: list[str] | None = None) -> int:
         for n in counts:
             spec = RunSpec(n, args.duration, args.offline, args.frame_ms, args.clients, args.model,
                            args.workers if not args.server else None,
-                           args.max_batch or (target.local.cfg.model.max_batch if target.local else None), args.drain)
+                           args.max_batch or (target.local.cfg.model.max_batch if target.local else None), args.drain,
+                           args.ramp, target.local.cfg.ingest.admit_max_load_s if target.local else None)
             target.settle()
             summary, raw = run_load(target, spec, clips)
             runs.append((summary, raw))

@@ -72,6 +72,8 @@ class Plan:
     offline: bool
     gap_s: float
     drain_s: float  # stop waiting for results after this long without any message
+    ramp_s: float = 0.0  # stream i of `total` opens at t0 + i * ramp_s / total; 0: all open before t0
+    total: int = 1  # streams over all client processes
 
     def to_wire(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -227,7 +229,15 @@ class LoadClient:
 
     # ------------------------------------------------------------------ phases
 
+    def open_at(self, t0: float) -> list[tuple[float, Stream]]:
+        """When each stream opens under a ramp: spread over the run by global index, so the service
+        sees new streams arrive while it measures its load, as admission control expects."""
+        step = self.plan.ramp_s / max(self.plan.total, 1)
+        return [(t0 + (self.plan.first + j) * step, s) for j, s in enumerate(self.streams)]
+
     def open(self) -> None:
+        if self.plan.ramp_s > 0 and not self.plan.offline:
+            return  # opened one by one during the run
         for s in self.streams:
             self.sock.send_multipart(encode(Open(s.sid, rate=RATE, priority="batch" if self.plan.offline else "realtime")))
         deadline = time.monotonic() + OPEN_TIMEOUT_S
@@ -250,9 +260,12 @@ class LoadClient:
                 self.flush(s)
         else:
             self.realtime(live, t0)
-        self.drain(live)
+        self.drain(live)  # realtime() appended the streams a ramp opened
 
     def realtime(self, live: list[Stream], t0: float) -> None:
+        """Send every live stream's frames on schedule; under a ramp, also open the others at their
+        times (once each: a refused open is the measurement, not something to retry) and append the
+        admitted ones to `live`, their schedule starting when `ready` arrives."""
         frame_s = self.plan.frame_ms / 1000
         n = max(len(live), 1)
         # Streams are spread over a frame period in steps of SLOT_S: streams in one slot share a wake-up,
@@ -260,12 +273,28 @@ class LoadClient:
         slots = max(1, round(frame_s / SLOT_S))
         due = [(t0 + frame_s * (k * slots // n) / slots, k) for k in range(len(live))]
         heapq.heapify(due)
+        pending = self.open_at(t0) if self.plan.ramp_s > 0 else []
+        opening: list[tuple[float, Stream]] = []  # (deadline, stream) sent `open`, no answer yet
         fb = self.frame_bytes
         lag = self.lag
-        while due:
-            self.wait(due[0][0] - time.monotonic())
+        while due or pending or opening:
+            # Open answers arrive as messages, which wake us; the cap only bounds how late a timeout is seen.
+            next_at = min([d[0] for d in due[:1]] + [p[0] for p in pending[:1]] + [time.monotonic() + 0.1] * bool(opening))
+            self.wait(next_at - time.monotonic())
             self.receive()
             now = time.monotonic()
+            while pending and pending[0][0] <= now:
+                _, s = pending.pop(0)
+                self.sock.send_multipart(encode(Open(s.sid, rate=RATE, priority="realtime")))
+                opening.append((now + OPEN_TIMEOUT_S, s))
+            for deadline, s in list(opening):
+                if s.ready:
+                    live.append(s)
+                    heapq.heappush(due, (now, len(live) - 1))
+                elif s.open_error is None and now > deadline:
+                    s.open_error = "timeout"
+                if s.ready or s.open_error is not None:
+                    opening.remove((deadline, s))
             while due and due[0][0] <= now:
                 at, k = due[0]
                 s = live[k]

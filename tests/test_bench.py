@@ -8,7 +8,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from conftest import ROOT, Service
 
@@ -50,6 +50,10 @@ def test_realtime_report_is_well_formed(tmp_path: Path) -> None:
     for p in s["processes"]:
         assert p["cpu_pct"] >= 0 and p["rss_mb"] > 0
     assert s["wer"] is None  # the null model's fixed text is not a transcript
+    assert s["admission_load_s"]["samples"] > 0 and s["admission_load_s"]["max"] >= 0
+    for name, g in s["gc_pauses"].items():  # which processes collect during 5 s is up to the allocator
+        assert name in names and g["count"] >= 0 and g["total_ms"] >= 0, (name, g)
+        assert g["count"] == 0 or g["over_largest_bucket"] or g["max_ms_at_most"] > 0, (name, g)
 
 
 def test_offline_receives_every_final(tmp_path: Path, null_service: Service) -> None:
@@ -59,3 +63,17 @@ def test_offline_receives_every_final(tmp_path: Path, null_service: Service) -> 
     assert s["finals"] >= 3
     check_latency(s["final_latency_ms"])
     assert s["throughput"]["rtf"] > 0
+
+
+def test_ramp_counts_refused_opens_and_measures_the_admitted(tmp_path: Path,
+                                                              service_factory: Callable[..., Service]) -> None:
+    """Opens spread over a ramp meet the service's limits one by one: the stream over the limit is refused
+    with its code and not retried, and latencies come from the admitted streams alone. (The total stream
+    limit stands in for `overloaded`, which the null model never reaches.)"""
+    svc = service_factory(model="null", workers=1, ingest={"max_streams": 2})
+    s = bench(tmp_path, "--server", svc.address, "--streams", "3", "--ramp", "1", "--duration", "3", "--model", "null")
+    assert s["config"]["ramp_s"] == 1
+    assert s["streams"]["opened"] == s["streams"]["closed"] == 2
+    assert s["streams"]["refused"] == {"too_many_streams": 1}
+    check_latency(s["partial_latency_ms"])
+    check_latency(s["final_latency_ms"])

@@ -24,6 +24,7 @@ from broker import jobs as wire
 from broker.jobs import EXPIRED, FAILED, Job, JobResult
 from broker.signals import StopSignal
 from config.settings import Config
+from metrics.gcwatch import freeze_and_watch
 from metrics.registry import ProcessMetrics
 from protocol.messages import INTERNAL
 from shm.pool import RingPool
@@ -201,6 +202,7 @@ class Worker:
         # Loading comes before the signal handlers: SIGTERM during a load (an ONNX export may
         # take minutes) ends the process at once, and exports are atomic, so that is safe.
         self.load()
+        freeze_and_watch(self.metrics)  # after the warm-up decode: the model's objects are frozen with the rest
         ctx = zmq.Context()
         pipe = ctx.socket(zmq.PAIR)
         pipe.bind(_PIPE)
