@@ -40,18 +40,12 @@ def utterances() -> list[Utterance]:
     """Every dev-set utterance with its reference (empty list if the package is not installed)."""
     root = data_dir()
     out: list[Utterance] = []
-    libri = root / "librivox"
-    if (libri / "transcription").exists():
-        for key, ref in sorted(_read_transcription(libri / "transcription").items()):
-            wav = libri / f"{key}.wav"
-            if wav.exists():
-                out.append(Utterance(f"librivox/{key}", str(wav), ref))
-    cards = root / "cards"
-    if (cards / "cards.transcription").exists():
-        for key, ref in sorted(_read_transcription(cards / "cards.transcription").items()):
-            wav = cards / f"{key}.wav"
-            if wav.exists():
-                out.append(Utterance(f"cards/{key}", str(wav), ref))
+    for folder, listing in (("librivox", "transcription"), ("cards", "cards.transcription")):
+        if (root / folder / listing).exists():
+            for key, ref in sorted(_read_transcription(root / folder / listing).items()):
+                wav = root / folder / f"{key}.wav"
+                if wav.exists():
+                    out.append(Utterance(f"{folder}/{key}", str(wav), ref))
     raw = root / "goforward.raw"
     if raw.exists():
         out.append(Utterance("goforward", str(raw), "go forward ten meters"))
