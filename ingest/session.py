@@ -170,7 +170,7 @@ class Session:
         if seg is not None and self.opened.partials and self.vad_pos - seg.last_partial_end >= interval:
             seg.last_partial_end = self.vad_pos
             self._submit(seg, final=False, end=self.vad_pos)
-        if self.ending and self.ring.written - self.vad_pos < 512:
+        if self.ending and not self.vad_chunk_due(VAD_CHUNK):
             for ev in self.segmenter.flush(self.ring.written):
                 self._on_segment_event(ev)
             self.vad_pos = self.ring.written
@@ -337,7 +337,7 @@ class Session:
     def _maybe_close(self) -> None:
         if self.closed or not self.ending or self.open_segment is not None or self.inflight or self.segments:
             return
-        if self.ring.written - self.vad_pos >= 512:
+        if self.vad_chunk_due(VAD_CHUNK):
             return
         self.closed = True
         figures = self.figures()
