@@ -161,12 +161,9 @@ def build_encoder(m: CT2Model) -> onnx.ModelProto:
         o = g.linear(o, m.get(s + "/self_attention/linear_1/weight"), m.get(s + "/self_attention/linear_1/bias"), s + ".out")
         x = g.op("Add", [x, o])
         x = g.ffn(x, m, s + "/ffn")
-    enc = g.layer_norm(x, m, "encoder/layer_norm")
-    outputs = []
-    # rename the final LN output to encoder_out
-    g.nodes[-1].output[0] = "encoder_out"
-    enc = "encoder_out"
-    outputs.append(helper.make_tensor_value_info("encoder_out", TensorProto.FLOAT, ["batch", "frames", d]))
+    g.layer_norm(x, m, "encoder/layer_norm")
+    g.nodes[-1].output[0] = enc = "encoder_out"  # the final layer norm's output is the graph's output
+    outputs = [helper.make_tensor_value_info(enc, TensorProto.FLOAT, ["batch", "frames", d])]
     hd = dm["dec_heads"]
     dhd = d // hd
     for i in range(dm["n_dec"]):

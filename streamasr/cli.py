@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_top)
 
     p = sub.add_parser("dashboard", help="the ops web page and Prometheus /metrics (serve runs it under supervisord)")
-    _common(p)
+    p.add_argument("--config", help="TOML config file of the instance (default: $STREAMASR_CONFIG, else the embedded default)")
     p.add_argument("--port", type=int, help="port on 127.0.0.1 (default: the config's metrics.dashboard_port)")
     p.set_defaults(func=cmd_dashboard)
 
