@@ -22,6 +22,7 @@ from broker.jobs import BATCH, EXPIRED, FAILED, OK, REALTIME, JobResult
 from broker.queue import Dispatcher, JobKey, JobQueue, job_key
 from broker.signals import StopSignal
 from config.settings import Config
+from metrics import allocwatch
 from metrics.gcwatch import freeze_and_watch
 from metrics.registry import ProcessMetrics
 from protocol import auth
@@ -107,6 +108,7 @@ class Broker:
             self._worker_sock.bind(self.cfg.broker_worker_endpoint)
             self._front.bind(self.cfg.ingest.address)
             freeze_and_watch(self.metrics)  # start-up done: what is allocated from here on is the serving path's
+            allocwatch.arm(self.metrics.process)
             log.info(
                 "broker.started", front=self.cfg.ingest.address, ingests=self.cfg.broker_ingest_endpoint,
                 workers=self.cfg.broker_worker_endpoint,

@@ -29,9 +29,13 @@ def expired(job: Job, why: str) -> JobResult:
 
 
 @dataclass(slots=True)
-class _Entry:
+class Queued:
     job: Job
     order: tuple[int, int, int, float, int]
+    # Since when the stream has waited for this work: a partial that replaces a queued older one
+    # inherits its time, so a stream whose partials keep being superseded shows how stale its
+    # text really is (the admission figure is built from this, not from the newest job's age).
+    since: float
     alive: bool = True  # removal is lazy: dead entries are skipped when they reach the heap top
 
 
@@ -46,10 +50,10 @@ class JobQueue:
     def __init__(self, partial_deadline_s: float, final_deadline_s: float) -> None:
         self._partial_deadline_s = partial_deadline_s
         self._final_deadline_s = final_deadline_s
-        self._heap: list[tuple[tuple[int, int, int, float, int], _Entry]] = []
+        self._heap: list[tuple[tuple[int, int, int, float, int], Queued]] = []
         self._seq = itertools.count()
-        self._entries: dict[JobKey, _Entry] = {}
-        self._partials: dict[StreamKey, _Entry] = {}  # the queued partial of each stream
+        self._entries: dict[JobKey, Queued] = {}
+        self._partials: dict[StreamKey, Queued] = {}  # the queued partial of each stream
         self._counts = {REALTIME: 0, BATCH: 0}
 
     def __len__(self) -> int:
@@ -62,9 +66,9 @@ class JobQueue:
         """Queued jobs per priority."""
         return dict(self._counts)
 
-    def oldest_created(self, priority: int) -> float | None:
-        """Creation time of the longest-waiting queued job of `priority` (None: none queued)."""
-        return min((e.job.created for e in self._entries.values() if e.job.priority == priority and e.job.created), default=None)
+    def oldest_waiting(self, priority: int) -> float | None:
+        """`since` of the longest-waiting queued job of `priority` (None: none queued)."""
+        return min((e.since for e in self._entries.values() if e.job.priority == priority), default=None)
 
     def push(self, job: Job, now: float, front: bool = False) -> list[JobResult]:
         """Queue `job`; returns EXPIRED answers for the partials it supersedes (or for itself)."""
@@ -73,6 +77,7 @@ class JobQueue:
             job.deadline = (job.created or now) + budget
         answers: list[JobResult] = []
         order = (job.priority, 0 if front else 1, 0 if job.final else 1, job.deadline, next(self._seq))
+        since = job.created or now
         stream = (job.ingest, job.stream)
         queued = self._partials.get(stream)
         if queued is not None:
@@ -80,16 +85,18 @@ class JobQueue:
             if job.final and old.seg <= job.seg:
                 self._discard(queued)
                 answers.append(expired(old, "superseded by the segment's final"))
+                since = min(since, queued.since)
             elif not job.final and old.end <= job.end:
                 self._discard(queued)
                 answers.append(expired(old, "superseded by a newer partial"))
                 # the stream keeps its place in line: a stream whose partials keep being replaced
                 # would otherwise always hold the latest deadline and never be served
                 order = min(order, (*queued.order[:4], order[4]))
+                since = min(since, queued.since)
             elif not job.final:  # a re-queued partial older than the one waiting
                 answers.append(expired(job, "superseded by a newer partial"))
                 return answers
-        entry = _Entry(job, order)
+        entry = Queued(job, order, since)
         heapq.heappush(self._heap, (order, entry))
         self._entries[job_key(job)] = entry
         self._counts[job.priority] = self._counts.get(job.priority, 0) + 1
@@ -97,7 +104,7 @@ class JobQueue:
             self._partials[stream] = entry
         return answers
 
-    def pop(self, now: float) -> tuple[Job | None, list[JobResult]]:
+    def pop(self, now: float) -> tuple[Queued | None, list[JobResult]]:
         """The next job to run, skipping (and answering) partials whose deadline has passed."""
         answers: list[JobResult] = []
         while self._heap:
@@ -109,7 +116,7 @@ class JobQueue:
             if not job.final and job.deadline < now:
                 answers.append(expired(job, "deadline passed before a worker was free"))
                 continue
-            return job, answers
+            return entry, answers
         return None, answers
 
     def remove(self, key: JobKey) -> Job | None:
@@ -130,7 +137,7 @@ class JobQueue:
             self._discard(entry)
         return [e.job for e in gone]
 
-    def _discard(self, entry: _Entry) -> None:
+    def _discard(self, entry: Queued) -> None:
         if not entry.alive:
             return
         entry.alive = False
@@ -176,6 +183,7 @@ class Dispatcher:
         self._answered: OrderedDict[JobKey, None] = OrderedDict()  # answered re-queued jobs
         self._remember = remember
         self._waited = 0.0  # longest queue wait of a realtime job answered since realtime_wait()
+        self._since: dict[JobKey, float] = {}  # in-flight realtime jobs: since when their stream waited
 
     @property
     def inflight(self) -> int:
@@ -186,11 +194,12 @@ class Dispatcher:
         return bool(self.workers)
 
     def realtime_wait(self, now: float) -> float:
-        """Seconds realtime jobs waited for a model since the last call: the longest wait of those
-        that started (broker queue plus worker batcher, the decode itself not counted, so a slow
-        model on an idle service reads 0) or the age of the oldest still queued."""
+        """Seconds realtime streams waited for a model since the last call: the longest wait of the
+        jobs that started (broker queue plus worker batcher, counted from when the stream's oldest
+        superseded partial was queued; the decode itself not counted, so a slow model on an idle
+        service reads 0) or how long the longest-waiting queued one has waited."""
         waited, self._waited = self._waited, 0.0
-        oldest = self.queue.oldest_created(REALTIME)
+        oldest = self.queue.oldest_waiting(REALTIME)
         return max(waited, now - oldest if oldest is not None else 0.0)
 
     def submit(self, jobs: Iterable[Job], now: float) -> list[JobResult]:
@@ -220,6 +229,7 @@ class Dispatcher:
         answers: list[JobResult] = []
         for key, job in worker.inflight.items():
             self._requeued.add(key)
+            self._since.pop(key, None)
             answers += self.queue.push(job, now, front=True)
         return self._answer(answers)
 
@@ -232,10 +242,13 @@ class Dispatcher:
         sent: dict[bytes, list[Job]] = {}
         answers: list[JobResult] = []
         while free:
-            job, skipped = self.queue.pop(now)
+            entry, skipped = self.queue.pop(now)
             answers += skipped
-            if job is None:
+            if entry is None:
                 break
+            job = entry.job
+            if job.priority == REALTIME:
+                self._since[job_key(job)] = entry.since
             ident = max(free, key=free.__getitem__)
             sent.setdefault(ident, []).append(job)
             self.workers[ident].inflight[job_key(job)] = job
@@ -251,10 +264,11 @@ class Dispatcher:
         for result in results:
             key = job_key(result)
             job = worker.inflight.pop(key, None) if worker is not None else None
+            since = self._since.pop(key, None) if job is not None else None
             if job is not None:
                 worker.jobs_done += 1
-                if job.priority == REALTIME and job.created and result.started:
-                    self._waited = max(self._waited, result.started - job.created)
+                if since is not None and result.started:
+                    self._waited = max(self._waited, result.started - since)
             if key in self._answered:
                 continue
             if key in self._requeued:

@@ -22,6 +22,9 @@ class ModelConfig:
     name: str = "whisper-tiny.en"  # a registered name, "null", or a CTranslate2 model directory
     backend: str = "onnxruntime"  # "onnxruntime" | "tensorrt" | "null"
     precision: str = "fp32"  # "fp32" | "int8"
+    # Graphs for partial decodes: "" = `precision`. int8 partials with fp32 finals: partials (most
+    # of the decodes) cost ~0.6x and finals keep fp32 accuracy (docs/PERFORMANCE.md).
+    partial_precision: str = "int8"
     threads: int = 1  # intra-op threads per worker process
     arena: bool = True  # ONNX Runtime CPU memory arena
     cache_dir: str = ""  # exported graphs; "" = $XDG_CACHE_HOME/streamasr
@@ -31,6 +34,11 @@ class ModelConfig:
     partial_window: str = "full"  # "full" 30 s window, or "short" (audio context sliced to the speech: faster, drops onsets)
     quick_first_partial: bool = True  # a segment's first partial on the short window: text on screen sooner
     null_text: str = "null model"  # text the null backend returns
+
+    @property
+    def precisions(self) -> tuple[str, ...]:
+        """Every precision whose graphs the workers load."""
+        return tuple(dict.fromkeys((self.precision, self.partial_precision or self.precision)))
 
 
 @dataclass(frozen=True)
@@ -62,8 +70,9 @@ class IngestConfig:
     idle_timeout_s: float = 30.0  # a stream silent this long is closed (vanished client)
     drain_timeout_s: float = 8.0  # on SIGTERM, time to finish open streams (below supervisord's stopwaitsecs)
     # Admission: a realtime open is refused (`overloaded`) while the broker's load figure — how
-    # long realtime jobs wait for a model, in seconds, smoothed — is above this. 0 = never.
-    admit_max_load_s: float = 1.5
+    # long realtime streams wait for a model, in seconds, smoothed — is above this. 0 = never.
+    # 0.5 s: where partials start to come less often than every partial_interval_ms (measured).
+    admit_max_load_s: float = 0.5
     # CurveZMQ on the client-facing sockets (front door and ingest): both empty = plain TCP.
     curve_secret_key: str = ""  # the server's secret key file (zmq.auth certificate format)
     curve_authorized_keys: str = ""  # directory of authorized clients' public key files (*.key)

@@ -20,6 +20,7 @@ from broker import jobs as j
 from config.settings import Config
 from ingest.session import SAMPLE_RATE, Session
 from ingest.vad import CHUNK, VadBank
+from metrics import allocwatch
 from metrics.gcwatch import freeze_and_watch
 from metrics.registry import ProcessMetrics
 from protocol import auth
@@ -172,10 +173,11 @@ class IngestServer:
         if len(self.sessions) >= self.max_streams:
             return refuse(m.TOO_MANY_STREAMS, "the service is at its stream limit; try again later")
         limit = self.cfg.ingest.admit_max_load_s
-        if msg.priority == "realtime" and limit and self.load > limit:
+        if msg.priority == "realtime" and limit and self.load > limit and not msg.offset:
             # Admitting another realtime stream would delay every admitted one; batch streams
-            # are still taken, credits slow them down instead.
-            return refuse(m.OVERLOADED, f"the service is past its capacity (realtime jobs wait {self.load:.1f} s); "
+            # are still taken, credits slow them down instead. A stream resuming at an offset was
+            # admitted before (its ingest died): it is not new load.
+            return refuse(m.OVERLOADED, f"the service is past its capacity (realtime streams wait {self.load:.1f} s for a model); "
                                         "try again later or open with priority batch")
         try:
             ring = self.pool.acquire()
@@ -287,6 +289,7 @@ class IngestServer:
         self._publish_gauges()
         self.metrics.start()
         freeze_and_watch(self.metrics)  # start-up done: what is allocated from here on is the serving path's
+        allocwatch.arm(self.metrics.process)
         self.log.info("ingest.ready", endpoint=self.endpoint, shm=self.pool.name, slots=self.pool.slots)
         while True:
             if self.broker is not registered:

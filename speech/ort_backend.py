@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -35,28 +37,42 @@ def session_options(cfg: ModelConfig) -> ort.SessionOptions:
 
 
 class OrtWhisperBackend(Backend):
+    """Finals on `precision`'s graphs; partials on `partial_precision`'s when that differs (int8
+    partials with fp32 finals: partial decodes are most of the work and are re-done anyway)."""
+
     def __init__(self, cfg: ModelConfig, warmup: bool = True):
         self.cfg = cfg
         t0 = time.perf_counter()
         files = resolve_model(cfg)
         self.model_dir = files.dir
         self.graph_dir = ensure_exported(cfg)
-        so = session_options(cfg)
-        providers = ["CPUExecutionProvider"]
-        self.encoder = ort.InferenceSession(str(self.graph_dir / "encoder.onnx"), so, providers=providers)
-        self.decoder = ort.InferenceSession(str(self.graph_dir / "decoder.onnx"), so, providers=providers)
+        self.encoder, self.decoder = self._sessions(self.graph_dir)
         self.tokenizer = WhisperTokenizer(files.dir)
         self.dims = self._dims()
-        self.decoding = WhisperDecoder(
-            self.encoder, self.decoder, self.tokenizer, self.dims,
-            DecodeOptions(beam_size=max(1, int(cfg.beam_size)), partial_window=cfg.partial_window,
-                          quick_first_partial=cfg.quick_first_partial),
-        )  # fmt: skip
+        self.decoding = self._decoding(self.encoder, self.decoder)
+        self.partial_decoding = self.decoding
         self.name = f"{files.name}/{cfg.precision}/onnxruntime"
+        partial_precision = cfg.partial_precision or cfg.precision
+        if partial_precision != cfg.precision:
+            graphs = ensure_exported(dataclasses.replace(cfg, precision=partial_precision))
+            self.partial_decoding = self._decoding(*self._sessions(graphs))
+            self.name += f" ({partial_precision} partials)"
         self.multilingual = self.tokenizer.multilingual
         if warmup:
             self.warmup()
         log.info("loaded %s in %.2f s", self.name, time.perf_counter() - t0)
+
+    def _sessions(self, graph_dir: Path) -> tuple[ort.InferenceSession, ort.InferenceSession]:
+        so = session_options(self.cfg)
+        providers = ["CPUExecutionProvider"]
+        return (ort.InferenceSession(str(graph_dir / "encoder.onnx"), so, providers=providers),
+                ort.InferenceSession(str(graph_dir / "decoder.onnx"), so, providers=providers))
+
+    def _decoding(self, encoder: ort.InferenceSession, decoder: ort.InferenceSession) -> WhisperDecoder:
+        cfg = self.cfg
+        return WhisperDecoder(encoder, decoder, self.tokenizer, self.dims,
+                              DecodeOptions(beam_size=max(1, int(cfg.beam_size)), partial_window=cfg.partial_window,
+                                            quick_first_partial=cfg.quick_first_partial))
 
     def _dims(self) -> dict:
         path = self.graph_dir / "dims.json"
@@ -79,7 +95,15 @@ class OrtWhisperBackend(Backend):
     def transcribe_batch(self, requests: Sequence[DecodeRequest]) -> list[DecodeResult]:
         if not requests:
             return []
-        return self.decoding.decode(requests)
+        if self.partial_decoding is self.decoding:
+            return self.decoding.decode(requests)
+        results: list[DecodeResult | None] = [None] * len(requests)
+        for decoding, partial in ((self.decoding, False), (self.partial_decoding, True)):
+            idx = [i for i, r in enumerate(requests) if r.partial == partial]
+            if idx:
+                for i, res in zip(idx, decoding.decode([requests[i] for i in idx])):
+                    results[i] = res
+        return results  # type: ignore[return-value]
 
     def transcribe_tokens(
         self, requests: Sequence[DecodeRequest], prompt_tokens: Sequence[list[int] | None]
@@ -89,3 +113,4 @@ class OrtWhisperBackend(Backend):
 
     def close(self) -> None:
         self.encoder = self.decoder = None  # type: ignore[assignment]
+        self.decoding = self.partial_decoding = None  # type: ignore[assignment]

@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+import tomllib
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,8 +42,10 @@ import zmq
 from client.client import handshake
 from client.core import LOCAL_HOSTS
 from config import settings
+from metrics import allocwatch
 from metrics.registry import PUBLISH_INTERVAL_S
 from protocol import messages as m
+from streamasr.allocmarks import AllocationMarks
 from streamasr.loadgen import Clip, Plan, RecordReader
 from streamasr.service import LocalService, launch
 
@@ -319,6 +322,10 @@ class RunSpec:
     drain_s: float
     ramp_s: float = 0.0
     admit_limit_s: float | None = None  # the started service's ingest.admit_max_load_s (unknown for --server)
+    precision: str | None = None  # the started service's model settings (unknown for --server)
+    partial_precision: str | None = None
+    partial_window: str | None = None
+    trace_dir: Path | None = None  # --tracemalloc: where the service's processes write their reports
 
 
 def summarize(spec: RunSpec, results: list[dict[str, Any]], t0: float, wall_end: float, sampler: Sampler,
@@ -380,7 +387,9 @@ def summarize(spec: RunSpec, results: list[dict[str, Any]], t0: float, wall_end:
     summary = {
         "config": {"streams": spec.streams, "duration_s": spec.duration_s, "mode": "offline" if spec.offline else "realtime",
                    "model": spec.model, "workers": spec.workers, "max_batch": spec.max_batch, "frame_ms": spec.frame_ms,
-                   "ramp_s": spec.ramp_s, "client_processes": processes},
+                   "ramp_s": spec.ramp_s, "client_processes": processes,
+                   "precision": spec.precision, "partial_precision": spec.partial_precision,
+                   "partial_window": spec.partial_window},
         "streams": {"requested": spec.streams, "opened": len(opened), "refused": refused, "closed": len(closed),
                     "unfinished": len(opened) - len(closed), "with_finals": sum(1 for f in finals if len(f))},
         "partials": int(len(p_all)),
@@ -407,7 +416,8 @@ def summarize(spec: RunSpec, results: list[dict[str, Any]], t0: float, wall_end:
         "admission_load_s": {"max": max((v for _, v in sampler.loads), default=None), "samples": len(sampler.loads),
                              "limit": spec.admit_limit_s,
                              "first_over_limit_s": next((round(t - t0, 1) for t, v in sampler.loads
-                                                         if spec.admit_limit_s and v > spec.admit_limit_s), None)},
+                                                         if spec.admit_limit_s and v > spec.admit_limit_s), None),
+                             "over_time": [[round(t - t0, 2), v] for t, v in sampler.loads]},
         "gc_pauses": gc_pauses,
         "wer": wer,
         "load_average": [round(x, 2) for x in os.getloadavg()],  # 1/5/15 min at the end: was the machine shared?
@@ -463,6 +473,10 @@ def run_load(target: Target, spec: RunSpec, clips: list[Clip]) -> tuple[dict[str
         gc_before = target.gc_pauses()
         sampler = Sampler(pids, load=lambda: (reply.load if (reply := target.status()) is not None else None)).start()
         t0 = time.monotonic() + 0.5
+        marks = None
+        if spec.trace_dir is not None:  # at 1/4, 1/2, 3/4 of the load: streams open, warm, still sending
+            marks = AllocationMarks(spec.trace_dir, pids, lambda: (r.jobs_done if (r := target.status()) is not None else None))
+            marks.schedule([t0 + k * spec.duration_s / 4 for k in (1, 2, 3)])
         for proc in procs:
             assert proc.stdin is not None
             proc.stdin.write(msgpack.packb({"t0": t0}))
@@ -479,6 +493,7 @@ def run_load(target: Target, spec: RunSpec, clips: list[Clip]) -> tuple[dict[str
         if target.local is not None:
             time.sleep(PUBLISH_INTERVAL_S)  # the last pauses reach the dashboard with the next publish
         gc_after = target.gc_pauses()
+        allocations = marks.collect(spec.streams, spec.frame_ms) if marks is not None else None
         batches = batch_sizes(offsets, logs) if logs else None
         for proc in procs:
             proc.wait(30)
@@ -487,7 +502,10 @@ def run_load(target: Target, spec: RunSpec, clips: list[Clip]) -> tuple[dict[str
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    return summarize(spec, results, t0, wall_end, sampler, batches, (before, after), procs_n, gc_report(gc_before, gc_after))
+    summary, raw = summarize(spec, results, t0, wall_end, sampler, batches, (before, after), procs_n, gc_report(gc_before, gc_after))
+    if allocations is not None:
+        summary["allocations"] = allocations
+    return summary, raw
 
 
 # ---------------------------------------------------------------------------------- output
@@ -502,6 +520,7 @@ def print_report(s: dict[str, Any], out: Any = sys.stdout) -> None:
     w = print
     w(f"\n{c['streams']} streams x {c['duration_s']:g} s {c['mode']}, model {c['model']}, workers {c['workers'] or '?'}, "
       f"max batch {c['max_batch'] or '?'}, frame {c['frame_ms']:g} ms, {c['client_processes']} client processes"
+      + (f", {c['precision']}, {c['partial_precision']} {c['partial_window']}-window partials" if c.get("precision") else "")
       + (f", opened over {c['ramp_s']:g} s" if c["ramp_s"] else ""), file=out)
     st = s["streams"]
     w(f"machine at the end: load average (1/5/15 min) {s['load_average']}, CPU pressure (some, 60 s) "
@@ -543,6 +562,14 @@ def print_report(s: dict[str, Any], out: Any = sys.stdout) -> None:
             f"{name} {g['count']} ({g['total_ms']:.1f} ms, max "
             + ("-" if not g["count"] else "> largest bucket" if g["over_largest_bucket"] else f"<= {g['max_ms_at_most']:g} ms") + ")"
             for name, g in s["gc_pauses"].items()), file=out)
+    if alloc := s.get("allocations"):
+        w(f"allocations held (tracemalloc), blocks since the first mark at the second / third, and the growth between "
+          f"them ({alloc['interval_s']:g} s, {alloc['frames']} frames, {alloc['jobs']} jobs):", file=out)
+        for name, a in alloc["per_process"].items():
+            where = ", ".join(f"{t['where']} {t['blocks']:+d}" for t in a["top"][:3])
+            w(f"  {name:<10} {a['held_blocks'][0]:+6d} / {a['held_blocks'][1]:+6d}  growth {a['growth_blocks']:+6d} "
+              f"({_fmt(a['growth_blocks_per_frame'], 4)} per frame, {_fmt(a['growth_blocks_per_job'], 3)} per job)  "
+              f"held most at {where}", file=out)
     g = s["generator"]
     lag = g["send_lag_ms"]
     if lag["count"]:
@@ -578,6 +605,8 @@ def plot(path: str, runs: list[tuple[dict[str, Any], dict[str, np.ndarray]]]) ->
         for key, label in (("partial_latency_ms", "partial"), ("final_latency_ms", "final")):
             for q, style in (("p50", "--"), ("p99", "-")):
                 axes[2].plot(ns, [r[0][key][q] or np.nan for r in runs], style, marker="o", label=f"{label} {q}")
+        axes[2].plot(ns, [r[0]["jitter_ms"]["partial_interval"]["p90"] or np.nan for r in runs], ":", marker="s",
+                     label="interval between partials p90")
         axes[2].set_xscale("log", base=2)
         axes[2].set_xticks(ns, [str(n) for n in ns])
         axes[2].set(yscale="log", xlabel="streams", ylabel="latency (ms)", title="sweep")
@@ -605,6 +634,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--server", metavar="ADDR", help="front door of a running service (default: start one)")
     p.add_argument("--workers", type=int, default=2, help="worker processes of the service the bench starts")
     p.add_argument("--max-batch", type=int, help="the started service's model.max_batch (default: the config's)")
+    p.add_argument("--config", metavar="FILE", help="TOML settings for the started service, e.g. [model] precision = \"int8\" "
+                                                   "(under the bench's own options)")
     p.add_argument("--clients", type=int, help="client processes (default 2, fewer for fewer streams)")
     p.add_argument("--frame-ms", type=float, default=20.0, help="audio per message in real-time mode")
     p.add_argument("--ramp", type=float, default=0.0, metavar="SECONDS",
@@ -612,21 +643,30 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         "grow; a refused open is counted by its error code and not retried (0: open all at once)")
     p.add_argument("--sweep", help="comma-separated stream counts, e.g. 1,2,4,8: runs each, reports the largest N within the bounds")
     p.add_argument("--p99-bound-ms", type=float, default=1000.0, help="sweep bound on p99 partial latency (finals: 1.5x)")
+    p.add_argument("--interval-bound-ms", type=float, default=1000.0,
+                   help="sweep bound on the p90 interval between a segment's partials: superseded partials keep "
+                        "latency low under load, so the update rate is bounded too")
     p.add_argument("--drain", type=float, default=60.0, help="give up waiting for results after this long without any")
+    p.add_argument("--tracemalloc", action="store_true",
+                   help="trace the started service's Python allocations and report what each process kept per frame and "
+                        "per job between two marks in the middle of the load (slows the service: not a latency run)")
     p.add_argument("--json", dest="json_path", metavar="FILE", help="write the summary as one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="latency distribution and latency over time (matplotlib)")
     args = p.parse_args(argv)
     if args.streams < 1 or args.duration <= 0 or args.frame_ms <= 0:
         p.error("--streams, --duration and --frame-ms must be positive")
+    if args.tracemalloc and (args.offline or args.ramp or args.server):
+        p.error("--tracemalloc needs a service the bench starts, real-time streams and no ramp (all streams steady between the marks)")
     if args.ramp < 0 or (args.ramp and args.offline):
         p.error("--ramp must be >= 0 and applies to real-time streams only (batch streams are never refused as overloaded)")
     return args
 
 
-def within_bounds(s: dict[str, Any], bound_ms: float) -> bool:
+def within_bounds(s: dict[str, Any], bound_ms: float, interval_bound_ms: float) -> bool:
     pl, fl = s["partial_latency_ms"]["p99"], s["final_latency_ms"]["p99"]
-    return (s["streams"]["unfinished"] == 0 and not s["generator"]["behind"] and pl is not None and fl is not None
-            and pl <= bound_ms and fl <= 1.5 * bound_ms)
+    iv = s["jitter_ms"]["partial_interval"]["p90"]
+    return (s["streams"]["unfinished"] == 0 and not s["generator"]["behind"] and None not in (pl, fl, iv)
+            and pl <= bound_ms and fl <= 1.5 * bound_ms and iv <= interval_bound_ms)
 
 
 def _terminate(signum: int, _frame: Any) -> None:
@@ -641,11 +681,13 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["streamasr", "bench", *argv])
     workdir = Path(tempfile.mkdtemp(prefix="streamasr-bench-"))
     target: Target | None = None
+    trace_dir: Path | None = None
     try:
         clips = corpus(workdir)
         if args.server:
             target = Target(args.server)
         else:
+            base = tomllib.loads(Path(args.config).read_text()) if args.config else {}
             overrides: dict[str, Any] = {"log_level": "debug",  # the workers log each batch's size at debug
                                          "ingest": {"max_streams_per_client": max(64, max(counts))}}
             if args.max_batch:
@@ -653,7 +695,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"starting the service: model {args.model}, {args.workers} workers ...", file=sys.stderr, flush=True)
             overrides = settings.merge({"model": {"name": args.model, "backend": "null" if args.model == "null" else "onnxruntime"},
                                         "workers": {"processes": args.workers}}, overrides)
-            local = launch(workdir, overrides)
+            overrides = settings.merge(base, overrides)
+            if args.tracemalloc:
+                trace_dir = workdir / "tracemalloc"
+                trace_dir.mkdir()
+                os.environ[allocwatch.ENV] = str(trace_dir)  # the service's processes inherit it
+            try:
+                local = launch(workdir, overrides)
+            finally:
+                os.environ.pop(allocwatch.ENV, None)
             target = Target(local.address, local)
         runs: list[tuple[dict[str, Any], dict[str, np.ndarray]]] = []
         best: int | None = None
@@ -661,26 +711,32 @@ def main(argv: list[str] | None = None) -> int:
             spec = RunSpec(n, args.duration, args.offline, args.frame_ms, args.clients, args.model,
                            args.workers if not args.server else None,
                            args.max_batch or (target.local.cfg.model.max_batch if target.local else None), args.drain,
-                           args.ramp, target.local.cfg.ingest.admit_max_load_s if target.local else None)
+                           args.ramp, *((target.local.cfg.ingest.admit_max_load_s, target.local.cfg.model.precision,
+                                         target.local.cfg.model.partial_precision or target.local.cfg.model.precision,
+                                         target.local.cfg.model.partial_window) if target.local else ()),
+                           trace_dir=trace_dir)
             target.settle()
             summary, raw = run_load(target, spec, clips)
             runs.append((summary, raw))
             print_report(summary)
             if args.sweep:
-                ok = within_bounds(summary, args.p99_bound_ms)
+                ok = within_bounds(summary, args.p99_bound_ms, args.interval_bound_ms)
                 summary["within_bounds"] = ok
                 print(f"-> {n} streams: {'within' if ok else 'outside'} the bounds (p99 partial {args.p99_bound_ms:g} ms, "
-                      f"final {1.5 * args.p99_bound_ms:g} ms, every stream finished, generator on time)")
+                      f"final {1.5 * args.p99_bound_ms:g} ms, p90 partial interval {args.interval_bound_ms:g} ms, "
+                      "every stream finished, generator on time)")
                 if ok and (best is None or n > best):
                     best = n
         result: dict[str, Any] = runs[-1][0] if not args.sweep else {
-            "sweep": [r[0] for r in runs], "p99_bound_ms": args.p99_bound_ms, "best_streams": best}
+            "sweep": [r[0] for r in runs], "p99_bound_ms": args.p99_bound_ms, "interval_bound_ms": args.interval_bound_ms,
+            "best_streams": best}
         result |= {"command": command, "machine": {"cpus": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
                                                    "python": platform.python_version(), "platform": platform.platform()},
                    "date": time.strftime("%Y-%m-%d")}
         if args.sweep:
-            print(f"\nsweep: largest N within p99 partial <= {args.p99_bound_ms:g} ms and p99 final <= "
-                  f"{1.5 * args.p99_bound_ms:g} ms: {best if best is not None else 'none'}")
+            print(f"\nsweep: largest N within p99 partial <= {args.p99_bound_ms:g} ms, p99 final <= "
+                  f"{1.5 * args.p99_bound_ms:g} ms and p90 partial interval <= {args.interval_bound_ms:g} ms: "
+                  f"{best if best is not None else 'none'}")
         if args.json_path:
             Path(args.json_path).write_text(json.dumps(result, indent=1))
         if args.plot:

@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         if kind == "ours":
             from speech.ort_backend import OrtWhisperBackend
 
-            cfg = ModelConfig(name=args.model, precision=prec, threads=args.threads, cache_dir=args.cache_dir)
+            cfg = ModelConfig(name=args.model, precision=prec, partial_precision="", threads=args.threads,
+                              cache_dir=args.cache_dir)
             gdir = ensure_exported(cfg)
             sizes[f"onnx_{prec}_mb"] = _size_mb([gdir / "encoder.onnx", gdir / "decoder.onnx"])
             t0 = time.perf_counter()

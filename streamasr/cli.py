@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -103,7 +104,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     if cfg.model.backend == "null":
         print("the null model has no graphs to export", file=sys.stderr)
         return 0
-    print(ensure_exported(cfg.model))
+    for precision in cfg.model.precisions:
+        print(ensure_exported(dataclasses.replace(cfg.model, precision=precision)))
     return 0
 
 

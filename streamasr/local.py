@@ -26,7 +26,7 @@ def run(
     from speech.loader import ModelError, load_backend
 
     try:
-        backend = load_backend(ModelConfig(name=model, precision=precision, threads=threads, cache_dir=cache_dir))
+        backend = load_backend(ModelConfig(name=model, precision=precision, partial_precision="", threads=threads, cache_dir=cache_dir))
     except (ModelError, ValueError, NotImplementedError) as exc:
         print(f"error: cannot load model {model}: {exc}", file=sys.stderr)
         return 2

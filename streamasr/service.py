@@ -15,7 +15,7 @@ import sys
 import time
 import uuid
 import xmlrpc.client
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +59,8 @@ def prepare(cfg: Config) -> dict[str, str]:
     if cfg.model.backend != "null" and cfg.model.name != "null":
         from speech.loader import ensure_exported
 
-        ensure_exported(cfg.model)
+        for precision in cfg.model.precisions:
+            ensure_exported(replace(cfg.model, precision=precision))
     env = dict(os.environ)
     env.update(
         STREAMASR_CONFIG=str(config_file),

@@ -56,6 +56,20 @@ def test_realtime_report_is_well_formed(tmp_path: Path) -> None:
         assert g["count"] == 0 or g["over_largest_bucket"] or g["max_ms_at_most"] > 0, (name, g)
 
 
+def test_tracemalloc_reports_what_each_serving_process_kept(tmp_path: Path) -> None:
+    s = bench(tmp_path, "--streams", "2", "--duration", "8", "--model", "null", "--tracemalloc")
+    a = s["allocations"]
+    assert a["interval_s"] > 0 and a["frames"] > 0 and a["jobs"] > 0
+    assert set(a["per_process"]) == {"broker", "ingest-0", "worker-0", "worker-1"}  # not the dashboard: it is not marked
+    for name, p in a["per_process"].items():
+        assert len(p["held_blocks"]) == 2 and p["growth_blocks"] == p["held_blocks"][1] - p["held_blocks"][0], name
+        assert p["growth_blocks_per_frame"] == round(p["growth_blocks"] / a["frames"], 4)
+        for top in p["top"]:  # source lines, relative: reports are shared
+            where, _, line = top["where"].rpartition(":")
+            assert where and not where.startswith("/") and line.isdigit(), top
+    assert s["streams"]["unfinished"] == 0 and not s["errors"]
+
+
 def test_offline_receives_every_final(tmp_path: Path, null_service: Service) -> None:
     s = bench(tmp_path, "--server", null_service.address, "--offline", "--streams", "3", "--duration", "5", "--model", "null")
     assert s["config"]["mode"] == "offline"

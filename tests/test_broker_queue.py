@@ -15,21 +15,21 @@ _ids = itertools.count(1)
 
 
 def job(stream: str = "s", *, final: bool = False, priority: int = REALTIME, deadline: float = NOW + 5,
-        end: int = 16_000, seg: int = 0, ingest: int = 0, job_id: int | None = None) -> Job:
+        end: int = 16_000, seg: int = 0, ingest: int = 0, job_id: int | None = None, created: float = NOW) -> Job:
     return Job(
         job_id=next(_ids) if job_id is None else job_id, ingest=ingest, stream=stream, shm="shm", slot=0,
-        generation=1, start=0, end=end, final=final, priority=priority, deadline=deadline, seg=seg, created=NOW,
+        generation=1, start=0, end=end, final=final, priority=priority, deadline=deadline, seg=seg, created=created,
     )
 
 
 def drain(q: JobQueue, now: float = NOW) -> tuple[list[Job], list[JobResult]]:
     out, answers = [], []
     while True:
-        j, skipped = q.pop(now)
+        entry, skipped = q.pop(now)
         answers += skipped
-        if j is None:
+        if entry is None:
             return out, answers
-        out.append(j)
+        out.append(entry.job)
 
 
 def queue() -> JobQueue:
@@ -266,3 +266,21 @@ def test_superseding_partial_keeps_the_streams_place_in_line() -> None:
     order, _ = drain(q)
     assert [j.stream for j in order] == ["busy", "quiet"]
     assert order[0] is newer  # the newest audio runs, at the oldest request's place
+
+
+def test_realtime_wait_counts_from_the_streams_oldest_superseded_partial() -> None:
+    """The admission figure is how stale a stream's text is: a partial that replaced older ones
+    has waited since the first of them, however new its own audio."""
+    d = Dispatcher(queue())
+    d.add_worker(b"w1", capacity=1, now=NOW)
+    d.submit([job("a", final=True)], NOW)
+    [busy] = d.dispatch(NOW)[0][b"w1"]  # the only worker is taken
+    for i in range(4):  # stream b asks for a partial every 0.5 s; each replaces the last
+        d.submit([job("b", end=8_000 * (i + 1), created=NOW + 0.5 * i)], NOW + 0.5 * i)
+    assert d.realtime_wait(NOW + 2.0) == pytest.approx(2.0)  # not 0.5, the newest partial's age
+    d.complete(b"w1", [JobResult(job_id=busy.job_id, ingest=0, started=NOW, finished=NOW + 2.0)])
+    [partial] = d.dispatch(NOW + 2.0)[0][b"w1"]
+    assert partial.end == 32_000
+    d.complete(b"w1", [JobResult(job_id=partial.job_id, ingest=0, started=NOW + 2.1, finished=NOW + 2.3)])
+    assert d.realtime_wait(NOW + 2.3) == pytest.approx(2.1)
+    assert d.realtime_wait(NOW + 2.4) == 0.0  # nothing waits any more

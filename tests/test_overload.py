@@ -22,7 +22,7 @@ GAP = np.zeros(8_000, np.int16).tobytes()
 
 def test_realtime_admission_control(service_factory: Any) -> None:
     """tiny.en on 2 workers, more realtime streams than 2 cores can serve, one more every 0.3 s."""
-    service = service_factory(model="whisper-tiny.en", workers=2, ingest={"admit_max_load_s": 1.0})
+    service = service_factory(model="whisper-tiny.en", workers=2)  # the default admission limit
     pcm = GAP.join(read_wav(p) for p in speech_files()[:3])  # ~16 s of speech with pauses
     results: list[StreamResult] = []
     threads: list[threading.Thread] = []
@@ -63,7 +63,7 @@ def test_realtime_admission_control(service_factory: Any) -> None:
     print(f"admitted {admitted} realtime streams, refused the next at load {peak:.2f} s")
 
     # once the backlog is worked off, realtime streams are admitted again
-    wait_for(lambda: svc.status(service.cfg).get("load", 99) < 0.5, 120, "the load figure to fall")
+    wait_for(lambda: svc.status(service.cfg).get("load", 99) < 0.1, 120, "the load figure to fall")
     again = StreamClient(service.address, pcm[: 3 * 16_000], "again", speed=None, timeout=120).run()
     assert again.refused is None and again.closed is not None
 

@@ -26,7 +26,7 @@ WER_BOUND = {("tiny", "fp32"): 0.08, ("tiny", "int8"): 0.10, ("base", "fp32"): 0
 def _backend(name: str, precision: str):
     from speech.ort_backend import OrtWhisperBackend
 
-    return OrtWhisperBackend(ModelConfig(name=name, precision=precision, threads=2))
+    return OrtWhisperBackend(ModelConfig(name=name, precision=precision, partial_precision="", threads=2))
 
 
 @pytest.fixture(scope="module")
@@ -221,6 +221,25 @@ def test_partial_short_window(tiny, dev):
     full = tiny.transcribe_batch([DecodeRequest(audio=a)])[0]
     part = tiny.transcribe_batch([DecodeRequest(audio=a, partial=True)])[0]
     assert wer([normalize(full.text)], [normalize(part.text)]) <= 0.15
+
+
+def test_partials_on_int8_finals_on_fp32(tiny, tiny_int8, dev):
+    """The service's default backend: each request decodes on the graphs of its kind, mixed batches too."""
+    from speech.ort_backend import OrtWhisperBackend
+
+    mixed = OrtWhisperBackend(ModelConfig(name="whisper-tiny.en", precision="fp32", partial_precision="int8", threads=2))
+    assert mixed.name.endswith("(int8 partials)")
+    differ = 0
+    for _, audio in dev[:4]:
+        head = audio[: 3 * SAMPLE_RATE]
+        partial, final = mixed.transcribe_batch([DecodeRequest(audio=head, partial=True), DecodeRequest(audio=audio)])
+        [as_int8] = tiny_int8.transcribe_batch([DecodeRequest(audio=head, partial=True)])
+        [as_fp32] = tiny.transcribe_batch([DecodeRequest(audio=audio)])
+        assert (partial.text, partial.avg_logprob) == (as_int8.text, as_int8.avg_logprob)
+        assert (final.text, final.avg_logprob) == (as_fp32.text, as_fp32.avg_logprob)
+        [head_fp32] = tiny.transcribe_batch([DecodeRequest(audio=head, partial=True)])
+        differ += head_fp32.avg_logprob != as_int8.avg_logprob
+    assert differ, "fp32 and int8 scored every partial alike: the check above could not tell them apart"
 
 
 def test_beam_search(tiny, dev):

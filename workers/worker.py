@@ -24,6 +24,7 @@ from broker import jobs as wire
 from broker.jobs import EXPIRED, FAILED, Job, JobResult
 from broker.signals import StopSignal
 from config.settings import Config
+from metrics import allocwatch
 from metrics.gcwatch import freeze_and_watch
 from metrics.registry import ProcessMetrics
 from protocol.messages import INTERNAL
@@ -203,6 +204,7 @@ class Worker:
         # take minutes) ends the process at once, and exports are atomic, so that is safe.
         self.load()
         freeze_and_watch(self.metrics)  # after the warm-up decode: the model's objects are frozen with the rest
+        allocwatch.arm(self.metrics.process)
         ctx = zmq.Context()
         pipe = ctx.socket(zmq.PAIR)
         pipe.bind(_PIPE)
