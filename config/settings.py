@@ -22,9 +22,10 @@ class ModelConfig:
     name: str = "whisper-tiny.en"  # a registered name, "null", or a CTranslate2 model directory
     backend: str = "onnxruntime"  # "onnxruntime" | "tensorrt" | "null"
     precision: str = "fp32"  # "fp32" | "int8"
-    # Graphs for partial decodes: "" = `precision`. int8 partials with fp32 finals: partials (most
-    # of the decodes) cost ~0.6x and finals keep fp32 accuracy (docs/PERFORMANCE.md).
-    partial_precision: str = "int8"
+    # Graphs for partial decodes: "" = `precision`. "int8" with fp32 finals: partials (most of the
+    # decodes) cost ~0.6x, twice the streams per core, but int8 partials can commit a word the
+    # fp32 final would not have chosen (docs/PERFORMANCE.md).
+    partial_precision: str = ""
     threads: int = 1  # intra-op threads per worker process
     arena: bool = True  # ONNX Runtime CPU memory arena
     cache_dir: str = ""  # exported graphs; "" = $XDG_CACHE_HOME/streamasr
