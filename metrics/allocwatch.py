@@ -23,6 +23,7 @@ from typing import Any
 
 ENV = "STREAMASR_TRACEMALLOC"
 ROOT = Path(__file__).resolve().parents[1]
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
 FRAMES = 8  # traceback depth: enough to tell the caller of a shared helper
 TOP = 12  # source lines listed per report
 
@@ -42,13 +43,12 @@ def _snapshot() -> tracemalloc.Snapshot:
 def _where(frame: tracemalloc.Frame) -> str:
     """file:line, relative to site-packages, the source tree or the standard library."""
     path = Path(frame.filename)
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
     if "site-packages" in path.parts:
         name = frame.filename.rpartition("site-packages/")[2]
     elif path.is_relative_to(ROOT):
         name = str(path.relative_to(ROOT))
-    elif path.is_relative_to(stdlib):
-        name = f"<stdlib>/{path.relative_to(stdlib)}"
+    elif path.is_relative_to(STDLIB):
+        name = f"<stdlib>/{path.relative_to(STDLIB)}"
     else:
         name = path.name
     return f"{name}:{frame.lineno}"

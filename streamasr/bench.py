@@ -520,7 +520,7 @@ def print_report(s: dict[str, Any], out: Any = sys.stdout) -> None:
     w = print
     w(f"\n{c['streams']} streams x {c['duration_s']:g} s {c['mode']}, model {c['model']}, workers {c['workers'] or '?'}, "
       f"max batch {c['max_batch'] or '?'}, frame {c['frame_ms']:g} ms, {c['client_processes']} client processes"
-      + (f", {c['precision']}, {c['partial_precision']} {c['partial_window']}-window partials" if c.get("precision") else "")
+      + (f", {c['precision']}, {c['partial_precision']} {c['partial_window']}-window partials" if c.get("precision") and c["model"] != "null" else "")
       + (f", opened over {c['ramp_s']:g} s" if c["ramp_s"] else ""), file=out)
     st = s["streams"]
     w(f"machine at the end: load average (1/5/15 min) {s['load_average']}, CPU pressure (some, 60 s) "
@@ -649,7 +649,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--drain", type=float, default=60.0, help="give up waiting for results after this long without any")
     p.add_argument("--tracemalloc", action="store_true",
                    help="trace the started service's Python allocations and report what each process kept per frame and "
-                        "per job between two marks in the middle of the load (slows the service: not a latency run)")
+                        "per job between marks at 1/2 and 3/4 of the load (slows the service: not a latency run)")
     p.add_argument("--json", dest="json_path", metavar="FILE", help="write the summary as one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="latency distribution and latency over time (matplotlib)")
     args = p.parse_args(argv)
@@ -707,13 +707,15 @@ def main(argv: list[str] | None = None) -> int:
             target = Target(local.address, local)
         runs: list[tuple[dict[str, Any], dict[str, np.ndarray]]] = []
         best: int | None = None
+        cfg = target.local.cfg if target.local else None  # settings are known only for a service we started
         for n in counts:
             spec = RunSpec(n, args.duration, args.offline, args.frame_ms, args.clients, args.model,
                            args.workers if not args.server else None,
-                           args.max_batch or (target.local.cfg.model.max_batch if target.local else None), args.drain,
-                           args.ramp, *((target.local.cfg.ingest.admit_max_load_s, target.local.cfg.model.precision,
-                                         target.local.cfg.model.partial_precision or target.local.cfg.model.precision,
-                                         target.local.cfg.model.partial_window) if target.local else ()),
+                           args.max_batch or (cfg.model.max_batch if cfg else None), args.drain, args.ramp,
+                           admit_limit_s=cfg.ingest.admit_max_load_s if cfg else None,
+                           precision=cfg.model.precision if cfg else None,
+                           partial_precision=(cfg.model.partial_precision or cfg.model.precision) if cfg else None,
+                           partial_window=cfg.model.partial_window if cfg else None,
                            trace_dir=trace_dir)
             target.settle()
             summary, raw = run_load(target, spec, clips)
