@@ -36,11 +36,6 @@ class ModelConfig:
     quick_first_partial: bool = True  # a segment's first partial on the short window: text on screen sooner
     null_text: str = "null model"  # text the null backend returns
 
-    @property
-    def precisions(self) -> tuple[str, ...]:
-        """Every precision whose graphs the workers load."""
-        return tuple(dict.fromkeys((self.precision, self.partial_precision or self.precision)))
-
 
 @dataclass(frozen=True)
 class ShmConfig:

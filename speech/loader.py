@@ -12,6 +12,7 @@ and renamed into place under an fcntl lock, so concurrent workers never see a pa
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import importlib.util
@@ -205,6 +206,12 @@ def ensure_exported(cfg: ModelConfig, quiet: bool = False) -> Path:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def ensure_all_exported(cfg: ModelConfig, quiet: bool = False) -> list[Path]:
+    """The graphs a worker loads: `precision`'s, and `partial_precision`'s when that differs."""
+    precisions = dict.fromkeys((cfg.precision, cfg.partial_precision or cfg.precision))
+    return [ensure_exported(dataclasses.replace(cfg, precision=p), quiet) for p in precisions]
 
 
 def _cfg_dict(cfg: ModelConfig) -> dict:

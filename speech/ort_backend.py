@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -15,7 +14,7 @@ import onnxruntime as ort
 from config.settings import ModelConfig
 from speech.backend import SAMPLE_RATE, Backend, DecodeRequest, DecodeResult
 from speech.decoding import DecodeOptions, WhisperDecoder
-from speech.loader import ensure_exported, resolve_model
+from speech.loader import ensure_all_exported, resolve_model
 from speech.tokenizer import WhisperTokenizer
 
 log = logging.getLogger("streamasr.speech")
@@ -45,18 +44,16 @@ class OrtWhisperBackend(Backend):
         t0 = time.perf_counter()
         files = resolve_model(cfg)
         self.model_dir = files.dir
-        self.graph_dir = ensure_exported(cfg)
+        self.graph_dir, *partial_graphs = ensure_all_exported(cfg)
         self.encoder, self.decoder = self._sessions(self.graph_dir)
         self.tokenizer = WhisperTokenizer(files.dir)
         self.dims = self._dims()
         self.decoding = self._decoding(self.encoder, self.decoder)
         self.partial_decoding = self.decoding
         self.name = f"{files.name}/{cfg.precision}/onnxruntime"
-        partial_precision = cfg.partial_precision or cfg.precision
-        if partial_precision != cfg.precision:
-            graphs = ensure_exported(dataclasses.replace(cfg, precision=partial_precision))
-            self.partial_decoding = self._decoding(*self._sessions(graphs))
-            self.name += f" ({partial_precision} partials)"
+        if partial_graphs:
+            self.partial_decoding = self._decoding(*self._sessions(partial_graphs[0]))
+            self.name += f" ({cfg.partial_precision} partials)"
         self.multilingual = self.tokenizer.multilingual
         if warmup:
             self.warmup()

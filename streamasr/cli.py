@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from typing import Any
@@ -98,14 +97,14 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from speech.loader import ensure_exported
+    from speech.loader import ensure_all_exported
 
     cfg = _config(args)
     if cfg.model.backend == "null":
         print("the null model has no graphs to export", file=sys.stderr)
         return 0
-    for precision in cfg.model.precisions:
-        print(ensure_exported(dataclasses.replace(cfg.model, precision=precision)))
+    for path in ensure_all_exported(cfg.model):
+        print(path)
     return 0
 
 

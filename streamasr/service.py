@@ -15,7 +15,7 @@ import sys
 import time
 import uuid
 import xmlrpc.client
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,10 +57,9 @@ def prepare(cfg: Config) -> dict[str, str]:
     for name in pool.reclaim(cfg.instance):
         print(f"reclaimed shm segment {name} left by a previous run", file=sys.stderr)
     if cfg.model.backend != "null" and cfg.model.name != "null":
-        from speech.loader import ensure_exported
+        from speech.loader import ensure_all_exported
 
-        for precision in cfg.model.precisions:
-            ensure_exported(replace(cfg.model, precision=precision))
+        ensure_all_exported(cfg.model)
     env = dict(os.environ)
     env.update(
         STREAMASR_CONFIG=str(config_file),
