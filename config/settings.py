@@ -22,17 +22,19 @@ class ModelConfig:
     name: str = "whisper-tiny.en"  # a registered name, "null", or a CTranslate2 model directory
     backend: str = "onnxruntime"  # "onnxruntime" | "tensorrt" | "null"
     precision: str = "fp32"  # "fp32" | "int8"
-    # Graphs for partial decodes: "" = `precision`. "int8" with fp32 finals: partials (most of the
-    # decodes) cost ~0.6x, twice the streams per core, but int8 partials can commit a word the
-    # fp32 final would not have chosen (docs/PERFORMANCE.md).
-    partial_precision: str = ""
+    # Graphs for partial decodes: "" = `precision`. int8 partials with fp32 finals: partials (most
+    # of the decodes) cost ~0.6x; finals are decoded on their own, so they stay as accurate as fp32
+    # (docs/PERFORMANCE.md, "Whisper on the service").
+    partial_precision: str = "int8"
     threads: int = 1  # intra-op threads per worker process
     arena: bool = True  # ONNX Runtime CPU memory arena
     cache_dir: str = ""  # exported graphs; "" = $XDG_CACHE_HOME/streamasr
     beam_size: int = 1
     max_batch: int = 1  # dynamic batching: most requests per backend call (1: measured best for Whisper on CPU)
     max_wait_ms: float = 5.0  # dynamic batching: longest wait for a batch to fill
-    partial_window: str = "full"  # "full" 30 s window, or "short" (audio context sliced to the speech: faster, drops onsets)
+    # "short": partials encode the speech plus 2 s instead of 30 s (~0.4x the cost; first words are
+    # dropped more often, which finals put right); "full": the 30 s window
+    partial_window: str = "short"
     quick_first_partial: bool = True  # a segment's first partial on the short window: text on screen sooner
     null_text: str = "null model"  # text the null backend returns
 

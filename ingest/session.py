@@ -210,7 +210,7 @@ class Session:
             seg=seg.index,
             language=self.opened.language,
             prompt=prompt,
-            prefix=seg.stabilizer.committed or None,
+            prefix=None if final else seg.stabilizer.committed or None,  # a final is decoded free: see stabilizer
             created=now,
             first=not final and seg.partials_submitted == 0,
         )
@@ -260,9 +260,12 @@ class Session:
             seg.result = m.Final(stream=self.opened.stream, seg=seg.index, text="", start=self._time(seg.start),
                                  end=self._time(job.end))
         else:
-            text = seg.stabilizer.finalize(self._clean(res))
+            text, revised = seg.stabilizer.finalize(self._clean(res))
+            if revised:
+                self.metrics.inc("finals_revised_total")
             seg.result = m.Final(stream=self.opened.stream, seg=seg.index, text=text, start=self._time(seg.start),
-                                 end=self._time(job.end), avg_logprob=res.avg_logprob, no_speech_prob=res.no_speech_prob)
+                                 end=self._time(job.end), avg_logprob=res.avg_logprob, no_speech_prob=res.no_speech_prob,
+                                 revised=revised)
         # finals leave in segment order even when workers finish them out of order
         while self.next_final in self.segments and self.segments[self.next_final].result is not None:
             done = self.segments.pop(self.next_final)

@@ -1,14 +1,18 @@
-"""LocalAgreement-2: which words of a partial transcript are safe to show as final.
+"""LocalAgreement-2: which words of a partial transcript are safe to show as settled.
 
 Each partial decode re-transcribes the segment so far, and Whisper's last words flicker
 between decodes. A word is committed once two consecutive hypotheses agree on it and on
-everything before it; committed words are never taken back, so clients can print them.
+everything before it, and the newer one has heard past it; later partials never take a
+committed word back, so clients can print them. The final is decoded on the whole segment,
+free of the committed words, and is the transcript: it keeps them when it has the same words
+and says so when it does not (`Final.revised`) — a partial's early mistake must not become
+the record.
 """
 
 from __future__ import annotations
 
 
-def _norm(word: str) -> str:
+def word_key(word: str) -> str:
     """Comparison key: case and punctuation differ between decodes of the same word."""
     return "".join(c for c in word.casefold() if c.isalnum())
 
@@ -39,19 +43,29 @@ class LocalAgreement:
         tail = self._after_committed(hypothesis.split())
         if self._pending is not None:
             agreed = 0
-            for old, new in zip(self._pending, tail):
-                if _norm(old) != _norm(new):
+            # the last word sits at the edge of the audio heard, possibly cut mid-word: never committed
+            for old, new in zip(self._pending, tail[:-1]):
+                if word_key(old) != word_key(new):
                     break
                 agreed += 1
             self._committed += tail[:agreed]  # spelled as in the newest hypothesis
-            self._committed_keys += [_norm(w) for w in tail[:agreed]]
+            self._committed_keys += [word_key(w) for w in tail[:agreed]]
             tail = tail[agreed:]
         self._pending = tail
         return " ".join(self._committed + tail), self.committed
 
-    def finalize(self, final_text: str) -> str:
-        """The segment's final text: the committed words, then the final hypothesis after them."""
-        return " ".join(self._committed + self._after_committed(final_text.split()))
+    def finalize(self, final_text: str) -> tuple[str, bool]:
+        """The segment's final text, and whether it revised committed words.
+
+        Where the final has the committed words (compared without case and punctuation) its
+        spelling is kept: it was decoded on the whole segment. A final that found nothing keeps
+        the committed words rather than erase what two partials agreed on.
+        """
+        words = final_text.split()
+        if not words:
+            return self.committed, False
+        revised = [word_key(w) for w in words[: len(self._committed_keys)]] != self._committed_keys
+        return " ".join(words), revised
 
     def _after_committed(self, words: list[str]) -> list[str]:
         """The words of `words` that come after the committed ones.
@@ -60,7 +74,7 @@ class LocalAgreement:
         its mind about them, cut where its prefix is closest (word edit distance) to them.
         """
         k = len(self._committed_keys)
-        keys = [_norm(w) for w in words]
+        keys = [word_key(w) for w in words]
         if keys[:k] == self._committed_keys:
             return words[k:]
         # dist[j] = edit distance between the committed words and keys[:j], one row per committed word

@@ -36,6 +36,8 @@ SPECS: dict[str, MetricSpec] = {s.name: s for s in (
                "Partial results: from job creation at ingest to the result back at ingest.", buckets=LATENCY_BUCKETS),
     MetricSpec("final_latency_seconds", "histogram", "ingest",
                "Final results: from job creation at ingest to the result back at ingest.", buckets=LATENCY_BUCKETS),
+    MetricSpec("finals_revised_total", "counter", "ingest",
+               "Finals whose whole-segment decode changed words partials had marked stable."),
     MetricSpec("shm_rings_used", "gauge", "ingest", "Shared-memory audio rings holding a stream."),
     MetricSpec("shm_rings_total", "gauge", "ingest", "Shared-memory audio rings preallocated."),
     MetricSpec("jobs_queued", "gauge", "broker", "Jobs waiting for a worker.", ("priority",)),

@@ -394,6 +394,7 @@ def summarize(spec: RunSpec, results: list[dict[str, Any]], t0: float, wall_end:
                     "unfinished": len(opened) - len(closed), "with_finals": sum(1 for f in finals if len(f))},
         "partials": int(len(p_all)),
         "finals": int(len(f_all)),
+        "finals_revised": sum(s["revised"] for s in opened),
         "partial_latency_ms": partial_stats,
         "final_latency_ms": stats_ms(f_all[:, 1]),
         "ack_latency_ms": stats_ms(np.concatenate([_rows(s["acks"], 2)[:, 1] for s in opened]) if opened else np.empty(0)),
@@ -547,7 +548,8 @@ def print_report(s: dict[str, Any], out: Any = sys.stdout) -> None:
     if s["jobs"]:
         w(f"jobs: {s['jobs']['done']} done, {s['jobs']['expired']} stale partials skipped", file=out)
     if s["wer"] is not None:
-        w(f"WER of finals: {100 * s['wer']:.2f} %", file=out)
+        w(f"WER of finals: {100 * s['wer']:.2f} %; {s['finals_revised']} of {s['finals']} finals revised words "
+          "the partials had marked stable", file=out)
     w(f"{'process':<18}{'cpu %':>8}{'peak %':>8}{'rss MB':>9}", file=out)
     for p in s["processes"]:
         w(f"{p['name']:<18}{p['cpu_pct']:>8.1f}{p['cpu_peak_pct']:>8.1f}{p['rss_mb']:>9.1f}", file=out)

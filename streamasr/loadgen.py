@@ -129,13 +129,15 @@ class Stream:
     finals: array = field(default_factory=lambda: array("d"))  # recv, latency, seg, end
     acks: array = field(default_factory=lambda: array("d"))  # recv, latency
     texts: list[str] = field(default_factory=list)
+    revised: int = 0  # finals that changed words the partials had marked stable
     errors: dict[str, int] = field(default_factory=dict)
 
     def record(self) -> dict[str, Any]:
         return {
             "sid": self.sid, "ready": self.ready, "open_error": self.open_error, "closed_at": self.closed_at,
             "end_sent": self.core.log.end_sent,
-            "audio_s": self.core.cut / RATE, "refs": self.refs, "texts": self.texts, "errors": self.errors,
+            "audio_s": self.core.cut / RATE, "refs": self.refs, "texts": self.texts, "revised": self.revised,
+            "errors": self.errors,
             "partials": self.partials.tobytes(), "finals": self.finals.tobytes(), "acks": self.acks.tobytes(),
         }
 
@@ -200,6 +202,7 @@ class LoadClient:
             elif isinstance(msg, Final):
                 s.finals.extend((now, now - s.core.log.sent_at(msg.end), msg.seg, msg.end))
                 s.texts.append(msg.text)
+                s.revised += msg.revised
             elif isinstance(msg, Ack):
                 if msg.samples > s.core.accepted:  # news about audio: it left in the loop iteration that took the
                     s.acks.extend((now, now - s.core.log.sent_at(msg.samples / RATE)))  # frame (the ingest round trip)

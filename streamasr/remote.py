@@ -180,9 +180,11 @@ def _read(job: Job, output: Output) -> None:
             final = isinstance(ev, Final)
             if final and ev.text.strip():
                 job.finals.append(ev.text.strip())
-            output.json({"type": "final" if final else "partial", "file": job.file, "text": ev.text,
-                         "stable": ev.text if final else ev.stable, "start": ev.start, "end": ev.end,
-                         "latency_ms": latency_ms})
+            row = {"type": "final" if final else "partial", "file": job.file, "text": ev.text,
+                   "stable": ev.text if final else ev.stable, "start": ev.start, "end": ev.end, "latency_ms": latency_ms}
+            if final:
+                row["revised"] = ev.revised
+            output.json(row)
         elif isinstance(ev, ErrorMsg):
             if ev.code != OVERLOADED:  # refused audio is resent by the client; only a slower stream results
                 job.error = job.error or f"server error {ev.code}: {ev.message}"

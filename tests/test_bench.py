@@ -39,6 +39,7 @@ def test_realtime_report_is_well_formed(tmp_path: Path) -> None:
         assert key in s, key
     assert s["streams"] == {"requested": 2, "opened": 2, "refused": {}, "closed": 2, "unfinished": 0, "with_finals": 2}
     assert s["partials"] > 0 and s["finals"] >= 2
+    assert s["finals_revised"] == 0  # the null model's finals say what its partials said
     check_latency(s["partial_latency_ms"])
     check_latency(s["final_latency_ms"])
     check_latency(s["generator"]["send_lag_ms"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ingest.stabilizer import LocalAgreement
+from ingest.stabilizer import LocalAgreement, word_key
 
 
 def test_commits_what_two_hypotheses_agree_on() -> None:
@@ -16,7 +16,17 @@ def test_commits_what_two_hypotheses_agree_on() -> None:
     assert la.update("the quick brown fox jumps") == ("the quick brown fox jumps", "the quick brown")
     assert la.update("the quick brown fox jumped over") == ("the quick brown fox jumped over", "the quick brown fox")
     assert la.committed == "the quick brown fox"
-    assert la.finalize("the quick brown fox jumped over the dog.") == "the quick brown fox jumped over the dog."
+    assert la.finalize("the quick brown fox jumped over the dog.") == ("the quick brown fox jumped over the dog.", False)
+
+
+def test_the_last_word_heard_is_never_committed() -> None:
+    """Audio is cut at the partial's end, often mid-word ("ill" of "ill-disposed"): even when two
+    hypotheses end with the same word, it waits for a hypothesis that goes on past it."""
+    la = LocalAgreement()
+    la.update("to be ill")
+    assert la.update("to be ill") == ("to be ill", "to be")
+    assert la.update("to be ill-disposed") == ("to be ill-disposed", "to be")
+    assert la.update("to be ill-disposed young") == ("to be ill-disposed young", "to be ill-disposed")
 
 
 def test_case_and_punctuation_insensitive_keeping_spelling() -> None:
@@ -37,17 +47,20 @@ def test_never_retracts() -> None:
     # the decoder changes its mind about committed words: they stay, its new words follow
     assert la.update("ice cream for ice cream") == ("I scream for ice cream", "I scream for ice")
     assert la.update("ice cream for ice cream please") == ("I scream for ice cream please", "I scream for ice cream")
-    assert la.finalize("Ice cream, for ice cream, please.") == "I scream for ice cream please."
+    # the final, decoded on the whole segment, is the transcript: it says it revised the committed words
+    assert la.finalize("Ice cream, for ice cream, please.") == ("Ice cream, for ice cream, please.", True)
 
 
-def test_finalize_aligns_a_disagreeing_final() -> None:
+def test_the_final_keeps_or_revises_the_committed_words() -> None:
     la = LocalAgreement()
     la.update("the cat sat on")
     la.update("the cat sat on the")
     assert la.committed == "the cat sat on"
-    assert la.finalize("a cat sat on the mat") == "the cat sat on the mat"
-    assert la.finalize("the cat") == "the cat sat on"  # a shorter final loses nothing committed
-    assert la.finalize("") == "the cat sat on"
+    assert la.finalize("The cat sat on, the mat.") == ("The cat sat on, the mat.", False)  # its spelling
+    assert la.finalize("the cold-hearted cat") == ("the cold-hearted cat", True)
+    assert la.finalize("And the cat sat on the mat") == ("And the cat sat on the mat", True)  # a word partials missed
+    assert la.finalize("the cat") == ("the cat", True)
+    assert la.finalize("") == ("the cat sat on", False)  # a final that found nothing erases nothing
     la.reset()
     assert la.committed == "" and la.update("new segment") == ("new segment", "")
 
@@ -74,16 +87,23 @@ def test_committed_only_grows_and_finalize_keeps_it(hypotheses: list[str], final
         assert text.split()[: len(now)] == now
         assert stable == la.committed
         before = now
-    assert la.finalize(final).split()[: len(before)] == before
+    text, revised = la.finalize(final)
+    if not final.split():
+        assert (text, revised) == (la.committed, False)
+    else:
+        assert text == " ".join(final.split())
+        keys = [word_key(w) for w in text.split()]
+        assert revised == (keys[: len(before)] != [word_key(w) for w in before])
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(WORDS, min_size=1, max_size=20), st.data())
 def test_growing_prefixes_commit_all_but_the_newest(words: list[str], data: st.DataObject) -> None:
-    """Hypotheses that only ever extend the truth commit it, lagging one hypothesis behind."""
+    """Hypotheses that only ever extend the truth commit it, lagging one hypothesis (and the newest
+    hypothesis's last word) behind."""
     cuts = sorted(data.draw(st.lists(st.integers(0, len(words)), min_size=2, max_size=8)))
     la = LocalAgreement()
     for cut in cuts:
         la.update(" ".join(words[:cut]))
-    assert la.committed == " ".join(words[: cuts[-2]])
-    assert la.finalize(" ".join(words)) == " ".join(words)
+    assert la.committed == " ".join(words[: max(0, min(cuts[-2], cuts[-1] - 1))])
+    assert la.finalize(" ".join(words)) == (" ".join(words), False)
