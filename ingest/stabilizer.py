@@ -12,9 +12,17 @@ the record.
 from __future__ import annotations
 
 
+# Whisper writes a number as a word in one decode and in digits in the next ("Eight" / "8")
+_NUMBERS = {w: str(i) for i, w in enumerate(
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+    "seventeen eighteen nineteen twenty".split())}
+_NUMBERS.update({w: str(10 * i) for i, w in enumerate("thirty forty fifty sixty seventy eighty ninety".split(), 3)})
+
+
 def word_key(word: str) -> str:
-    """Comparison key: case and punctuation differ between decodes of the same word."""
-    return "".join(c for c in word.casefold() if c.isalnum())
+    """Comparison key: case, punctuation and number spelling differ between decodes of the same word."""
+    key = "".join(c for c in word.casefold() if c.isalnum())
+    return _NUMBERS.get(key, key)
 
 
 class LocalAgreement:
@@ -57,7 +65,7 @@ class LocalAgreement:
     def finalize(self, final_text: str) -> tuple[str, bool]:
         """The segment's final text, and whether it revised committed words.
 
-        Where the final has the committed words (compared without case and punctuation) its
+        Where the final has the committed words (compared by `word_key`) its
         spelling is kept: it was decoded on the whole segment. A final that found nothing keeps
         the committed words rather than erase what two partials agreed on.
         """

@@ -155,7 +155,7 @@ class Final:
     avg_logprob: float = 0.0
     no_speech_prob: float = 0.0
     durable: int = 0  # as in Ack, once this final is out: resuming from here never repeats it
-    revised: bool = False  # the text changed words a partial marked `stable` (case and punctuation aside)
+    revised: bool = False  # the text changed words a partial marked `stable` (case, punctuation, digits aside)
 
 
 @dataclass(slots=True)

@@ -65,6 +65,15 @@ def test_the_final_keeps_or_revises_the_committed_words() -> None:
     assert la.committed == "" and la.update("new segment") == ("new segment", "")
 
 
+def test_numbers_in_words_or_digits_are_the_same_word() -> None:
+    la = LocalAgreement()
+    la.update("Eight of spades, four")
+    assert la.update("8 of spades, 4 of") == ("8 of spades, 4 of", "8 of spades, 4")
+    assert la.finalize("Eight of spades, four of clubs, seven of hearts.") == (
+        "Eight of spades, four of clubs, seven of hearts.", False)
+    assert word_key("Forty,") == "40" and word_key("fortyish") == "fortyish"
+
+
 def test_whitespace_is_normalized() -> None:
     la = LocalAgreement()
     la.update(" Leading  space")
