@@ -38,6 +38,11 @@ class ModelConfig:
     quick_first_partial: bool = True  # a segment's first partial on the short window: text on screen sooner
     null_text: str = "null model"  # text the null backend returns
 
+    @property
+    def partials_precision(self) -> str:
+        """The graphs partials decode on: `partial_precision`, "" meaning `precision`."""
+        return self.partial_precision or self.precision
+
 
 @dataclass(frozen=True)
 class ShmConfig:

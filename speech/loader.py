@@ -210,13 +210,11 @@ def ensure_exported(cfg: ModelConfig, quiet: bool = False) -> Path:
 
 def ensure_all_exported(cfg: ModelConfig, quiet: bool = False) -> list[Path]:
     """The graphs a worker loads: `precision`'s, and `partial_precision`'s when that differs."""
-    precisions = dict.fromkeys((cfg.precision, cfg.partial_precision or cfg.precision))
+    precisions = dict.fromkeys((cfg.precision, cfg.partials_precision))
     return [ensure_exported(dataclasses.replace(cfg, precision=p), quiet) for p in precisions]
 
 
 def _cfg_dict(cfg: ModelConfig) -> dict:
-    import dataclasses
-
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
 
 

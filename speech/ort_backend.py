@@ -53,7 +53,7 @@ class OrtWhisperBackend(Backend):
         self.name = f"{files.name}/{cfg.precision}/onnxruntime"
         if partial_graphs:
             self.partial_decoding = self._decoding(*self._sessions(partial_graphs[0]))
-            self.name += f" ({cfg.partial_precision} partials)"
+            self.name += f" ({cfg.partials_precision} partials)"
         self.multilingual = self.tokenizer.multilingual
         if warmup:
             self.warmup()

@@ -716,7 +716,7 @@ def main(argv: list[str] | None = None) -> int:
                            args.max_batch or (cfg.model.max_batch if cfg else None), args.drain, args.ramp,
                            admit_limit_s=cfg.ingest.admit_max_load_s if cfg else None,
                            precision=cfg.model.precision if cfg else None,
-                           partial_precision=(cfg.model.partial_precision or cfg.model.precision) if cfg else None,
+                           partial_precision=cfg.model.partials_precision if cfg else None,
                            partial_window=cfg.model.partial_window if cfg else None,
                            trace_dir=trace_dir)
             target.settle()
