@@ -48,6 +48,7 @@ class IngestState:
     endpoint: str  # where clients reach it
     pid: int
     streams: int  # its load, from READY and heartbeats
+    realtime: int  # realtime streams among them, from heartbeats
     rings: int  # shm rings in use, from heartbeats: a leak shows here
     registered: float
     link: Link
@@ -78,6 +79,11 @@ class Broker:
         # Admission figure sent to every ingest each tick: how long realtime jobs wait for a model,
         # smoothed over ticks. It is the delay queueing adds for admitted streams right now.
         self.load = 0.0
+        # With it, the share of the workers' time realtime decodes take, and that share per
+        # speaking stream: what one more costs. Kept through quiet spells, where there is nothing
+        # to measure it by.
+        self.busy = 0.0
+        self.stream_share = 0.0
         self.worker_links: dict[bytes, Link] = {}
         self._outbox: dict[int, list[JobResult]] = {}  # results per ingest, sent once per loop turn
         self._ctx = zmq.Context()
@@ -232,6 +238,7 @@ class Broker:
                 if state is not None and body:
                     info = wire.unpack(body[0])
                     state.streams = int(info.get("streams", state.streams))
+                    state.realtime = int(info.get("realtime", state.realtime))
                     state.rings = int(info.get("rings", state.rings))
             else:
                 raise ValueError(f"unknown kind {kind[:16]!r}")
@@ -246,7 +253,7 @@ class Broker:
             dropped = self.dispatcher.drop_ingest(index)
             log.warning("broker.ingest_replaced", ingest=index, old_pid=old.pid, ingest_pid=pid, dropped=len(dropped))
         self.ingests[index] = IngestState(
-            index=index, endpoint=str(info["endpoint"]), pid=pid, streams=int(info.get("streams", 0)), rings=0,
+            index=index, endpoint=str(info["endpoint"]), pid=pid, streams=int(info.get("streams", 0)), realtime=0, rings=0,
             registered=old.registered if old is not None and old.pid == pid else now,
             link=Link(seen=now, sent=now),
         )
@@ -280,6 +287,12 @@ class Broker:
     def _check_peers(self, now: float) -> None:
         """Declare silent peers dead and heartbeat the idle links; ingests get the load figure every tick."""
         self.load = 0.5 * self.load + 0.5 * max(0.0, self.dispatcher.realtime_wait(now))
+        busy, speaking = self.dispatcher.realtime_busy(now)
+        self.busy = 0.5 * self.busy + 0.5 * busy
+        if speaking:
+            share = busy / speaking
+            self.stream_share = 0.5 * self.stream_share + 0.5 * share if self.stream_share else share
+        realtime = sum(s.realtime for s in self.ingests.values())
         queued = self.dispatcher.queue.counts()
         self.metrics.set("jobs_queued", queued.get(REALTIME, 0), priority="realtime")
         self.metrics.set("jobs_queued", queued.get(BATCH, 0), priority="batch")
@@ -297,7 +310,10 @@ class Broker:
                 del self.ingests[index]
                 dropped = self.dispatcher.drop_ingest(index)
                 log.warning("broker.ingest_lost", ingest=index, ingest_pid=state.pid, dropped=len(dropped))
-            elif self._send(self._ingest_sock, ingest_identity(index), [wire.HEARTBEAT, wire.pack({"load": round(self.load, 3)})]):
+            elif self._send(self._ingest_sock, ingest_identity(index), [wire.HEARTBEAT, wire.pack({
+                "load": round(self.load, 3), "busy": round(self.busy, 3), "stream_share": round(self.stream_share, 4),
+                "realtime_elsewhere": realtime - state.realtime,
+            })]):
                 state.link.sent = now
 
     @staticmethod
@@ -362,4 +378,6 @@ class Broker:
             jobs_done=self.dispatcher.jobs_done,
             expired=self.dispatcher.expired,
             load=round(self.load, 3),
+            busy=round(self.busy, 3),
+            stream_share=round(self.stream_share, 4),
         )

@@ -184,6 +184,9 @@ class Dispatcher:
         self._remember = remember
         self._waited = 0.0  # longest queue wait of a realtime job answered since realtime_wait()
         self._since: dict[JobKey, float] = {}  # in-flight realtime jobs: since when their stream waited
+        self._busy_s = 0.0  # model seconds spent on realtime jobs since realtime_busy()
+        self._asking: set[tuple[int, str]] = set()  # realtime streams that submitted jobs since then
+        self._busy_since: float | None = None
 
     @property
     def inflight(self) -> int:
@@ -202,6 +205,23 @@ class Dispatcher:
         oldest = self.queue.oldest_waiting(REALTIME)
         return max(waited, now - oldest if oldest is not None else 0.0)
 
+    def realtime_busy(self, now: float) -> tuple[float, int]:
+        """Share of the workers' time spent decoding realtime jobs since the last call (0..1), and
+        how many realtime streams asked for work in that time (the speaking ones).
+
+        The share grows with every stream that speaks, long before jobs queue: with cheap partials
+        the queue wait stays near zero until the workers are nearly saturated, the share does not.
+        A batch's time is split evenly among its jobs, so batch jobs sharing it are not counted.
+        Streams are counted when they ask, not when they are served: a saturated pool serves
+        fewer streams per second than want it, and per served stream would look costlier.
+        """
+        busy, streams, since = self._busy_s, len(self._asking), self._busy_since
+        self._busy_s, self._busy_since = 0.0, now
+        self._asking.clear()
+        if since is None or now <= since or not self.workers:
+            return 0.0, 0
+        return min(1.0, busy / ((now - since) * len(self.workers))), streams
+
     def submit(self, jobs: Iterable[Job], now: float) -> list[JobResult]:
         """Queue new jobs. An ingest that reconnects re-sends the jobs it still waits for; those
         the broker already holds (queued or at a worker) are not queued twice."""
@@ -211,6 +231,8 @@ class Dispatcher:
             if key in self.queue or any(key in w.inflight for w in self.workers.values()):
                 continue
             self._answered.pop(key, None)  # asked again: its next result is not a duplicate
+            if job.priority == REALTIME:
+                self._asking.add((job.ingest, job.stream))
             answers += self.queue.push(job, now)
         return self._answer(answers)
 
@@ -269,6 +291,8 @@ class Dispatcher:
                 worker.jobs_done += 1
                 if since is not None and result.started:
                     self._waited = max(self._waited, result.started - since)
+                if job.priority == REALTIME and result.finished > result.started > 0:
+                    self._busy_s += (result.finished - result.started) / max(1, result.batch_size)
             if key in self._answered:
                 continue
             if key in self._requeued:

@@ -76,6 +76,11 @@ class IngestConfig:
     # long realtime streams wait for a model, in seconds, smoothed — is above this. 0 = never.
     # 0.5 s: where partials start to come less often than every partial_interval_ms (measured).
     admit_max_load_s: float = 0.5
+    # ... and refused when the realtime streams open and the new one, each costing the share of
+    # the workers' time a speaking stream takes now (measured by the broker, smoothed), would keep
+    # the workers busier than this (0..1): it counts the streams before their jobs queue. Applied
+    # while the workers are at least half this busy. 0 = never.
+    admit_max_busy: float = 0.8
     # CurveZMQ on the client-facing sockets (front door and ingest): both empty = plain TCP.
     curve_secret_key: str = ""  # the server's secret key file (zmq.auth certificate format)
     curve_authorized_keys: str = ""  # directory of authorized clients' public key files (*.key)

@@ -1,8 +1,10 @@
 """The ingest process: one ROUTER for all clients, sessions writing into shm, jobs to the broker.
 
-One thread, one poll loop. Each iteration drains what arrived, runs VAD for every stream with
-a full chunk in one batched call, then sends one JOBS message and the clients' events: under
-load many frames share one wake-up, which is what keeps the per-frame cost low.
+One poll loop. Each iteration drains what arrived, then sends one JOBS message and the
+clients' events: under load many frames share one wake-up, which is what keeps the per-frame
+cost low. The Silero VAD runs beside it on a thread of its own (ingest/vad.py, VadRunner), one
+batched round at a time over every stream with a full chunk; its results come back through
+the same poll and only move segment boundaries, so a frame's partial never waits for it.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import time
 
 import numpy as np
@@ -17,9 +20,10 @@ import structlog
 import zmq
 
 from broker import jobs as j
+from broker.jobs import REALTIME
 from config.settings import Config
 from ingest.session import SAMPLE_RATE, Session
-from ingest.vad import CHUNK, VadBank
+from ingest.vad import CHUNK, VadRunner
 from metrics import allocwatch
 from metrics.gcwatch import freeze_and_watch
 from metrics.registry import ProcessMetrics
@@ -40,8 +44,8 @@ class IngestServer:
         self.endpoint = cfg.ingest_endpoint(index)
         self.max_streams = min(cfg.shm.streams_per_ingest, math.ceil(cfg.ingest.max_streams / cfg.ingest.processes))
         self.pool = RingPool.create(cfg.shm_name(index), cfg.shm.streams_per_ingest, int(cfg.shm.ring_seconds * SAMPLE_RATE))
-        self.vad = VadBank(threads=1)
         self.ctx = zmq.Context()
+        self.vad = VadRunner(self.ctx, threads=1)
         self.auth = None
         if auth.curve_settings(cfg.ingest.curve_secret_key, cfg.ingest.curve_authorized_keys):
             self.auth = auth.start_authenticator(self.ctx, cfg.ingest.curve_authorized_keys, f"ingest-{index}")
@@ -58,11 +62,16 @@ class IngestServer:
         self.per_client: dict[bytes, int] = {}
         self.owner: dict[int, str] = {}  # job id -> session key
         self.scratch: dict[str, np.ndarray] = {}  # per-session VAD chunk buffer for ring wrap-around
-        self.dirty: set[str] = set()
+        self.dirty: set[str] = set()  # streams to step this iteration
+        self.vad_due: set[str] = set()  # streams that may have a full chunk the VAD has not seen
         self.hb_interval = cfg.broker.heartbeat_ms / 1000
         self.broker_seen = time.monotonic()
         self.hb_sent = 0.0
-        self.load = 0.0  # the broker's admission figure, from its heartbeats
+        self.load = 0.0  # the broker's admission figures, from its heartbeats: see _open
+        self.busy = 0.0
+        self.stream_share = 0.0
+        self.realtime_elsewhere = 0  # realtime streams open on the other ingest processes
+        self.realtime = 0  # realtime streams open here
         self.draining = False
         self.stop_at: float | None = None
         self._connect_broker()
@@ -89,7 +98,11 @@ class IngestServer:
         self.broker_seen = time.monotonic()
         kind = frames[0]
         if kind == j.HEARTBEAT and len(frames) > 1:
-            self.load = float(j.unpack(frames[1]).get("load", 0.0))
+            figures = j.unpack(frames[1])
+            self.load = float(figures.get("load", 0.0))
+            self.busy = float(figures.get("busy", 0.0))
+            self.stream_share = float(figures.get("stream_share", 0.0))
+            self.realtime_elsewhere = int(figures.get("realtime_elsewhere", 0))
         elif kind == j.RESULTS:
             for res in j.unpack_results(frames[1]):
                 key = self.owner.pop(res.job_id, None)
@@ -101,7 +114,8 @@ class IngestServer:
     def _heartbeat(self, now: float) -> None:
         if now - self.hb_sent >= self.hb_interval:
             self.hb_sent = now
-            self.broker.send_multipart([j.HEARTBEAT, j.pack({"streams": len(self.sessions), "rings": self.pool.in_use})])
+            self.broker.send_multipart([j.HEARTBEAT, j.pack({"streams": len(self.sessions), "realtime": self.realtime,
+                                                             "rings": self.pool.in_use})])
         if now - self.broker_seen > self.hb_interval * self.cfg.broker.liveness:
             self.log.warning("ingest.broker_lost", silent_s=round(now - self.broker_seen, 2))
             self._connect_broker()
@@ -130,14 +144,14 @@ class IngestServer:
             session = self._session(ident, msg.stream, msg.seq)
             if session is not None:
                 session.accept_audio(msg)
-                self.dirty.add(session.key)
+                self._changed(session.key)
         elif isinstance(msg, m.Open):
             self._open(ident, msg)
         elif isinstance(msg, m.End):
             session = self._session(ident, msg.stream, None)
             if session is not None:
                 session.client_end()
-                self.dirty.add(session.key)
+                self._changed(session.key)  # the resampler's tail may complete a chunk
         elif isinstance(msg, m.Hello):
             self._send(ident, m.Welcome(ingest=self.endpoint, limits={"max_frame_bytes": self.limits.max_frame_bytes,
                                                                       "max_message_bytes": self.limits.max_message_bytes}))
@@ -172,13 +186,20 @@ class IngestServer:
             return refuse(m.TOO_MANY_STREAMS, f"at most {self.cfg.ingest.max_streams_per_client} open streams per client")
         if len(self.sessions) >= self.max_streams:
             return refuse(m.TOO_MANY_STREAMS, "the service is at its stream limit; try again later")
-        limit = self.cfg.ingest.admit_max_load_s
-        if msg.priority == "realtime" and limit and self.load > limit and not msg.offset:
+        if msg.priority == "realtime" and not msg.offset:
             # Admitting another realtime stream would delay every admitted one; batch streams
             # are still taken, credits slow them down instead. A stream resuming at an offset was
             # admitted before (its ingest died): it is not new load.
-            return refuse(m.OVERLOADED, f"the service is past its capacity (realtime streams wait {self.load:.1f} s for a model); "
-                                        "try again later or open with priority batch")
+            max_load, max_busy = self.cfg.ingest.admit_max_load_s, self.cfg.ingest.admit_max_busy
+            if max_load and self.load > max_load:
+                return refuse(m.OVERLOADED, f"the service is past its capacity (realtime streams wait {self.load:.1f} s for a model); "
+                                            "try again later or open with priority batch")
+            # Extrapolated only while the workers are at least half busy: a share measured on other
+            # streams (sent faster than real time, say) must not turn streams away from idle workers.
+            busy = self.stream_share * (self.realtime + self.realtime_elsewhere + 1)
+            if max_busy and self.busy >= max_busy / 2 and busy > max_busy:
+                return refuse(m.OVERLOADED, f"the service is at its capacity (with another realtime stream the models would be "
+                                            f"{100 * busy:.0f} % busy); try again later or open with priority batch")
         try:
             ring = self.pool.acquire()
         except PoolExhausted:
@@ -187,6 +208,7 @@ class IngestServer:
         self.sessions[key] = session
         self.scratch[key] = np.empty(CHUNK, np.float32)
         self.per_client[ident] = self.per_client.get(ident, 0) + 1
+        self.realtime += session.priority == REALTIME
         self.vad.add(key)
         session.log.info("ingest.stream_opened", rate=msg.rate, encoding=msg.encoding, channels=msg.channels,
                          priority=msg.priority, language=msg.language, partials=msg.partials, offset=msg.offset)
@@ -203,25 +225,42 @@ class IngestServer:
 
     # ------------------------------------------------------------------ per-iteration work
 
-    def _run_vad(self) -> None:
-        """Classify every full chunk of every dirty stream, one batched model call per round."""
-        while True:
-            batch: list[tuple[str, np.ndarray]] = []
-            for key in self.dirty:
-                s = self.sessions[key]
-                if s.vad_chunk_due(CHUNK):
-                    batch.append((key, s.ring.view(s.vad_pos, s.vad_pos + CHUNK, out=self.scratch[key])))
-            if not batch:
-                return
-            probs = self.vad.process(batch)
-            for (key, _), prob in zip(batch, probs):
-                self.sessions[key].on_vad(float(prob), CHUNK)
+    def _changed(self, key: str) -> None:
+        """The stream took audio, ended or moved its VAD: step it this iteration, and look for chunks to classify."""
+        self.dirty.add(key)
+        self.vad_due.add(key)
+
+    def _on_vad(self) -> None:
+        """A VAD round finished: its chunks move their streams' segments."""
+        for key, prob in self.vad.take():
+            session = self.sessions.get(key)
+            if session is not None:
+                session.on_vad(prob, CHUNK)
+                self._changed(key)
+
+    def _start_vad(self) -> None:
+        """Hand the VAD thread every full chunk not yet classified, of every stream, in one round.
+
+        Only between rounds, so each stream's `vad_pos` is current: no chunk is sent twice. At
+        most one chunk of a stream wraps around its ring (a ring holds far more than one round),
+        and only that one is copied, into the stream's scratch buffer.
+        """
+        if self.vad.busy:
+            return
+        batch: list[tuple[str, np.ndarray]] = []
+        for key in self.vad_due:
+            s = self.sessions[key]
+            for pos in range(s.vad_pos, s.ring.written - CHUNK + 1, CHUNK):
+                batch.append((key, s.ring.view(pos, pos + CHUNK, out=self.scratch[key])))
+        self.vad_due.clear()
+        if batch:
+            self.vad.submit(batch)
 
     def _flush(self) -> None:
         jobs_out: list[j.Job] = []
         for key in self.dirty:
             s = self.sessions[key]
-            s.after_vad()
+            s.step()
             for job in s.jobs_out:
                 self.owner[job.job_id] = key
             jobs_out.extend(s.jobs_out)
@@ -241,6 +280,8 @@ class IngestServer:
     def _release(self, s: Session) -> None:
         del self.sessions[s.key]
         del self.scratch[s.key]
+        self.realtime -= s.priority == REALTIME
+        self.vad_due.discard(s.key)
         self.vad.remove(s.key)
         self.pool.release(s.ring)
         left = self.per_client.get(s.client, 1) - 1
@@ -255,7 +296,7 @@ class IngestServer:
             if not s.ending and now - s.last_activity > self.cfg.ingest.idle_timeout_s:
                 s.log.warning("ingest.stream_idle", idle_s=round(now - s.last_activity, 1))
                 s.end("idle_timeout")
-                self.dirty.add(key)
+                self._changed(key)
 
     def _publish_gauges(self) -> None:
         """Stream and ring gauges, set once a second from the loop rather than on every open and close."""
@@ -277,13 +318,14 @@ class IngestServer:
         self.log.info("ingest.draining", streams=len(self.sessions))
         for key, s in self.sessions.items():
             s.end("shutdown")
-            self.dirty.add(key)
+            self._changed(key)
 
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.clients, zmq.POLLIN)
         registered = self.broker
         poller.register(registered, zmq.POLLIN)
+        poller.register(self.vad.signal, zmq.POLLIN)
         last_sweep = time.monotonic()
         self.metrics.set("shm_rings_total", self.pool.slots)
         self._publish_gauges()
@@ -311,14 +353,16 @@ class IngestServer:
                     except zmq.Again:
                         break
                     self._on_broker(frames)
+            if self.vad.signal in events:
+                self._on_vad()
             now = time.monotonic()
             if now - last_sweep >= 1.0:
                 last_sweep = now
                 self._sweep(now)
                 self._publish_gauges()
             if self.dirty:
-                self._run_vad()
                 self._flush()
+            self._start_vad()
             self._heartbeat(now)
             if self.draining and (not self.sessions or now >= self.stop_at):
                 break
@@ -329,6 +373,7 @@ class IngestServer:
             self._send(s.client, m.Closed(stream=s.opened.stream, reason="shutdown", audio_s=round(s.in_frames / s.rate, 3),
                                           segments=s.stats["finals"]))
             s.log.error("ingest.stream_abandoned_at_shutdown", pending_jobs=len(s.inflight), **s.figures())
+        self.vad.close()
         self.clients.close(linger=0)
         self.broker.close(linger=0)
         if self.auth is not None:
@@ -341,6 +386,9 @@ class IngestServer:
 
 
 def main(cfg: Config, index: int) -> None:
+    # The VAD thread needs the GIL between its batched calls; when the loop is busy it would wait
+    # up to the default 5 ms switch interval for each, and fall behind the audio.
+    sys.setswitchinterval(0.0005)
     server = IngestServer(cfg, index)
     signal.signal(signal.SIGTERM, server.request_stop)
     signal.signal(signal.SIGINT, server.request_stop)

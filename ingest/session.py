@@ -163,13 +163,18 @@ class Session:
         for ev in self.segmenter.push(prob, self.vad_pos):
             self._on_segment_event(ev)
 
-    def after_vad(self) -> None:
-        """Called once per loop after this stream's VAD chunks: due partials, end of stream."""
+    def step(self) -> None:
+        """Called once per loop iteration in which this stream changed: due partials, end of stream.
+
+        A partial covers all the audio received, not only what the VAD has classified: the VAD
+        decides where segments start and end, and a partial need not wait for it.
+        """
         seg = self.open_segment
         interval = self.cfg.ingest.partial_interval_ms * SAMPLE_RATE // 1000
-        if seg is not None and self.opened.partials and self.vad_pos - seg.last_partial_end >= interval:
-            seg.last_partial_end = self.vad_pos
-            self._submit(seg, final=False, end=self.vad_pos)
+        written = self.ring.written
+        if seg is not None and self.opened.partials and written - seg.last_partial_end >= interval:
+            seg.last_partial_end = written
+            self._submit(seg, final=False, end=written)
         if self.ending and not self.vad_chunk_due(VAD_CHUNK):
             for ev in self.segmenter.flush(self.ring.written):
                 self._on_segment_event(ev)

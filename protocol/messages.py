@@ -186,7 +186,9 @@ class StatusReply:
     inflight: int = 0
     jobs_done: int = 0
     expired: int = 0
-    load: float = 0.0  # seconds realtime jobs wait for a model (smoothed): the admission figure
+    load: float = 0.0  # seconds realtime jobs wait for a model (smoothed): an admission figure
+    busy: float = 0.0  # share of the workers' time realtime decodes take (smoothed)
+    stream_share: float = 0.0  # that share per speaking realtime stream: the other admission figure
 
 
 ClientMessage = Hello | Open | Audio | End | Status

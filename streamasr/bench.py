@@ -85,12 +85,13 @@ class Target:
         return reply if isinstance(reply, m.StatusReply) else None
 
     def settle(self, timeout: float = 60.0) -> None:
-        """Wait until no job is queued or in flight and the admission figure has decayed, so one run's
+        """Wait until no job is queued or in flight and the admission figures have decayed, so one run's
         backlog neither slows the next nor gets its streams refused as `overloaded`."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             reply = self.status()
-            if reply is not None and not reply.inflight and not sum(reply.queued.values()) and reply.load < 0.05:
+            if (reply is not None and not reply.inflight and not sum(reply.queued.values()) and reply.load < 0.05
+                    and reply.busy < 0.05):
                 return
             time.sleep(0.25)
 
@@ -172,9 +173,9 @@ class Sampler:
     """CPU time and RSS of every process under test, sampled from a thread during the run."""
 
     pids: dict[str, int]
-    load: Callable[[], float | None] | None = None  # the broker's admission figure, sampled alongside
+    load: Callable[[], tuple[float, float, float] | None] | None = None  # the broker's admission figures, sampled alongside
     samples: dict[str, list[tuple[float, float, int]]] = field(default_factory=dict)  # (t, cpu s, rss)
-    loads: list[tuple[float, float]] = field(default_factory=list)  # (t, load s)
+    loads: list[tuple[float, float, float, float]] = field(default_factory=list)  # (t, load s, busy, stream share)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -197,7 +198,7 @@ class Sampler:
                         continue
                 value = self.load() if self.load is not None else None
                 if value is not None:
-                    self.loads.append((time.monotonic(), value))
+                    self.loads.append((time.monotonic(), *value))
                 if self._stop.wait(SAMPLE_EVERY_S):
                     return
 
@@ -414,11 +415,16 @@ def summarize(spec: RunSpec, results: list[dict[str, Any]], t0: float, wall_end:
         "processes": sampler.report(t0, t0 + wall if spec.offline else send_end),
         "generator": {"send_lag_ms": lag_stats, "behind": behind, "note": note},
         # The figure admission control compares with ingest.admit_max_load_s: why streams were or were not refused.
-        "admission_load_s": {"max": max((v for _, v in sampler.loads), default=None), "samples": len(sampler.loads),
+        "admission_load_s": {"max": max((v for _, v, _, _ in sampler.loads), default=None), "samples": len(sampler.loads),
                              "limit": spec.admit_limit_s,
-                             "first_over_limit_s": next((round(t - t0, 1) for t, v in sampler.loads
+                             "first_over_limit_s": next((round(t - t0, 1) for t, v, _, _ in sampler.loads
                                                          if spec.admit_limit_s and v > spec.admit_limit_s), None),
-                             "over_time": [[round(t - t0, 2), v] for t, v in sampler.loads]},
+                             "over_time": [[round(t - t0, 2), v] for t, v, _, _ in sampler.loads]},
+        # The workers' realtime busy share and its part per speaking stream (the figure admission
+        # multiplies by the streams open plus one and compares with ingest.admit_max_busy).
+        "admission_busy": {"max": max((b for _, _, b, _ in sampler.loads), default=None),
+                           "stream_share_last": sampler.loads[-1][3] if sampler.loads else None,
+                           "over_time": [[round(t - t0, 2), b, share] for t, _, b, share in sampler.loads]},
         "gc_pauses": gc_pauses,
         "wer": wer,
         "load_average": [round(x, 2) for x in os.getloadavg()],  # 1/5/15 min at the end: was the machine shared?
@@ -472,7 +478,8 @@ def run_load(target: Target, spec: RunSpec, clips: list[Clip]) -> tuple[dict[str
         offsets = batch_log_offsets(logs)
         before = target.status()
         gc_before = target.gc_pauses()
-        sampler = Sampler(pids, load=lambda: (reply.load if (reply := target.status()) is not None else None)).start()
+        sampler = Sampler(pids, load=lambda: ((reply.load, reply.busy, reply.stream_share)
+                                              if (reply := target.status()) is not None else None)).start()
         t0 = time.monotonic() + 0.5
         marks = None
         if spec.trace_dir is not None:  # at 1/4, 1/2, 3/4 of the load: streams open, warm, still sending
@@ -559,6 +566,9 @@ def print_report(s: dict[str, Any], out: Any = sys.stdout) -> None:
                 if load["first_over_limit_s"] is not None else "")
         w(f"admission load (broker's realtime queue wait, sampled every {SAMPLE_EVERY_S:g} s): max {load['max']:.3f} s"
           + over, file=out)
+        busy = s["admission_busy"]
+        w(f"workers' realtime busy share: max {busy['max']:.2f}, per speaking stream at the end {busy['stream_share_last']:.3f}",
+          file=out)
     if s["gc_pauses"]:
         w("GC pauses: " + ", ".join(
             f"{name} {g['count']} ({g['total_ms']:.1f} ms, max "

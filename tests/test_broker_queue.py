@@ -284,3 +284,26 @@ def test_realtime_wait_counts_from_the_streams_oldest_superseded_partial() -> No
     d.complete(b"w1", [JobResult(job_id=partial.job_id, ingest=0, started=NOW + 2.1, finished=NOW + 2.3)])
     assert d.realtime_wait(NOW + 2.3) == pytest.approx(2.1)
     assert d.realtime_wait(NOW + 2.4) == 0.0  # nothing waits any more
+
+
+def test_realtime_busy_is_the_workers_share_of_time_on_realtime_decodes() -> None:
+    """The second admission figure: it grows with each speaking stream while nothing queues."""
+    d = Dispatcher(queue())
+    d.add_worker(b"w1", capacity=2, now=NOW)
+    d.add_worker(b"w2", capacity=2, now=NOW)
+    assert d.realtime_busy(NOW) == (0.0, 0)  # the first call only starts the window
+    d.submit([job("a"), job("b", final=True), job("c", priority=BATCH)], NOW)
+    sent = d.dispatch(NOW)[0]
+    by_stream = {j.stream: (ident, j) for ident, jobs in sent.items() for j in jobs}
+    ident_a, a = by_stream["a"]
+    ident_b, b = by_stream["b"]
+    ident_c, c = by_stream["c"]
+    # a and b decoded 0.4 s each (b in a batch of two with the batch job c: half of it is b's)
+    d.complete(ident_a, [JobResult(job_id=a.job_id, ingest=0, started=NOW + 0.1, finished=NOW + 0.5, batch_size=1)])
+    d.complete(ident_b, [JobResult(job_id=b.job_id, ingest=0, started=NOW, finished=NOW + 0.8, batch_size=2)])
+    d.complete(ident_c, [JobResult(job_id=c.job_id, ingest=0, started=NOW, finished=NOW + 0.8, batch_size=2)])
+    assert d.realtime_wait(NOW + 1.0) == pytest.approx(0.1)  # hardly any queueing...
+    share, streams = d.realtime_busy(NOW + 1.0)
+    assert share == pytest.approx(0.8 / 2.0) and streams == 2  # ...but the workers were 40 % busy, for two streams
+    d.submit([job("d"), job("e"), job("f")], NOW + 2.5)  # three more speak; none decoded yet
+    assert d.realtime_busy(NOW + 3.0) == (0.0, 3)  # a new window: nothing decoded in it, three streams asked

