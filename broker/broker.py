@@ -297,6 +297,9 @@ class Broker:
         self.metrics.set("jobs_queued", queued.get(REALTIME, 0), priority="realtime")
         self.metrics.set("jobs_queued", queued.get(BATCH, 0), priority="batch")
         self.metrics.set("jobs_inflight", self.dispatcher.inflight)
+        self.metrics.set("admission_wait_seconds", self.load)
+        self.metrics.set("admission_busy_ratio", self.busy)
+        self.metrics.set("admission_stream_share", self.stream_share)
         for ident, link in list(self.worker_links.items()):
             if now - link.seen > self._patience_s:
                 self._lose_worker(ident, "silent", now)

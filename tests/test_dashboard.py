@@ -221,7 +221,8 @@ def test_full_service_dashboard_under_bench(service_factory, tmp_path: Path) -> 
     figures = exported(url)
     assert figures["streamasr_shm_rings_total"][()] == svc.cfg.shm.streams_per_ingest
     for name in ("streamasr_streams_active", "streamasr_shm_rings_used", "streamasr_jobs_queued", "streamasr_jobs_inflight",
-                 "streamasr_busy_seconds_total"):
+                 "streamasr_busy_seconds_total", "streamasr_admission_wait_seconds", "streamasr_admission_busy_ratio",
+                 "streamasr_admission_stream_share"):
         assert name in figures, name
     for name in ("streamasr_partial_latency_seconds", "streamasr_final_latency_seconds", "streamasr_batch_size"):
         assert figures[name + "_count"][()] > 0, name
