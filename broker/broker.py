@@ -10,6 +10,7 @@ worker that dies.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,7 @@ import zmq
 
 from broker import jobs as wire
 from broker.jobs import BATCH, EXPIRED, FAILED, OK, REALTIME, JobResult
-from broker.queue import Dispatcher, JobKey, JobQueue, job_key
+from broker.queue import Dispatcher, JobKey, JobQueue, RealtimeUse, job_key
 from broker.signals import StopSignal
 from config.settings import Config
 from metrics import allocwatch
@@ -31,6 +32,7 @@ from protocol import messages as m
 log = structlog.get_logger()
 
 DRAIN_MAX = 512  # messages taken from one socket per loop turn, so heartbeats stay on time
+SHARE_TICKS = 5  # heartbeat ticks the per-stream demand is measured over
 STATUS_NAMES = {OK: "done", EXPIRED: "expired", FAILED: "failed"}  # `status` label of jobs_total
 
 
@@ -79,11 +81,13 @@ class Broker:
         # Admission figure sent to every ingest each tick: how long realtime jobs wait for a model,
         # smoothed over ticks. It is the delay queueing adds for admitted streams right now.
         self.load = 0.0
-        # With it, the share of the workers' time realtime decodes take, and that share per
-        # speaking stream: what one more costs. Kept through quiet spells, where there is nothing
-        # to measure it by.
+        # With it, the share of the workers' time realtime decodes take, and what one speaking
+        # stream asks of them: its partials and finals per second times what each costs to
+        # decode. Kept through quiet spells, where there is nothing to measure it by.
         self.busy = 0.0
         self.stream_share = 0.0
+        self._decode_cost = [0.0, 0.0]  # seconds per partial, per final (kept when none ran)
+        self._use_ticks: deque[RealtimeUse] = deque(maxlen=SHARE_TICKS)
         self.worker_links: dict[bytes, Link] = {}
         self._outbox: dict[int, list[JobResult]] = {}  # results per ingest, sent once per loop turn
         self._ctx = zmq.Context()
@@ -287,11 +291,9 @@ class Broker:
     def _check_peers(self, now: float) -> None:
         """Declare silent peers dead and heartbeat the idle links; ingests get the load figure every tick."""
         self.load = 0.5 * self.load + 0.5 * max(0.0, self.dispatcher.realtime_wait(now))
-        busy, speaking = self.dispatcher.realtime_busy(now)
-        self.busy = 0.5 * self.busy + 0.5 * busy
-        if speaking:
-            share = busy / speaking
-            self.stream_share = 0.5 * self.stream_share + 0.5 * share if self.stream_share else share
+        use = self.dispatcher.realtime_use(now)
+        self.busy = 0.5 * self.busy + 0.5 * use.busy
+        self._update_stream_share(use)
         realtime = sum(s.realtime for s in self.ingests.values())
         queued = self.dispatcher.queue.counts()
         self.metrics.set("jobs_queued", queued.get(REALTIME, 0), priority="realtime")
@@ -318,6 +320,20 @@ class Broker:
                 "realtime_elsewhere": realtime - state.realtime,
             })]):
                 state.link.sent = now
+
+    def _update_stream_share(self, use: RealtimeUse) -> None:
+        """Share of the workers' time one speaking realtime stream asks for, over the last ticks."""
+        self._use_ticks.append(use)
+        ticks = self._use_ticks
+        for final in (0, 1):
+            decoded = sum(u.decoded[final] for u in ticks)
+            if decoded:
+                self._decode_cost[final] = sum(u.decode_s[final] for u in ticks) / decoded
+        streams = set().union(*(u.streams for u in ticks))
+        capacity = sum(u.seconds * u.workers for u in ticks)
+        if streams and capacity:
+            asked = sum(sum(u.asked[final] for u in ticks) * self._decode_cost[final] for final in (0, 1))
+            self.stream_share = asked / capacity / len(streams)
 
     @staticmethod
     def _send(sock: zmq.Socket, ident: bytes, frames: list[bytes]) -> bool:

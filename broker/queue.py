@@ -152,6 +152,32 @@ class JobQueue:
 
 
 @dataclass(slots=True)
+class RealtimeUse:
+    """Realtime work over one interval, the broker's second admission figure in the raw.
+
+    `decode_s` / `decoded` give what a partial and a final cost to decode (index 0 partials,
+    1 finals; a batch's time split evenly among its jobs, so batch jobs sharing it are not
+    counted), `asked` how many of each the realtime `streams` asked for. Demand is counted when
+    asked, not when served: a saturated pool serves fewer jobs than streams ask for, and a
+    backlog is decoded after its streams went quiet.
+    """
+
+    seconds: float = 0.0
+    workers: int = 0
+    decode_s: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    decoded: list[int] = field(default_factory=lambda: [0, 0])
+    asked: list[int] = field(default_factory=lambda: [0, 0])
+    streams: set[tuple[int, str]] = field(default_factory=set)  # (ingest, stream key)
+
+    @property
+    def busy(self) -> float:
+        """Share of the workers' time realtime decodes took (0..1)."""
+        if not self.seconds or not self.workers:
+            return 0.0
+        return min(1.0, sum(self.decode_s) / (self.seconds * self.workers))
+
+
+@dataclass(slots=True)
 class WorkerState:
     ident: bytes
     capacity: int  # jobs the worker may hold at once (queued in it plus running)
@@ -184,9 +210,8 @@ class Dispatcher:
         self._remember = remember
         self._waited = 0.0  # longest queue wait of a realtime job answered since realtime_wait()
         self._since: dict[JobKey, float] = {}  # in-flight realtime jobs: since when their stream waited
-        self._busy_s = 0.0  # model seconds spent on realtime jobs since realtime_busy()
-        self._asking: set[tuple[int, str]] = set()  # realtime streams that submitted jobs since then
-        self._busy_since: float | None = None
+        self._use = RealtimeUse()  # realtime work since realtime_use()
+        self._use_since: float | None = None
 
     @property
     def inflight(self) -> int:
@@ -205,22 +230,13 @@ class Dispatcher:
         oldest = self.queue.oldest_waiting(REALTIME)
         return max(waited, now - oldest if oldest is not None else 0.0)
 
-    def realtime_busy(self, now: float) -> tuple[float, int]:
-        """Share of the workers' time spent decoding realtime jobs since the last call (0..1), and
-        how many realtime streams asked for work in that time (the speaking ones).
-
-        The share grows with every stream that speaks, long before jobs queue: with cheap partials
-        the queue wait stays near zero until the workers are nearly saturated, the share does not.
-        A batch's time is split evenly among its jobs, so batch jobs sharing it are not counted.
-        Streams are counted when they ask, not when they are served: a saturated pool serves
-        fewer streams per second than want it, and per served stream would look costlier.
-        """
-        busy, streams, since = self._busy_s, len(self._asking), self._busy_since
-        self._busy_s, self._busy_since = 0.0, now
-        self._asking.clear()
-        if since is None or now <= since or not self.workers:
-            return 0.0, 0
-        return min(1.0, busy / ((now - since) * len(self.workers))), streams
+    def realtime_use(self, now: float) -> RealtimeUse:
+        """What realtime work took and asked for since the last call; see RealtimeUse."""
+        use, self._use = self._use, RealtimeUse()
+        since, self._use_since = self._use_since, now
+        if since is not None and now > since:
+            use.seconds, use.workers = now - since, len(self.workers)
+        return use
 
     def submit(self, jobs: Iterable[Job], now: float) -> list[JobResult]:
         """Queue new jobs. An ingest that reconnects re-sends the jobs it still waits for; those
@@ -232,7 +248,8 @@ class Dispatcher:
                 continue
             self._answered.pop(key, None)  # asked again: its next result is not a duplicate
             if job.priority == REALTIME:
-                self._asking.add((job.ingest, job.stream))
+                self._use.streams.add((job.ingest, job.stream))
+                self._use.asked[job.final] += 1
             answers += self.queue.push(job, now)
         return self._answer(answers)
 
@@ -292,7 +309,9 @@ class Dispatcher:
                 if since is not None and result.started:
                     self._waited = max(self._waited, result.started - since)
                 if job.priority == REALTIME and result.finished > result.started > 0:
-                    self._busy_s += (result.finished - result.started) / max(1, result.batch_size)
+                    seconds = (result.finished - result.started) / max(1, result.batch_size)
+                    self._use.decode_s[job.final] += seconds
+                    self._use.decoded[job.final] += 1
             if key in self._answered:
                 continue
             if key in self._requeued:

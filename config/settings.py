@@ -76,8 +76,8 @@ class IngestConfig:
     # long realtime streams wait for a model, in seconds, smoothed — is above this. 0 = never.
     # 0.5 s: where partials start to come less often than every partial_interval_ms (measured).
     admit_max_load_s: float = 0.5
-    # ... and refused when the realtime streams open and the new one, each costing the share of
-    # the workers' time a speaking stream takes now (measured by the broker, smoothed), would keep
+    # ... and refused when the realtime streams open and the new one, each asking for the share of
+    # the workers' time a speaking stream asks for now (measured by the broker), would keep
     # the workers busier than this (0..1): it counts the streams before their jobs queue. Applied
     # while the workers are at least half this busy. 0 = never.
     admit_max_busy: float = 0.8

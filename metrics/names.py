@@ -46,7 +46,7 @@ SPECS: dict[str, MetricSpec] = {s.name: s for s in (
     MetricSpec("admission_wait_seconds", "gauge", "broker", "How long realtime streams wait for a model, smoothed (admit_max_load_s)."),
     MetricSpec("admission_busy_ratio", "gauge", "broker", "Share of the workers' time realtime decodes take, smoothed."),
     MetricSpec("admission_stream_share", "gauge", "broker",
-               "That share per speaking realtime stream: times the streams open plus one, compared with admit_max_busy."),
+               "Share of the workers' time one speaking realtime stream asks for: times the streams open plus one, compared with admit_max_busy."),
     MetricSpec("batch_size", "histogram", "worker", "Requests per backend call.", buckets=BATCH_BUCKETS),
     MetricSpec("busy_seconds_total", "counter", "worker", "Seconds spent in backend calls.", per_process="worker"),
     MetricSpec("worker_jobs_total", "counter", "worker", "Requests decoded, by kind.", ("kind",), per_process="worker"),

@@ -188,7 +188,7 @@ class StatusReply:
     expired: int = 0
     load: float = 0.0  # seconds realtime jobs wait for a model (smoothed): an admission figure
     busy: float = 0.0  # share of the workers' time realtime decodes take (smoothed)
-    stream_share: float = 0.0  # that share per speaking realtime stream: the other admission figure
+    stream_share: float = 0.0  # the share one speaking realtime stream asks for: the other admission figure
 
 
 ClientMessage = Hello | Open | Audio | End | Status

@@ -420,8 +420,8 @@ def summarize(spec: RunSpec, results: list[dict[str, Any]], t0: float, wall_end:
                              "first_over_limit_s": next((round(t - t0, 1) for t, v, _, _ in sampler.loads
                                                          if spec.admit_limit_s and v > spec.admit_limit_s), None),
                              "over_time": [[round(t - t0, 2), v] for t, v, _, _ in sampler.loads]},
-        # The workers' realtime busy share and its part per speaking stream (the figure admission
-        # multiplies by the streams open plus one and compares with ingest.admit_max_busy).
+        # The workers' realtime busy share and the share one speaking stream asks for (the figure
+        # admission multiplies by the streams open plus one and compares with ingest.admit_max_busy).
         "admission_busy": {"max": max((b for _, _, b, _ in sampler.loads), default=None),
                            "stream_share_last": sampler.loads[-1][3] if sampler.loads else None,
                            "over_time": [[round(t - t0, 2), b, share] for t, _, b, share in sampler.loads]},

@@ -8,7 +8,9 @@ import random
 import pytest
 
 from broker.jobs import BATCH, EXPIRED, OK, REALTIME, Job, JobResult
-from broker.queue import Dispatcher, JobQueue, job_key
+from broker.broker import Broker
+from broker.queue import Dispatcher, JobQueue, RealtimeUse, job_key
+from config import settings
 
 NOW = 1000.0
 _ids = itertools.count(1)
@@ -286,12 +288,12 @@ def test_realtime_wait_counts_from_the_streams_oldest_superseded_partial() -> No
     assert d.realtime_wait(NOW + 2.4) == 0.0  # nothing waits any more
 
 
-def test_realtime_busy_is_the_workers_share_of_time_on_realtime_decodes() -> None:
-    """The second admission figure: it grows with each speaking stream while nothing queues."""
+def test_realtime_use_counts_decode_time_and_what_streams_ask_for() -> None:
+    """The second admission figure in the raw: it grows with each speaking stream while nothing queues."""
     d = Dispatcher(queue())
     d.add_worker(b"w1", capacity=2, now=NOW)
     d.add_worker(b"w2", capacity=2, now=NOW)
-    assert d.realtime_busy(NOW) == (0.0, 0)  # the first call only starts the window
+    assert d.realtime_use(NOW).busy == 0.0  # the first call only starts the interval
     d.submit([job("a"), job("b", final=True), job("c", priority=BATCH)], NOW)
     sent = d.dispatch(NOW)[0]
     by_stream = {j.stream: (ident, j) for ident, jobs in sent.items() for j in jobs}
@@ -303,7 +305,30 @@ def test_realtime_busy_is_the_workers_share_of_time_on_realtime_decodes() -> Non
     d.complete(ident_b, [JobResult(job_id=b.job_id, ingest=0, started=NOW, finished=NOW + 0.8, batch_size=2)])
     d.complete(ident_c, [JobResult(job_id=c.job_id, ingest=0, started=NOW, finished=NOW + 0.8, batch_size=2)])
     assert d.realtime_wait(NOW + 1.0) == pytest.approx(0.1)  # hardly any queueing...
-    share, streams = d.realtime_busy(NOW + 1.0)
-    assert share == pytest.approx(0.8 / 2.0) and streams == 2  # ...but the workers were 40 % busy, for two streams
-    d.submit([job("d"), job("e"), job("f")], NOW + 2.5)  # three more speak; none decoded yet
-    assert d.realtime_busy(NOW + 3.0) == (0.0, 3)  # a new window: nothing decoded in it, three streams asked
+    use = d.realtime_use(NOW + 1.0)
+    assert use.busy == pytest.approx(0.8 / 2.0)  # ...but the workers were 40 % busy
+    assert use.decode_s == pytest.approx([0.4, 0.4]) and use.decoded == [1, 1] and use.asked == [1, 1]
+    assert use.streams == {(0, "a"), (0, "b")}  # the batch stream is not realtime demand
+    d.submit([job("d"), job("e"), job("f", final=True)], NOW + 1.5)  # three more speak; none decoded yet
+    use = d.realtime_use(NOW + 2.0)
+    assert use.busy == 0.0 and use.asked == [2, 1] and len(use.streams) == 3
+
+
+def test_stream_share_is_what_a_speaking_stream_asks_for_not_the_backlog() -> None:
+    """A backlog decoded after its streams went quiet must not make one speaking stream look costly."""
+    broker = Broker(settings.load())
+    try:
+        speaking = {(0, f"s{i}") for i in range(10)}
+        # ten streams ask for two partials a second (0.1 s each) and a final every two seconds (0.4 s)
+        for _ in range(5):
+            broker._update_stream_share(RealtimeUse(seconds=1.0, workers=2, decode_s=[0.6, 0.8], decoded=[6, 2],
+                                                    asked=[20, 5], streams=speaking))
+        steady = broker.stream_share
+        assert steady == pytest.approx((20 * 0.1 + 5 * 0.4) / 2 / 10)  # 0.2 of the two workers per stream
+        # they stop; one new stream speaks while the workers still decode the others' finals
+        for _ in range(5):
+            broker._update_stream_share(RealtimeUse(seconds=1.0, workers=2, decode_s=[0.1, 1.6], decoded=[1, 4],
+                                                    asked=[2, 0], streams={(0, "new")}))
+        assert broker.stream_share <= steady  # the new stream asks for what a stream asks, not for the backlog
+    finally:
+        broker.close()
