@@ -71,7 +71,6 @@ class IngestServer:
         self.busy = 0.0
         self.stream_share = 0.0
         self.realtime_elsewhere = 0  # realtime streams open on the other ingest processes
-        self.realtime = 0  # realtime streams open here
         self.draining = False
         self.stop_at: float | None = None
         self._connect_broker()
@@ -114,7 +113,7 @@ class IngestServer:
     def _heartbeat(self, now: float) -> None:
         if now - self.hb_sent >= self.hb_interval:
             self.hb_sent = now
-            self.broker.send_multipart([j.HEARTBEAT, j.pack({"streams": len(self.sessions), "realtime": self.realtime,
+            self.broker.send_multipart([j.HEARTBEAT, j.pack({"streams": len(self.sessions), "realtime": self._realtime_open(),
                                                              "rings": self.pool.in_use})])
         if now - self.broker_seen > self.hb_interval * self.cfg.broker.liveness:
             self.log.warning("ingest.broker_lost", silent_s=round(now - self.broker_seen, 2))
@@ -196,7 +195,7 @@ class IngestServer:
                                             "try again later or open with priority batch")
             # Extrapolated only while the workers are at least half busy: a share measured on other
             # streams (sent faster than real time, say) must not turn streams away from idle workers.
-            busy = self.stream_share * (self.realtime + self.realtime_elsewhere + 1)
+            busy = self.stream_share * (self._realtime_open() + self.realtime_elsewhere + 1)
             if max_busy and self.busy >= max_busy / 2 and busy > max_busy:
                 return refuse(m.OVERLOADED, f"the service is at its capacity (with another realtime stream the models would be "
                                             f"{100 * busy:.0f} % busy); try again later or open with priority batch")
@@ -208,12 +207,15 @@ class IngestServer:
         self.sessions[key] = session
         self.scratch[key] = np.empty(CHUNK, np.float32)
         self.per_client[ident] = self.per_client.get(ident, 0) + 1
-        self.realtime += session.priority == REALTIME
         self.vad.add(key)
         session.log.info("ingest.stream_opened", rate=msg.rate, encoding=msg.encoding, channels=msg.channels,
                          priority=msg.priority, language=msg.language, partials=msg.partials, offset=msg.offset)
         self._send(ident, m.Ready(stream=msg.stream, window=session.window()))
         session.acked_window = session.window()
+
+    def _realtime_open(self) -> int:
+        """Realtime streams open here: counted when needed (an open, a heartbeat), not kept in step."""
+        return sum(s.priority == REALTIME for s in self.sessions.values())
 
     def _send(self, ident: bytes, msg: m.ServerMessage) -> bool:
         try:
@@ -280,7 +282,6 @@ class IngestServer:
     def _release(self, s: Session) -> None:
         del self.sessions[s.key]
         del self.scratch[s.key]
-        self.realtime -= s.priority == REALTIME
         self.vad_due.discard(s.key)
         self.vad.remove(s.key)
         self.pool.release(s.ring)
