@@ -53,6 +53,10 @@ SPECS: dict[str, MetricSpec] = {s.name: s for s in (
     MetricSpec("gc_pause_seconds", "histogram", "any",
                "Python garbage-collection pauses after start-up (frozen heap), by generation.", ("generation",),
                buckets=GC_BUCKETS, per_process="process"),
+    MetricSpec("gc_cpu_seconds", "histogram", "any",
+               "CPU time of the same collections (the collecting thread's): a pause far longer than this was the "
+               "process waiting for a core, not the collector working.", ("generation",),
+               buckets=GC_BUCKETS, per_process="process"),
 )}
 
 

@@ -110,10 +110,10 @@ class Target:
         out.update({str(w.get("id")): w["pid"] for w in reply.workers if w.get("pid")})
         return out
 
-    def gc_pauses(self) -> dict[str, tuple[list[float], list[float], float]]:
-        """Process -> (bucket bounds, cumulative counts, total seconds) of `gc_pause_seconds`, over all
-        generations, from the dashboard's /metrics; empty for a service we did not start (its
-        dashboard is on its own machine's localhost)."""
+    def gc_pauses(self) -> dict[tuple[str, str, str], Histo]:
+        """(family, process, generation) -> histogram of `gc_pause_seconds` ("pause") and
+        `gc_cpu_seconds` ("cpu") from the dashboard's /metrics; empty for a service we did not
+        start (its dashboard is on its own machine's localhost)."""
         if self.local is None:
             return {}
         from urllib.request import urlopen
@@ -125,19 +125,19 @@ class Target:
                 text = r.read().decode()
         except OSError:
             return {}
-        buckets: dict[str, dict[float, float]] = {}
-        totals: dict[str, float] = {}
+        buckets: dict[tuple[str, str, str], dict[float, float]] = {}
+        totals: dict[tuple[str, str, str], float] = {}
+        families = {"streamasr_gc_pause_seconds": "pause", "streamasr_gc_cpu_seconds": "cpu"}
         for family in text_string_to_metric_families(text):
-            if family.name != "streamasr_gc_pause_seconds":
+            if family.name not in families:
                 continue
             for sample in family.samples:
-                proc = sample.labels.get("process", "?")
-                if sample.name.endswith("_bucket"):  # summed over generations
-                    le, per_bound = float(sample.labels["le"]), buckets.setdefault(proc, {})
-                    per_bound[le] = per_bound.get(le, 0.0) + sample.value
+                key = (families[family.name], sample.labels.get("process", "?"), sample.labels.get("generation", "?"))
+                if sample.name.endswith("_bucket"):
+                    buckets.setdefault(key, {})[float(sample.labels["le"])] = sample.value
                 elif sample.name.endswith("_sum"):
-                    totals[proc] = totals.get(proc, 0.0) + sample.value
-        return {proc: (sorted(b), [b[le] for le in sorted(b)], totals.get(proc, 0.0)) for proc, b in buckets.items()}
+                    totals[key] = sample.value
+        return {key: Histo(sorted(b), [b[le] for le in sorted(b)], totals.get(key, 0.0)) for key, b in buckets.items()}
 
     def worker_logs(self) -> list[Path]:
         if self.local is None:
@@ -226,19 +226,58 @@ class Sampler:
         return sorted(out, key=lambda r: r["name"])
 
 
-def gc_report(before: dict[str, tuple[list[float], list[float], float]],
-              after: dict[str, tuple[list[float], list[float], float]]) -> dict[str, dict[str, Any]]:
-    """Per process, the GC pauses of this run: count, total ms, and the max as the upper bound of the
-    highest bucket that gained a pause (a histogram keeps no exact max)."""
-    out = {}
-    for proc, (bounds, counts, total) in sorted(after.items()):
-        old_counts, old_total = (before[proc][1], before[proc][2]) if proc in before else ([0.0] * len(counts), 0.0)
-        new = [c - o for c, o in zip(counts, old_counts)]
-        n = int(new[-1]) if new else 0
-        top = next((b for b, c in zip(bounds, new) if c >= n), math.inf) if n else None
-        out[proc] = {"count": n, "total_ms": round(1000 * (total - old_total), 3),
-                     "max_ms_at_most": round(1000 * top, 3) if top is not None and math.isfinite(top) else None,
-                     "over_largest_bucket": top == math.inf}
+@dataclass(frozen=True)
+class Histo:
+    """One Prometheus histogram as read: bucket bounds, cumulative counts (+Inf last), sum."""
+
+    bounds: list[float]
+    counts: list[float]
+    total: float
+
+    def since(self, before: Histo | None) -> Histo:
+        if before is None:
+            return self
+        return Histo(self.bounds, [c - o for c, o in zip(self.counts, before.counts)], self.total - before.total)
+
+    def __add__(self, other: Histo) -> Histo:
+        return Histo(self.bounds, [a + b for a, b in zip(self.counts, other.counts)], self.total + other.total)
+
+    @property
+    def n(self) -> int:
+        return int(self.counts[-1]) if self.counts else 0
+
+    def max_bound(self) -> float | None:
+        """Upper bound of the highest bucket that holds an observation (a histogram keeps no exact max)."""
+        if not self.n:
+            return None
+        return next((b for b, c in zip(self.bounds, self.counts) if c >= self.n), math.inf)
+
+
+def _ms(bound: float | None) -> float | None:
+    return round(1000 * bound, 3) if bound is not None and math.isfinite(bound) else None
+
+
+def gc_report(before: dict[tuple[str, str, str], Histo], after: dict[tuple[str, str, str], Histo]) -> dict[str, dict[str, Any]]:
+    """Per process, the GC pauses of this run: count, total ms and max (as a bucket's upper bound),
+    the collector's CPU time at most, and the same per generation: a pause much longer than its
+    CPU time is the process waiting for a core."""
+    runs = {key: h.since(before.get(key)) for key, h in after.items()}
+    out: dict[str, dict[str, Any]] = {}
+    for proc in sorted({p for _, p, _ in runs}):
+        mine = {(family, gen): h for (family, p, gen), h in runs.items() if p == proc}
+        pauses = [h for (family, _), h in mine.items() if family == "pause"]
+        cpus = [h for (family, _), h in mine.items() if family == "cpu"]
+        if not pauses:
+            continue
+        wall = sum(pauses[1:], pauses[0])
+        top = wall.max_bound()
+        cpu_top = sum(cpus[1:], cpus[0]).max_bound() if cpus else None
+        out[proc] = {"count": wall.n, "total_ms": round(1000 * wall.total, 3),
+                     "max_ms_at_most": _ms(top), "over_largest_bucket": top == math.inf,
+                     "cpu_max_ms_at_most": _ms(cpu_top),
+                     "by_generation": {gen: {"count": h.n, "total_ms": round(1000 * h.total, 3), "max_ms_at_most": _ms(h.max_bound()),
+                                             "cpu_max_ms_at_most": _ms(mine[("cpu", gen)].max_bound()) if ("cpu", gen) in mine else None}
+                                       for (family, gen), h in sorted(mine.items()) if family == "pause" and h.n}}
     return out
 
 
@@ -570,10 +609,15 @@ def print_report(s: dict[str, Any], out: Any = sys.stdout) -> None:
         w(f"workers' realtime busy share: max {busy['max']:.2f}, per speaking stream at the end {busy['stream_share_last']:.3f}",
           file=out)
     if s["gc_pauses"]:
-        w("GC pauses: " + ", ".join(
-            f"{name} {g['count']} ({g['total_ms']:.1f} ms, max "
-            + ("-" if not g["count"] else "> largest bucket" if g["over_largest_bucket"] else f"<= {g['max_ms_at_most']:g} ms") + ")"
-            for name, g in s["gc_pauses"].items()), file=out)
+        def bound(ms: float | None, n: int) -> str:
+            return "-" if not n else "> largest bucket" if ms is None else f"<= {ms:g} ms"
+
+        w("GC pauses (wall clock; the collector's CPU time in brackets):", file=out)
+        for name, g in s["gc_pauses"].items():
+            gens = "; ".join(f"gen {gen}: {h['count']}, max {bound(h['max_ms_at_most'], h['count'])} "
+                             f"[{bound(h['cpu_max_ms_at_most'], h['count'])}]" for gen, h in g["by_generation"].items())
+            w(f"  {name:<14} {g['count']} ({g['total_ms']:.1f} ms), max {bound(g['max_ms_at_most'], g['count'])} "
+              f"[{bound(g['cpu_max_ms_at_most'], g['count'])}]" + (f" -- {gens}" if gens else ""), file=out)
     if alloc := s.get("allocations"):
         w(f"allocations held (tracemalloc), blocks since the first mark at the second / third, and the growth between "
           f"them ({alloc['interval_s']:g} s, {alloc['frames']} frames, {alloc['jobs']} jobs):", file=out)

@@ -55,6 +55,10 @@ def test_realtime_report_is_well_formed(tmp_path: Path) -> None:
     for name, g in s["gc_pauses"].items():  # which processes collect during 5 s is up to the allocator
         assert name in names and g["count"] >= 0 and g["total_ms"] >= 0, (name, g)
         assert g["count"] == 0 or g["over_largest_bucket"] or g["max_ms_at_most"] > 0, (name, g)
+        assert sum(h["count"] for h in g["by_generation"].values()) == g["count"], (name, g)
+        assert set(g["by_generation"]) <= {"0", "1", "2"}, (name, g)
+        if g["count"]:  # the collector's CPU time is recorded for the same collections
+            assert g["cpu_max_ms_at_most"] is None or g["cpu_max_ms_at_most"] > 0, (name, g)
 
 
 def test_tracemalloc_reports_what_each_serving_process_kept(tmp_path: Path) -> None:
