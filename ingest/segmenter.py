@@ -45,7 +45,12 @@ class Segmenter:
         self._silence_from: int | None = None  # start of the pause now running, if any
         self._prev_end = 0  # end of the previous segment: the next one never overlaps it
         self._pos = 0  # end of the last chunk pushed
-        self._recent: deque[tuple[float, int, int]] = deque()  # (prob, start, end) in the open segment
+        # Chunks of the open segment's last CUT_WINDOW_S, as three parallel deques rather than a
+        # tuple per chunk: numbers are not tracked by the garbage collector, tuples are, and
+        # every stream in speech renews its window 31 times a second.
+        self._recent_prob: deque[float] = deque()
+        self._recent_start: deque[int] = deque()
+        self._recent_end: deque[int] = deque()
 
     @property
     def earliest_start(self) -> int:
@@ -78,9 +83,13 @@ class Segmenter:
             self._end_speech()
             return events
         if self.in_speech:
-            self._recent.append((prob, chunk_start, chunk_end))
-            while self._recent[0][2] <= chunk_end - self.cut_window:
-                self._recent.popleft()
+            self._recent_prob.append(prob)
+            self._recent_start.append(chunk_start)
+            self._recent_end.append(chunk_end)
+            while self._recent_end[0] <= chunk_end - self.cut_window:
+                self._recent_prob.popleft()
+                self._recent_start.popleft()
+                self._recent_end.popleft()
             assert self.segment_start is not None
             if chunk_end - self.segment_start < self.max_segment:
                 return events
@@ -108,7 +117,7 @@ class Segmenter:
     def _open(self, start: int) -> SegmentEvent:
         self.in_speech = True
         self.segment_start = start
-        self._recent.clear()
+        self._clear_recent()
         return SegmentEvent("start", start)
 
     def _close(self, end: int, forced: bool) -> SegmentEvent:
@@ -124,13 +133,20 @@ class Segmenter:
     def _end_speech(self) -> None:
         self._triggered = False
         self._silence_from = None
-        self._recent.clear()
+        self._clear_recent()
+
+    def _clear_recent(self) -> None:
+        self._recent_prob.clear()
+        self._recent_start.clear()
+        self._recent_end.clear()
 
     def _force_cut(self) -> list[SegmentEvent]:
         """Split at the quietest chunk of the last CUT_WINDOW_S; speech carries on after it."""
         assert self.segment_start is not None
-        # min over (prob, -end): the latest of equally quiet chunks keeps the segment longest
-        _, start, end = min(self._recent, key=lambda r: (r[0], -r[2]))
+        # the latest of equally quiet chunks keeps the segment longest
+        quietest = min(self._recent_prob)
+        i = max(i for i, p in enumerate(self._recent_prob) if p == quietest)
+        start, end = self._recent_start[i], self._recent_end[i]
         cut = max((start + end) // 2, self.segment_start + 1)
         closed = self._close(cut, forced=True)
         return [closed, self._open(cut)]

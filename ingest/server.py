@@ -234,7 +234,8 @@ class IngestServer:
 
     def _on_vad(self) -> None:
         """A VAD round finished: its chunks move their streams' segments."""
-        for key, prob in self.vad.take():
+        keys, probs = self.vad.take()
+        for key, prob in zip(keys, probs.tolist()):
             session = self.sessions.get(key)
             if session is not None:
                 session.on_vad(prob, CHUNK)
@@ -249,14 +250,16 @@ class IngestServer:
         """
         if self.vad.busy:
             return
-        batch: list[tuple[str, np.ndarray]] = []
+        keys: list[str] = []
+        chunks: list[np.ndarray] = []
         for key in self.vad_due:
             s = self.sessions[key]
             for pos in range(s.vad_pos, s.ring.written - CHUNK + 1, CHUNK):
-                batch.append((key, s.ring.view(pos, pos + CHUNK, out=self.scratch[key])))
+                keys.append(key)
+                chunks.append(s.ring.view(pos, pos + CHUNK, out=self.scratch[key]))
         self.vad_due.clear()
-        if batch:
-            self.vad.submit(batch)
+        if keys:
+            self.vad.submit(keys, chunks)
 
     def _flush(self) -> None:
         jobs_out: list[j.Job] = []

@@ -12,6 +12,7 @@ import itertools
 import queue
 import threading
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import onnxruntime as ort
@@ -79,16 +80,20 @@ class VadBank:
     def remove(self, key: str) -> None:
         self._free.append(self._rows.pop(key))
 
-    def process(self, chunks: list[tuple[str, np.ndarray]]) -> np.ndarray:
-        """Speech probability of each (key, CHUNK samples) pair, advancing each stream's state."""
+    def process(self, keys: Sequence[str], chunks: Sequence[np.ndarray]) -> np.ndarray:
+        """Speech probability of each stream's chunk of CHUNK samples (`keys[i]`'s is `chunks[i]`),
+        advancing each stream's state."""
         n = len(chunks)
+        if len(keys) != n:
+            raise ValueError(f"{len(keys)} keys for {n} chunks")
         if n == 0:
             return np.zeros(0, dtype=np.float32)
         if n > len(self._input):
             self._grow_batch(max(n, 2 * len(self._input)))
         self._tick += 1
         index = self._index[:n]
-        for i, (key, chunk) in enumerate(chunks):
+        for i, key in enumerate(keys):
+            chunk = chunks[i]
             if len(chunk) != CHUNK:
                 raise ValueError(f"stream {key!r}: chunk of {len(chunk)} samples, expected {CHUNK}")
             row = self._rows[key]
@@ -97,7 +102,7 @@ class VadBank:
             self._seen[row] = self._tick
             index[i] = row
         batch = self._input[:n]
-        np.stack([chunk for _, chunk in chunks], out=batch[:, CONTEXT:], casting="same_kind")
+        np.stack(chunks, out=batch[:, CONTEXT:], casting="same_kind")
         np.take(self._context, index, axis=0, out=batch[:, :CONTEXT], mode="clip")
         state = self._state_in[: 2 * n * STATE].reshape(2, n, STATE)
         np.take(self._state, index, axis=0, out=state.transpose(1, 0, 2), mode="clip")
@@ -120,6 +125,10 @@ class VadRunner:
     a busy loop starts, each catches the VAD up. The loop `submit`s a round, polls `signal` and
     `take`s the probabilities when it is readable. Streams are added and removed only between
     rounds: the bank's arrays are the thread's while a round runs.
+
+    A round is two parallel lists, keys and chunks, rather than (key, chunk) pairs: a round can
+    hold thousands of chunks, and a tuple per chunk would be thousands of objects for the
+    garbage collector to walk (strings and arrays are not tracked by it).
     """
 
     _ids = itertools.count()
@@ -131,8 +140,8 @@ class VadRunner:
         self.signal.bind(endpoint)
         self._done = ctx.socket(zmq.PAIR)  # the thread's end
         self._done.connect(endpoint)
-        self._rounds: queue.SimpleQueue[list[tuple[str, np.ndarray]] | None] = queue.SimpleQueue()
-        self._round: list[tuple[str, np.ndarray]] = []
+        self._rounds: queue.SimpleQueue[tuple[list[str], list[np.ndarray]] | None] = queue.SimpleQueue()
+        self._keys: list[str] = []
         self._probs: np.ndarray | BaseException = np.zeros(0, dtype=np.float32)
         self._changes: list[tuple[bool, str]] = []  # (add?, key), applied between rounds
         self.busy = False
@@ -157,47 +166,51 @@ class VadRunner:
                 self._bank.remove(key)
         self._changes.clear()
 
-    def submit(self, chunks: list[tuple[str, np.ndarray]]) -> None:
-        """Start a round; the arrays must stay unchanged until `take` (ring audio not yet classified is protected)."""
+    def submit(self, keys: list[str], chunks: list[np.ndarray]) -> None:
+        """Start a round: `chunks[i]` is the next chunk of stream `keys[i]`. The arrays must stay
+        unchanged until `take` (ring audio not yet classified is protected)."""
         if self.busy:
             raise RuntimeError("a VAD round is already running")
+        if len(keys) != len(chunks):
+            raise ValueError(f"{len(keys)} keys for {len(chunks)} chunks")
         self._apply()
         self.busy = True
-        self._round = chunks
-        self._rounds.put(chunks)
+        self._keys = keys
+        self._rounds.put((keys, chunks))
 
-    def take(self) -> list[tuple[str, float]]:
-        """The finished round's (key, speech probability) pairs; call when `signal` is readable."""
+    def take(self) -> tuple[list[str], np.ndarray]:
+        """The finished round's keys and their chunks' speech probabilities, in submission order;
+        call when `signal` is readable."""
         self.signal.recv()
         self.busy = False
-        probs, chunks = self._probs, self._round
-        self._round = []
+        probs, keys = self._probs, self._keys
+        self._keys = []
         self._apply()
         if isinstance(probs, BaseException):
             raise probs
-        return [(key, float(p)) for (key, _), p in zip(chunks, probs)]
+        return keys, probs
 
     def _serve(self) -> None:
-        while (chunks := self._rounds.get()) is not None:
+        while (round_ := self._rounds.get()) is not None:
             try:
-                self._probs = self._classify(chunks)
+                self._probs = self._classify(*round_)
             except BaseException as exc:  # handed to the loop, which owns error handling
                 self._probs = exc
             self._done.send(b"")
         self._done.close(linger=0)
 
-    def _classify(self, chunks: list[tuple[str, np.ndarray]]) -> np.ndarray:
+    def _classify(self, keys: list[str], chunks: list[np.ndarray]) -> np.ndarray:
         """Probabilities in the order of `chunks`, one batched call per layer."""
-        layers: list[list[int]] = []  # layer -> positions in `chunks`
+        layers: list[list[int]] = []  # layer -> positions in the round
         depth: dict[str, int] = {}
-        for i, (key, _) in enumerate(chunks):
+        for i, key in enumerate(keys):
             d = depth[key] = depth.get(key, -1) + 1
             if d == len(layers):
                 layers.append([])
             layers[d].append(i)
         probs = np.empty(len(chunks), dtype=np.float32)
         for layer in layers:
-            probs[layer] = self._bank.process([chunks[i] for i in layer])
+            probs[layer] = self._bank.process([keys[i] for i in layer], [chunks[i] for i in layer])
         return probs
 
     def close(self) -> None:

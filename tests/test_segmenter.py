@@ -181,7 +181,7 @@ def test_real_recordings_separated_by_a_pause() -> None:
     bank.add("s")
     events: list[SegmentEvent] = []
     for end in range(CHUNK, len(x) + 1, CHUNK):
-        events += seg.push(float(bank.process([("s", x[end - CHUNK : end])])[0]), end)
+        events += seg.push(float(bank.process(["s"], [x[end - CHUNK : end]])[0]), end)
     events += seg.flush(len(x))
     segs = [(e.start, e.end) for e in events if e.kind == "end"]
     assert len(segs) >= 2

@@ -23,6 +23,10 @@ def load(path: Path) -> np.ndarray:
     return x
 
 
+def process(bank: VadBank, pairs: list[tuple[str, np.ndarray]]) -> np.ndarray:
+    return bank.process([key for key, _ in pairs], [chunk for _, chunk in pairs])
+
+
 def chunks(x: np.ndarray) -> list[np.ndarray]:
     return [x[i : i + CHUNK] for i in range(0, len(x) - CHUNK + 1, CHUNK)]
 
@@ -43,7 +47,7 @@ def test_batched_equals_per_stream(bank: VadBank) -> None:
     solo: dict[str, list[float]] = {}
     for key, x in streams.items():
         bank.add(key)
-        solo[key] = [float(bank.process([(key, c)])[0]) for c in chunks(x)]
+        solo[key] = [float(bank.process([key], [c])[0]) for c in chunks(x)]
         bank.remove(key)
 
     # Streams join late and skip ticks (no full chunk yet), as they would in ingest.
@@ -58,7 +62,7 @@ def test_batched_equals_per_stream(bank: VadBank) -> None:
             if tick >= joins[key] and queue and (key != "c" or tick % 3):
                 batch.append((key, queue.pop(0)))
         if batch:
-            for (key, _), p in zip(batch, bank.process(batch), strict=True):
+            for (key, _), p in zip(batch, process(bank, batch), strict=True):
                 batched[key].append(float(p))
     for key in streams:
         bank.remove(key)
@@ -70,7 +74,7 @@ def test_matches_reference_implementation(bank: VadBank) -> None:
     x = load(FILES[3])
     reference = SileroVAD(16000)
     bank.add("ref")
-    ours = [float(bank.process([("ref", c)])[0]) for c in chunks(x)]
+    ours = [float(bank.process(["ref"], [c])[0]) for c in chunks(x)]
     bank.remove("ref")
     theirs = [reference.process(c) for c in chunks(x)]
     np.testing.assert_allclose(ours, theirs, atol=1e-5)
@@ -80,7 +84,7 @@ def test_matches_reference_implementation(bank: VadBank) -> None:
 def test_speech_scores_high(bank: VadBank, path: Path) -> None:
     x = load(path)
     bank.add("speech")
-    probs = np.array([bank.process([("speech", c)])[0] for c in chunks(x)])
+    probs = np.array([bank.process(["speech"], [c])[0] for c in chunks(x)])
     bank.remove("speech")
     middle = probs[len(probs) // 4 : 3 * len(probs) // 4]
     assert np.median(middle) > 0.9
@@ -99,7 +103,7 @@ def test_silence_and_low_noise_score_low(bank: VadBank) -> None:
     probs = {key: [] for key in signals}
     for tick in range(len(signals["silence"]) // CHUNK):
         batch = [(key, x[tick * CHUNK : (tick + 1) * CHUNK]) for key, x in signals.items()]
-        for (key, _), p in zip(batch, bank.process(batch), strict=True):
+        for (key, _), p in zip(batch, process(bank, batch), strict=True):
             probs[key].append(p)
     for key in signals:
         bank.remove(key)
@@ -111,11 +115,11 @@ def test_readding_a_key_starts_fresh_and_banks_grow(bank: VadBank) -> None:
     keys = [f"s{i}" for i in range(40)]  # more streams than the initial arrays hold
     for key in keys:
         bank.add(key)
-    first = bank.process([(key, x[i]) for i, key in enumerate(keys)])
-    bank.process([(key, x[i + 1]) for i, key in enumerate(keys)])
+    first = bank.process(keys, [x[i] for i in range(len(keys))])
+    bank.process(keys, [x[i + 1] for i in range(len(keys))])
     bank.remove("s5")
     bank.add("s5")
-    again = bank.process([("s5", x[5])])
+    again = bank.process(["s5"], [x[5]])
     assert again[0] == pytest.approx(first[5], abs=1e-6)
     for key in keys:
         bank.remove(key)
@@ -127,12 +131,14 @@ def test_misuse_is_rejected(bank: VadBank) -> None:
     with pytest.raises(ValueError):
         bank.add("k")
     with pytest.raises(ValueError):
-        bank.process([("k", np.zeros(CHUNK - 1, dtype=np.float32))])
+        bank.process(["k"], [np.zeros(CHUNK - 1, dtype=np.float32)])
     with pytest.raises(ValueError):
-        bank.process([("k", np.zeros(CHUNK, dtype=np.float32))] * 2)
+        bank.process(["k", "k"], [np.zeros(CHUNK, dtype=np.float32)] * 2)
     with pytest.raises(KeyError):
-        bank.process([("missing", np.zeros(CHUNK, dtype=np.float32))])
-    assert len(bank.process([])) == 0
+        bank.process(["missing"], [np.zeros(CHUNK, dtype=np.float32)])
+    with pytest.raises(ValueError):
+        bank.process(["k"], [])
+    assert len(bank.process([], [])) == 0
     bank.remove("k")
 
 
@@ -147,7 +153,13 @@ def runner():
 
 def finish(runner: VadRunner) -> list[tuple[str, float]]:
     assert runner.signal.poll(10_000), "the VAD thread did not finish its round"
-    return runner.take()
+    keys, probs = runner.take()
+    assert len(keys) == len(probs)
+    return list(zip(keys, probs.tolist()))
+
+
+def submit(runner: VadRunner, pairs: list[tuple[str, np.ndarray]]) -> None:
+    runner.submit([key for key, _ in pairs], [chunk for _, chunk in pairs])
 
 
 def test_runner_rounds_equal_the_bank_and_streams_change_between_rounds(runner: VadRunner, bank: VadBank) -> None:
@@ -162,10 +174,10 @@ def test_runner_rounds_equal_the_bank_and_streams_change_between_rounds(runner: 
     runner.add("a")
     runner.add("b")
     for i in range(20):
-        runner.submit(round_(i))
+        submit(runner, round_(i))
         assert runner.busy
         with pytest.raises(RuntimeError):
-            runner.submit(round_(i))  # one round at a time
+            submit(runner, round_(i))  # one round at a time
         if i == 9:  # during round 9: "b" closes and a new "b" opens, "c" opens
             runner.remove("b")
             runner.add("b")
@@ -182,7 +194,7 @@ def test_runner_rounds_equal_the_bank_and_streams_change_between_rounds(runner: 
             bank.add("b")
             bank.add("c")
         batch = round_(i)
-        expected += [(key, float(p)) for (key, _), p in zip(batch, bank.process(batch), strict=True)]
+        expected += [(key, float(p)) for (key, _), p in zip(batch, process(bank, batch), strict=True)]
     for key in ("a", "b", "c"):
         bank.remove(key)
     assert [k for k, _ in got] == [k for k, _ in expected]
@@ -191,10 +203,10 @@ def test_runner_rounds_equal_the_bank_and_streams_change_between_rounds(runner: 
 
 def test_runner_hands_errors_to_the_loop(runner: VadRunner) -> None:
     runner.add("k")
-    runner.submit([("k", np.zeros(CHUNK - 1, dtype=np.float32))])
+    submit(runner, [("k", np.zeros(CHUNK - 1, dtype=np.float32))])
     with pytest.raises(ValueError, match="expected 512"):
         finish(runner)
-    runner.submit([("k", np.zeros(CHUNK, dtype=np.float32))])  # the thread lives on
+    submit(runner, [("k", np.zeros(CHUNK, dtype=np.float32))])  # the thread lives on
     assert [k for k, _ in finish(runner)] == ["k"]
 
 
@@ -203,14 +215,14 @@ def test_runner_catches_up_several_chunks_per_stream_in_one_round(runner: VadRun
     x, y = chunks(load(FILES[0])), chunks(load(FILES[1]))
     runner.add("a")
     runner.add("b")
-    runner.submit([("a", x[0]), ("a", x[1]), ("b", y[0]), ("a", x[2])])
+    submit(runner, [("a", x[0]), ("a", x[1]), ("b", y[0]), ("a", x[2])])
     got = finish(runner)
-    runner.submit([("b", y[1]), ("a", x[3])])
+    submit(runner, [("b", y[1]), ("a", x[3])])
     got += finish(runner)
     bank.add("a")
     bank.add("b")
     sequential = [("a", x[0]), ("a", x[1]), ("b", y[0]), ("a", x[2]), ("b", y[1]), ("a", x[3])]
-    expected = [(key, float(bank.process([(key, c)])[0])) for key, c in sequential]
+    expected = [(key, float(bank.process([key], [c])[0])) for key, c in sequential]
     bank.remove("a")
     bank.remove("b")
     assert [k for k, _ in got] == [k for k, _ in expected]
