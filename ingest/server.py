@@ -343,13 +343,6 @@ class IngestServer:
                 registered = self.broker
                 poller.register(registered, zmq.POLLIN)
             events = dict(poller.poll(timeout=int(self.hb_interval * 1000 / 2)))
-            if self.clients in events:
-                for _ in range(DRAIN_BATCH):
-                    try:
-                        frames = self.clients.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._on_client(frames)
             if self.broker in events:
                 for _ in range(DRAIN_BATCH):
                     try:
@@ -357,6 +350,15 @@ class IngestServer:
                     except zmq.Again:
                         break
                     self._on_broker(frames)
+                if self.dirty:  # results go out before the clients' frames are taken: they waited longest
+                    self._flush()
+            if self.clients in events:
+                for _ in range(DRAIN_BATCH):
+                    try:
+                        frames = self.clients.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._on_client(frames)
             if self.vad.signal in events:
                 self._on_vad()
             now = time.monotonic()
