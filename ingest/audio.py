@@ -13,7 +13,7 @@ ENCODINGS = ("pcm_s16le", "f32le")
 RATES = (8000, 16000, 22050, 44100, 48000)
 
 _DTYPES = {"pcm_s16le": np.dtype("<i2"), "f32le": np.dtype("<f4")}
-_S16_SCALE = np.float32(1 / 32768)
+S16_SCALE = np.float32(1 / 32768)
 
 
 class AudioFormatError(ValueError):
@@ -43,7 +43,7 @@ def decode_pcm(payload: bytes | memoryview, encoding: str, channels: int) -> np.
     else:
         mono = raw.astype(np.float32)
     if encoding == "pcm_s16le":
-        mono *= _S16_SCALE
+        mono *= S16_SCALE
     return mono
 
 

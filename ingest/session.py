@@ -16,7 +16,7 @@ import structlog
 
 from broker.jobs import BATCH, FAILED, OK, REALTIME, Job, JobResult
 from config.settings import Config
-from ingest.audio import AudioFormatError, Resampler, decode_pcm
+from ingest.audio import S16_SCALE, AudioFormatError, Resampler, decode_pcm
 from ingest.segmenter import SegmentEvent, Segmenter
 from ingest.stabilizer import LocalAgreement
 from ingest.vad import CHUNK as VAD_CHUNK
@@ -67,6 +67,8 @@ class Session:
         self.resampler = Resampler(opened.rate)
         self.segmenter = Segmenter(cfg.vad, SAMPLE_RATE)
         self.bytes_per_frame = opened.channels * (2 if opened.encoding == "pcm_s16le" else 4)
+        # The common case, 16 kHz mono 16-bit, is converted straight into the ring.
+        self.direct_s16 = opened.rate == SAMPLE_RATE and opened.channels == 1 and opened.encoding == "pcm_s16le"
         self.log = structlog.get_logger().bind(stream=opened.stream, key=key)
         self.next_seq = 0
         self.in_frames = 0  # input frames (per channel) accepted
@@ -114,11 +116,14 @@ class Session:
         if needed > self.ring.free_space():
             self.stats["refused"] += 1
             return self._refuse(m.OVERLOADED, "stream buffer full: the service is behind; resend this frame after the next ack", msg.seq)
-        try:
-            pcm = decode_pcm(msg.data, self.opened.encoding, self.opened.channels)
-        except AudioFormatError as exc:
-            return self._refuse(m.BAD_FORMAT, str(exc), msg.seq)
-        self.ring.write(self.resampler.process(pcm))
+        if self.direct_s16:
+            self.ring.write(np.frombuffer(msg.data, dtype="<i2"), scale=S16_SCALE)
+        else:
+            try:
+                pcm = decode_pcm(msg.data, self.opened.encoding, self.opened.channels)
+            except AudioFormatError as exc:
+                return self._refuse(m.BAD_FORMAT, str(exc), msg.seq)
+            self.ring.write(self.resampler.process(pcm))
         self.next_seq += 1
         self.refused_from = None
         self.in_frames += frames

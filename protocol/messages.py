@@ -195,6 +195,10 @@ ClientMessage = Hello | Open | Audio | End | Status
 ServerMessage = Welcome | Ready | Ack | Partial | Final | ErrorMsg | Closed | StatusReply
 _CLIENT = {cls.type: cls for cls in (Hello, Open, Audio, End, Status)}
 _SERVER = {cls.type: cls for cls in (Welcome, Ready, Ack, Partial, Final, ErrorMsg, Closed, StatusReply)}
+# The header fields of each message (audio samples travel in frame 1, never in the map), and the
+# encoder's field names: both looked up per message, so computed once.
+_KNOWN = {cls: frozenset(f.name for f in fields(cls)) - {"data"} for cls in (*_CLIENT.values(), *_SERVER.values())}
+_NAMES = {cls: tuple(f.name for f in fields(cls) if f.name != "data") for cls in _KNOWN}
 
 _packer = msgpack.Packer(use_bin_type=True)
 
@@ -202,9 +206,8 @@ _packer = msgpack.Packer(use_bin_type=True)
 def encode(msg: ClientMessage | ServerMessage) -> list[bytes | memoryview]:
     """Frames for `msg`: the msgpack header, plus the audio frame for Audio."""
     header = {"type": msg.type}
-    for f in fields(msg):
-        if f.name != "data":
-            header[f.name] = getattr(msg, f.name)
+    for name in _NAMES[type(msg)]:
+        header[name] = getattr(msg, name)
     frames: list[bytes | memoryview] = [_packer.pack(header)]
     if isinstance(msg, Audio):
         frames.append(msg.data)
@@ -234,7 +237,7 @@ def _unpack_header(frame: bytes | memoryview, limits: Limits) -> dict[str, Any]:
 
 def _build(cls: type, header: dict[str, Any], strict: bool = True) -> Any:
     """`strict` refuses unknown fields (server side); clients drop them, so servers may add fields within a version."""
-    known = {f.name for f in fields(cls)} - {"data"}  # audio samples travel in frame 1, never in the map
+    known = _KNOWN[cls]
     kwargs = {k: v for k, v in header.items() if k != "type" and k in known}
     unknown = set(header) - known - {"type"}
     stream = header.get("stream") if isinstance(header.get("stream"), str) else None

@@ -55,8 +55,13 @@ class Ring:
         """Samples that can be written now without overwriting anything >= protected_from."""
         return max(0, min(self.capacity, self.protected_from + self.capacity - self.written))
 
-    def write(self, samples: np.ndarray) -> None:
-        """Append `samples`; all or nothing, so a refused write leaves the ring unchanged."""
+    def write(self, samples: np.ndarray, scale: np.float32 | None = None) -> None:
+        """Append `samples` (times `scale` if given); all or nothing, so a refused write leaves the
+        ring unchanged.
+
+        With a scale, integer PCM is converted as it is copied, into the ring itself: a client's
+        16-bit frame costs no array of its own on the way in.
+        """
         if samples.ndim != 1:
             raise ValueError(f"expected 1-D samples, got shape {samples.shape}")
         n = len(samples)
@@ -69,9 +74,14 @@ class Ring:
         written = self.written
         pos = written % self.capacity
         first = min(n, self.capacity - pos)
-        np.copyto(self._data[pos : pos + first], samples[:first], casting="same_kind")
-        if first < n:
-            np.copyto(self._data[: n - first], samples[first:], casting="same_kind")
+        if scale is None:
+            np.copyto(self._data[pos : pos + first], samples[:first], casting="same_kind")
+            if first < n:
+                np.copyto(self._data[: n - first], samples[first:], casting="same_kind")
+        else:
+            np.multiply(samples[:first], scale, out=self._data[pos : pos + first])
+            if first < n:
+                np.multiply(samples[first:], scale, out=self._data[: n - first])
         self._header[WRITTEN] = written + n  # published after the data
 
     def view(self, start: int, end: int, out: np.ndarray | None = None) -> np.ndarray:

@@ -67,6 +67,26 @@ def test_wraparound_views_equal_written_signal(instance: str) -> None:
     pool.unlink()
 
 
+def test_scaled_writes_convert_integer_pcm_into_the_ring(instance: str) -> None:
+    """16-bit frames are converted as they are copied in, across the wrap too, to what decoding
+    them first would give."""
+    pool = RingPool.create(seg(instance), slots=1, capacity=1000)
+    ring = pool.acquire()
+    pcm = np.random.default_rng(2).integers(-32768, 32768, 2500, dtype=np.int16)
+    scale = np.float32(1 / 32768)
+    pos = 0
+    for size in (320, 600, 333, 700, 547):
+        ring.protected_from = max(0, pos + size - ring.capacity)
+        ring.write(pcm[pos : pos + size], scale=scale)
+        pos += size
+    assert ring.written == pos == len(pcm)
+    expected = pcm[-1000:].astype(np.float32) * scale
+    np.testing.assert_array_equal(ring.view(pos - 1000, pos, np.empty(1000, np.float32)), expected)
+    assert ring.view(pos - 1, pos)[0] == pytest.approx(pcm[-1] / 32768)
+    pool.close()
+    pool.unlink()
+
+
 def test_write_refuses_to_overwrite_protected_samples(instance: str) -> None:
     pool = RingPool.create(seg(instance), slots=1, capacity=100)
     ring = pool.acquire()
