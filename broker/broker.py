@@ -3,8 +3,8 @@ and workers.
 
 Jobs name audio by slot range in shm, so only a few hundred bytes per job pass through here. One
 thread polls three ROUTER sockets (ZeroMQ guide's load-balancing broker, with credit instead of
-one-job-at-a-time), heartbeats both ways Paranoid Pirate style, and re-queues the jobs of a
-worker that dies.
+one-job-at-a-time), heartbeats both ways Paranoid Pirate style (a worker's on a socket of their
+own, so they flow while it computes), and re-queues the jobs of a worker that dies.
 """
 
 from __future__ import annotations
@@ -89,6 +89,9 @@ class Broker:
         self._decode_cost = [0.0, 0.0]  # seconds per partial, per final (kept when none ran)
         self._use_ticks: deque[RealtimeUse] = deque(maxlen=SHARE_TICKS)
         self.worker_links: dict[bytes, Link] = {}
+        # Workers whose heartbeat socket has been heard: one of these becoming unreachable means
+        # the process is gone (before that, its heartbeat socket may just not be connected yet).
+        self._heartbeat_heard: set[bytes] = set()
         self._outbox: dict[int, list[JobResult]] = {}  # results per ingest, sent once per loop turn
         self._ctx = zmq.Context()
         self._ingest_sock = self._ctx.socket(zmq.ROUTER)
@@ -170,6 +173,15 @@ class Broker:
 
     def _on_worker(self, frames: list[bytes], now: float) -> None:
         ident, kind, body = frames[0], frames[1] if len(frames) > 1 else b"", frames[2:]
+        if ident.endswith(wire.HEARTBEAT_SUFFIX):
+            worker = ident[: -len(wire.HEARTBEAT_SUFFIX)]
+            link = self.worker_links.get(worker)
+            if link is not None:  # a worker this broker does not know hears nothing back, and registers again
+                link.seen = now
+                self._heartbeat_heard.add(worker)
+            if kind != wire.HEARTBEAT:
+                log.warning("broker.bad_worker_message", worker=ident.decode(errors="replace"), error=f"{kind[:16]!r} on the heartbeat socket")
+            return
         link = self.worker_links.get(ident)
         if link is not None:
             link.seen = now
@@ -197,6 +209,7 @@ class Broker:
         worker = self.dispatcher.workers.get(ident)
         held = len(worker.inflight) if worker else 0
         self.worker_links.pop(ident, None)
+        self._heartbeat_heard.discard(ident)
         self._answer(self.dispatcher.remove_worker(ident, now))
         log.warning("broker.worker_lost", worker=ident.decode(errors="replace"), why=why, requeued=held)
 
@@ -211,9 +224,7 @@ class Broker:
                 for job in batch:
                     if job.final and now > job.deadline:
                         log.warning("broker.final_late", job=job.job_id, stream=job.stream, late_s=round(now - job.deadline, 3))
-                if self._send(self._worker_sock, ident, [wire.JOBS, wire.pack_jobs(batch)]):
-                    self.worker_links[ident].sent = now
-                else:
+                if not self._send(self._worker_sock, ident, [wire.JOBS, wire.pack_jobs(batch)]):
                     self._lose_worker(ident, "unreachable", now)
                     lost = True
             if not lost:
@@ -305,11 +316,10 @@ class Broker:
         for ident, link in list(self.worker_links.items()):
             if now - link.seen > self._patience_s:
                 self._lose_worker(ident, "silent", now)
-            elif now - link.sent >= self._interval_s / 2:
-                if self._send(self._worker_sock, ident, [wire.HEARTBEAT]):
-                    link.sent = now
-                else:
-                    self._lose_worker(ident, "unreachable", now)
+            elif self._send(self._worker_sock, wire.heartbeat_identity(ident), [wire.HEARTBEAT]):
+                link.sent = now
+            elif ident in self._heartbeat_heard:
+                self._lose_worker(ident, "unreachable", now)
         for index, state in list(self.ingests.items()):
             if now - state.link.seen > self._patience_s:
                 del self.ingests[index]

@@ -18,6 +18,14 @@ JOBS = b"JOBS"  # ingest -> broker, broker -> worker: list of Job arrays
 RESULTS = b"RESULTS"  # worker -> broker, broker -> ingest: list of JobResult arrays
 CANCEL = b"CANCEL"  # ingest -> broker: drop queued jobs of these stream keys
 HEARTBEAT = b"HB"
+HEARTBEAT_SUFFIX = b"+hb"  # a worker's heartbeat socket is its job socket's identity plus this
+
+
+def heartbeat_identity(worker: bytes) -> bytes:
+    """The identity of `worker`'s heartbeat socket: heartbeats travel apart from jobs, so a
+    worker's IO thread keeps the link alive while its main thread computes."""
+    return worker + HEARTBEAT_SUFFIX
+
 
 REALTIME = 0
 BATCH = 1

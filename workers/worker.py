@@ -1,10 +1,12 @@
 """A worker process: reads audio straight from the ingests' shm rings, batches the jobs of many
 streams and runs the speech model on them.
 
-Two threads. The IO thread owns the DEALER to the broker, so heartbeats keep flowing while a
-batch is inside the model (a call may take a second, longer than the broker's patience), and
-reconnects Paranoid-Pirate style when the broker falls silent. The main thread loads the model,
-then batches and computes. They talk over an inproc PAIR: jobs one way, results the other.
+Two threads, two DEALER sockets to the broker. The main thread owns the job socket: jobs arrive
+on it and results leave on it from the thread that computes them, with no hand-off between
+threads on a job's path. The IO thread owns a second socket, for heartbeats only (its identity
+is the job socket's plus `+hb`), so heartbeats keep flowing while a batch is inside the model (a
+call may take a second, longer than the broker's patience). When the broker falls silent the IO
+thread reconnects Paranoid-Pirate style and tells the main thread to register again.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from workers.batcher import Batcher
 log = structlog.get_logger()
 
 _PIPE = "inproc://worker-io"
-STOP = b"STOP"  # compute -> IO thread: send what is left, then close
+STOP = b"STOP"  # main -> IO thread: close and exit
+REGISTER = b"REGISTER"  # IO -> main thread: the broker was silent and is back, or new: send READY again
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 2.0
 FLUSH_S = 1.0  # at shutdown, how long results may wait for the broker
@@ -46,24 +49,32 @@ class AudioUnavailable(Exception):
     """The job's samples are no longer (or not) in the ring: the slot was reused or overrun."""
 
 
-class BrokerLink(threading.Thread):
-    """The IO thread: one DEALER to the broker, heartbeats and reconnection.
+def _dealer(ctx: zmq.Context, endpoint: str, identity: bytes) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity)
+    sock.setsockopt(zmq.IMMEDIATE, 1)  # no connection: send fails and the caller keeps the message
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
 
-    Results are handed to the socket only while a connection exists (ZMQ_IMMEDIATE), and kept
-    here otherwise, so results finished while the broker was away are sent after reconnecting.
+
+class Heartbeats(threading.Thread):
+    """The IO thread: heartbeats to and from the broker on a socket of their own, and reconnection.
+
+    A broker that stays silent past its patience is gone or restarted (a new broker does not
+    know this worker and sends it nothing): the socket is replaced, with backoff, and the main
+    thread told to send READY again on its job socket.
     """
 
-    def __init__(self, ctx: zmq.Context, cfg: Config, identity: bytes, ready: dict[str, Any]) -> None:
-        super().__init__(name="broker-io", daemon=True)
+    def __init__(self, ctx: zmq.Context, cfg: Config, identity: bytes) -> None:
+        super().__init__(name="broker-heartbeats", daemon=True)
         self._ctx = ctx
         self._endpoint = cfg.broker_worker_endpoint
-        self._identity = identity
-        self._ready = wire.pack(ready)
+        self._identity = wire.heartbeat_identity(identity)
         self._interval_s = cfg.broker.heartbeat_ms / 1000
         self._patience_s = self._interval_s * cfg.broker.liveness
         self._pipe = ctx.socket(zmq.PAIR)
         self._pipe.connect(_PIPE)
-        self._outbox: deque[list[bytes]] = deque()
         self.failed: BaseException | None = None
 
     def run(self) -> None:
@@ -76,93 +87,105 @@ class BrokerLink(threading.Thread):
         finally:
             self._pipe.close(linger=0)
 
-    def _connect(self) -> zmq.Socket:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self._identity)
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # no connection: send fails and we keep the message
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self._endpoint)
-        self._outbox.appendleft([wire.READY, self._ready])
-        return sock
-
     def _serve(self) -> None:
-        sock: zmq.Socket | None = self._connect()
-        now = time.monotonic()
-        heard = sent = now
-        tick = reconnect_at = now + self._interval_s
+        sock: zmq.Socket | None = _dealer(self._ctx, self._endpoint, self._identity)
+        heard = time.monotonic()
+        sent = reconnect_at = 0.0
         backoff = BACKOFF_MIN_S
-        stop_by: float | None = None  # set by STOP: give up on unsent results at this time
         poller = zmq.Poller()
         poller.register(self._pipe, zmq.POLLIN)
+        poller.register(sock, zmq.POLLIN)
         while True:
-            if sock is not None:
-                poller.register(sock, zmq.POLLIN | (zmq.POLLOUT if self._outbox else 0))
-            wake = tick if sock is not None else reconnect_at
-            if stop_by is not None:
-                wake = min(wake, stop_by)
-            events = dict(poller.poll(max(0.0, wake - time.monotonic()) * 1000))
+            events = dict(poller.poll(self._interval_s / 2 * 1000))
             now = time.monotonic()
-
-            if self._pipe in events:
-                while self._pipe.poll(0):
-                    frames = self._pipe.recv_multipart()
-                    if frames[0] == STOP:
-                        stop_by = now + FLUSH_S
-                    else:
-                        self._outbox.append(frames)
-            if sock is not None and events.get(sock, 0) & zmq.POLLIN:
+            if self._pipe in events and self._pipe.recv() == STOP:
+                if sock is not None:
+                    sock.close(linger=0)
+                return
+            if sock is None:
+                if now >= reconnect_at:
+                    sock = _dealer(self._ctx, self._endpoint, self._identity)
+                    poller.register(sock, zmq.POLLIN)
+                    heard = now
+                    self._pipe.send(REGISTER)
+                continue
+            if sock in events:
                 heard = now
                 backoff = BACKOFF_MIN_S
                 while sock.poll(0):
-                    frames = sock.recv_multipart()
-                    if frames[0] == wire.JOBS and len(frames) == 2:
-                        self._pipe.send_multipart(frames)
-                    elif frames[0] != wire.HEARTBEAT:
-                        log.warning("worker.unknown_message", kind=frames[0][:16])
-
-            if sock is None and now >= reconnect_at:
-                sock = self._connect()
-                heard = sent = now
-                tick = now + self._interval_s
-            if sock is not None:
-                if self._send_outbox(sock):
+                    kind = sock.recv_multipart()[0]
+                    if kind != wire.HEARTBEAT:
+                        log.warning("worker.unknown_message", kind=kind[:16])
+            if now - sent >= self._interval_s / 2:
+                try:
+                    sock.send(wire.HEARTBEAT, zmq.NOBLOCK)
                     sent = now
-                if now >= tick:
-                    tick = now + self._interval_s
-                    if now - heard > self._patience_s:
-                        log.warning("worker.broker_silent", reconnect_in_s=backoff)
-                        poller.unregister(sock)
-                        sock.close(linger=0)
-                        sock = None
-                        reconnect_at = now + backoff
-                        backoff = min(backoff * 2, BACKOFF_MAX_S)
-                        # The READY of the next connection will lead the outbox.
-                        self._outbox = deque(m for m in self._outbox if m[0] != wire.READY)
-                    elif now - sent >= self._interval_s / 2 and not self._outbox:
-                        if self._send(sock, [wire.HEARTBEAT]):
-                            sent = now
+                except zmq.Again:
+                    pass  # not connected: the silence below decides
+            if now - heard > self._patience_s:
+                log.warning("worker.broker_silent", reconnect_in_s=backoff)
+                poller.unregister(sock)
+                sock.close(linger=0)
+                sock = None
+                reconnect_at = now + backoff
+                backoff = min(backoff * 2, BACKOFF_MAX_S)
 
-            if stop_by is not None and (not self._outbox or now >= stop_by):
-                if self._outbox:
-                    log.warning("worker.results_unsent", messages=len(self._outbox))
-                if sock is not None:
-                    sock.close(linger=int(FLUSH_S * 1000))
+
+class _JobLink:
+    """The main thread's job socket: READY leads every (re)connection, and messages that cannot
+    go out while the broker is away wait here, so results finished meanwhile are not lost."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, identity: bytes, ready: bytes) -> None:
+        self._ctx = ctx
+        self._endpoint = endpoint
+        self._identity = identity
+        self._ready = ready
+        self.outbox: deque[list[bytes]] = deque()
+        self.sock = self._connect()
+
+    def _connect(self) -> zmq.Socket:
+        self.outbox = deque(m for m in self.outbox if m[0] != wire.READY)
+        self.outbox.appendleft([wire.READY, self._ready])
+        return _dealer(self._ctx, self._endpoint, self._identity)
+
+    def reconnect(self) -> None:
+        self.sock.close(linger=0)
+        self.sock = self._connect()
+        self.send_outbox()
+
+    def receive(self) -> list[bytes]:
+        """Bodies of the JOBS messages waiting on the socket."""
+        out = []
+        while self.sock.poll(0):
+            frames = self.sock.recv_multipart()
+            if frames[0] == wire.JOBS and len(frames) == 2:
+                out.append(frames[1])
+            else:
+                log.warning("worker.unknown_message", kind=frames[0][:16])
+        return out
+
+    def send(self, frames: list[bytes]) -> None:
+        self.outbox.append(frames)
+        self.send_outbox()
+
+    def send_outbox(self) -> None:
+        while self.outbox:
+            try:
+                self.sock.send_multipart(self.outbox[0], zmq.NOBLOCK)
+            except zmq.Again:  # not connected yet (or the broker is gone): keep it for later
                 return
+            self.outbox.popleft()
 
-    def _send_outbox(self, sock: zmq.Socket) -> bool:
-        sent = False
-        while self._outbox and self._send(sock, self._outbox[0]):
-            self._outbox.popleft()
-            sent = True
-        return sent
-
-    @staticmethod
-    def _send(sock: zmq.Socket, frames: list[bytes]) -> bool:
-        try:
-            sock.send_multipart(frames, zmq.NOBLOCK)
-            return True
-        except zmq.Again:  # not connected yet (or the broker is gone): keep it for later
-            return False
+    def flush(self, seconds: float) -> None:
+        """At shutdown: give what is left `seconds` to leave, then close."""
+        deadline = time.monotonic() + seconds
+        self.send_outbox()
+        while self.outbox and time.monotonic() < deadline:
+            if self.sock.poll(50, zmq.POLLOUT):
+                self.send_outbox()
+        if self.outbox:
+            log.warning("worker.results_unsent", messages=len(self.outbox))
+        self.sock.close(linger=int(seconds * 1000))
 
 
 class Worker:
@@ -208,45 +231,49 @@ class Worker:
         ctx = zmq.Context()
         pipe = ctx.socket(zmq.PAIR)
         pipe.bind(_PIPE)
-        link = BrokerLink(ctx, self.cfg, self.identity.encode(), {
-            "capacity": self.capacity, "pid": os.getpid(), "model": self.cfg.model.name,
-        })
+        heartbeats = Heartbeats(ctx, self.cfg, self.identity.encode())
         with StopSignal() as stop:
-            link.start()
+            heartbeats.start()
             log.info("worker.started", worker=self.identity, capacity=self.capacity)
+            link = _JobLink(ctx, self.cfg.broker_worker_endpoint, self.identity.encode(), wire.pack({
+                "capacity": self.capacity, "pid": os.getpid(), "model": self.cfg.model.name,
+            }))
             try:
-                self._serve(pipe, stop)
+                self._serve(link, pipe, stop)
             finally:
-                try:
-                    pipe.send_multipart([STOP], zmq.NOBLOCK)
-                except zmq.Again:
-                    pass  # the link is gone already
-                link.join(FLUSH_S + 1)
+                link.flush(FLUSH_S)
+                pipe.send(STOP)
+                heartbeats.join(FLUSH_S + 1)
                 pipe.close(linger=0)
                 ctx.destroy(linger=0)
                 for pool in self._pools.values():
                     pool.close()
                 assert self.backend is not None
                 self.backend.close()
-        failed = link.failed is not None
+        failed = heartbeats.failed is not None
         log.info("worker.stopped", abandoned=len(self._batcher), io_failed=failed)
         return 1 if failed else 0
 
-    def _serve(self, pipe: zmq.Socket, stop: StopSignal) -> None:
-        """Gather jobs from the IO thread and run a batch whenever one is due; a batch already
+    def _serve(self, link: _JobLink, pipe: zmq.Socket, stop: StopSignal) -> None:
+        """Gather jobs from the broker and run a batch whenever one is due; a batch already
         running when SIGTERM arrives is finished and its results sent."""
         poller = zmq.Poller()
         poller.register(pipe, zmq.POLLIN)
         poller.register(stop.fileno(), zmq.POLLIN)
         while not stop.stopping:
+            poller.register(link.sock, zmq.POLLIN | (zmq.POLLOUT if link.outbox else 0))
             timeout = self._batcher.timeout(time.monotonic())
-            poller.poll(None if timeout is None else timeout * 1000)
+            events = dict(poller.poll(None if timeout is None else timeout * 1000))
             stop.drain()
+            if pipe in events:
+                pipe.recv()  # REGISTER: the broker is new or forgot us
+                poller.unregister(link.sock)
+                link.reconnect()
+                continue
             now = time.monotonic()
-            while pipe.poll(0):
-                frames = pipe.recv_multipart()
+            for jobs in link.receive():
                 try:
-                    self._batcher.add(wire.unpack_jobs(frames[1]), now)
+                    self._batcher.add(wire.unpack_jobs(jobs), now)
                 except Exception:
                     log.exception("worker.bad_jobs")
             batch, late = self._batcher.take(now)
@@ -254,7 +281,9 @@ class Worker:
             if batch:
                 results += self.process(batch)
             if results:
-                pipe.send_multipart([wire.RESULTS, wire.pack_results(results)])
+                link.send([wire.RESULTS, wire.pack_results(results)])
+            else:
+                link.send_outbox()
 
     def process(self, batch: list[Job]) -> list[JobResult]:
         """Run one batch; never raises: every job gets a result, FAILED ones say why."""
