@@ -16,7 +16,6 @@ import signal
 import threading
 import time
 from collections import deque
-from typing import Any
 
 import numpy as np
 import structlog
@@ -242,7 +241,10 @@ class Worker:
                 self._serve(link, pipe, stop)
             finally:
                 link.flush(FLUSH_S)
-                pipe.send(STOP)
+                try:
+                    pipe.send(STOP, zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # the IO thread is gone already
                 heartbeats.join(FLUSH_S + 1)
                 pipe.close(linger=0)
                 ctx.destroy(linger=0)
