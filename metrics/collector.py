@@ -87,6 +87,14 @@ class Histogram:
     def count(self) -> float:
         return sum(self.counts)
 
+    def max_bound(self) -> float | None:
+        """Upper bound of the highest bucket holding an observation (a histogram keeps no exact
+        max): infinity past the largest bound, None when empty."""
+        top = next((i for i in range(len(self.counts) - 1, -1, -1) if self.counts[i] > 0), None)
+        if top is None:
+            return None
+        return self.bounds[top] if top < len(self.bounds) else math.inf
+
     def quantile(self, q: float) -> float | None:
         """Prometheus' histogram_quantile: linear within the bucket; the largest bound if beyond it."""
         count = self.count

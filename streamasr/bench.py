@@ -43,6 +43,7 @@ from client.client import handshake
 from client.core import LOCAL_HOSTS
 from config import settings
 from metrics import allocwatch
+from metrics.collector import Histogram
 from metrics.registry import PUBLISH_INTERVAL_S
 from protocol import messages as m
 from streamasr.allocmarks import AllocationMarks
@@ -110,7 +111,7 @@ class Target:
         out.update({str(w.get("id")): w["pid"] for w in reply.workers if w.get("pid")})
         return out
 
-    def gc_pauses(self) -> dict[tuple[str, str, str], Histo]:
+    def gc_pauses(self) -> dict[tuple[str, str, str], Histogram]:
         """(family, process, generation) -> histogram of `gc_pause_seconds` ("pause") and
         `gc_cpu_seconds` ("cpu") from the dashboard's /metrics; empty for a service we did not
         start (its dashboard is on its own machine's localhost)."""
@@ -125,7 +126,7 @@ class Target:
                 text = r.read().decode()
         except OSError:
             return {}
-        buckets: dict[tuple[str, str, str], dict[float, float]] = {}
+        buckets: dict[tuple[str, str, str], dict[float, float]] = {}  # cumulative, as exported
         totals: dict[tuple[str, str, str], float] = {}
         families = {"streamasr_gc_pause_seconds": "pause", "streamasr_gc_cpu_seconds": "cpu"}
         for family in text_string_to_metric_families(text):
@@ -137,7 +138,12 @@ class Target:
                     buckets.setdefault(key, {})[float(sample.labels["le"])] = sample.value
                 elif sample.name.endswith("_sum"):
                     totals[key] = sample.value
-        return {key: Histo(sorted(b), [b[le] for le in sorted(b)], totals.get(key, 0.0)) for key, b in buckets.items()}
+        out = {}
+        for key, cumulative in buckets.items():
+            bounds = sorted(cumulative)  # the last is +Inf
+            counts = [cumulative[le] for le in bounds]
+            out[key] = Histogram(tuple(bounds[:-1]), [c - p for c, p in zip(counts, [0.0, *counts[:-1]])], totals.get(key, 0.0))
+        return out
 
     def worker_logs(self) -> list[Path]:
         if self.local is None:
@@ -226,58 +232,43 @@ class Sampler:
         return sorted(out, key=lambda r: r["name"])
 
 
-@dataclass(frozen=True)
-class Histo:
-    """One Prometheus histogram as read: bucket bounds, cumulative counts (+Inf last), sum."""
-
-    bounds: list[float]
-    counts: list[float]
-    total: float
-
-    def since(self, before: Histo | None) -> Histo:
-        if before is None:
-            return self
-        return Histo(self.bounds, [c - o for c, o in zip(self.counts, before.counts)], self.total - before.total)
-
-    def __add__(self, other: Histo) -> Histo:
-        return Histo(self.bounds, [a + b for a, b in zip(self.counts, other.counts)], self.total + other.total)
-
-    @property
-    def n(self) -> int:
-        return int(self.counts[-1]) if self.counts else 0
-
-    def max_bound(self) -> float | None:
-        """Upper bound of the highest bucket that holds an observation (a histogram keeps no exact max)."""
-        if not self.n:
-            return None
-        return next((b for b, c in zip(self.bounds, self.counts) if c >= self.n), math.inf)
-
-
 def _ms(bound: float | None) -> float | None:
     return round(1000 * bound, 3) if bound is not None and math.isfinite(bound) else None
 
 
-def gc_report(before: dict[tuple[str, str, str], Histo], after: dict[tuple[str, str, str], Histo]) -> dict[str, dict[str, Any]]:
+def gc_report(before: dict[tuple[str, str, str], Histogram],
+              after: dict[tuple[str, str, str], Histogram]) -> dict[str, dict[str, Any]]:
     """Per process, the GC pauses of this run: count, total ms and max (as a bucket's upper bound),
     the collector's CPU time at most, and the same per generation: a pause much longer than its
     CPU time is the process waiting for a core."""
-    runs = {key: h.since(before.get(key)) for key, h in after.items()}
+    runs: dict[tuple[str, str, str], Histogram] = {}
+    for key, h in after.items():
+        runs[key] = h.copy()
+        if key in before:
+            runs[key].add(before[key], sign=-1)
+
+    def total(hists: list[Histogram]) -> Histogram | None:
+        if not hists:
+            return None
+        out = hists[0].copy()
+        for h in hists[1:]:
+            out.add(h)
+        return out
+
     out: dict[str, dict[str, Any]] = {}
     for proc in sorted({p for _, p, _ in runs}):
         mine = {(family, gen): h for (family, p, gen), h in runs.items() if p == proc}
-        pauses = [h for (family, _), h in mine.items() if family == "pause"]
-        cpus = [h for (family, _), h in mine.items() if family == "cpu"]
-        if not pauses:
+        wall = total([h for (family, _), h in mine.items() if family == "pause"])
+        if wall is None:
             continue
-        wall = sum(pauses[1:], pauses[0])
+        cpu = total([h for (family, _), h in mine.items() if family == "cpu"])
         top = wall.max_bound()
-        cpu_top = sum(cpus[1:], cpus[0]).max_bound() if cpus else None
-        out[proc] = {"count": wall.n, "total_ms": round(1000 * wall.total, 3),
+        out[proc] = {"count": int(wall.count), "total_ms": round(1000 * wall.total, 3),
                      "max_ms_at_most": _ms(top), "over_largest_bucket": top == math.inf,
-                     "cpu_max_ms_at_most": _ms(cpu_top),
-                     "by_generation": {gen: {"count": h.n, "total_ms": round(1000 * h.total, 3), "max_ms_at_most": _ms(h.max_bound()),
+                     "cpu_max_ms_at_most": _ms(cpu.max_bound()) if cpu is not None else None,
+                     "by_generation": {gen: {"count": int(h.count), "total_ms": round(1000 * h.total, 3), "max_ms_at_most": _ms(h.max_bound()),
                                              "cpu_max_ms_at_most": _ms(mine[("cpu", gen)].max_bound()) if ("cpu", gen) in mine else None}
-                                       for (family, gen), h in sorted(mine.items()) if family == "pause" and h.n}}
+                                       for (family, gen), h in sorted(mine.items()) if family == "pause" and h.count}}
     return out
 
 
