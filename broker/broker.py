@@ -41,7 +41,6 @@ class Link:
     """Paranoid Pirate bookkeeping for one registered peer."""
 
     seen: float  # last message from the peer
-    sent: float  # last message to the peer
 
 
 @dataclass(slots=True)
@@ -167,7 +166,7 @@ class Broker:
                 self._check_peers(now)
                 tick = now + self._interval_s
             self._dispatch(now)
-            self._flush_results(now)
+            self._flush_results()
 
     # -- workers -----------------------------------------------------------------------------
 
@@ -191,7 +190,7 @@ class Broker:
                 self._answer(self.dispatcher.add_worker(
                     ident, int(info["capacity"]), now, pid=int(info.get("pid", 0)), model=str(info.get("model", "")),
                 ))
-                self.worker_links[ident] = Link(seen=now, sent=now)
+                self.worker_links[ident] = Link(seen=now)
                 log.info("broker.worker_ready", worker=ident.decode(errors="replace"), capacity=info["capacity"], model=info.get("model"))
             elif kind == wire.RESULTS:
                 results = wire.unpack_results(body[0])
@@ -270,7 +269,7 @@ class Broker:
         self.ingests[index] = IngestState(
             index=index, endpoint=str(info["endpoint"]), pid=pid, streams=int(info.get("streams", 0)), realtime=0, rings=0,
             registered=old.registered if old is not None and old.pid == pid else now,
-            link=Link(seen=now, sent=now),
+            link=Link(seen=now),
         )
         log.info("broker.ingest_ready", ingest=index, endpoint=info["endpoint"], ingest_pid=pid)
 
@@ -287,13 +286,9 @@ class Broker:
             kind = "final" if job_key(result) in finals else "partial"
             self.metrics.inc("jobs_total", kind=kind, status=STATUS_NAMES.get(result.status, str(result.status)))
 
-    def _flush_results(self, now: float) -> None:
+    def _flush_results(self) -> None:
         for index, results in self._outbox.items():
-            if self._send(self._ingest_sock, ingest_identity(index), [wire.RESULTS, wire.pack_results(results)]):
-                state = self.ingests.get(index)
-                if state is not None:
-                    state.link.sent = now
-            else:
+            if not self._send(self._ingest_sock, ingest_identity(index), [wire.RESULTS, wire.pack_results(results)]):
                 log.warning("broker.results_undeliverable", ingest=index, results=len(results))
         self._outbox.clear()
 
@@ -316,20 +311,19 @@ class Broker:
         for ident, link in list(self.worker_links.items()):
             if now - link.seen > self._patience_s:
                 self._lose_worker(ident, "silent", now)
-            elif self._send(self._worker_sock, wire.heartbeat_identity(ident), [wire.HEARTBEAT]):
-                link.sent = now
-            elif ident in self._heartbeat_heard:
+            elif not self._send(self._worker_sock, wire.heartbeat_identity(ident), [wire.HEARTBEAT]) \
+                    and ident in self._heartbeat_heard:
                 self._lose_worker(ident, "unreachable", now)
         for index, state in list(self.ingests.items()):
             if now - state.link.seen > self._patience_s:
                 del self.ingests[index]
                 dropped = self.dispatcher.drop_ingest(index)
                 log.warning("broker.ingest_lost", ingest=index, ingest_pid=state.pid, dropped=len(dropped))
-            elif self._send(self._ingest_sock, ingest_identity(index), [wire.HEARTBEAT, wire.pack({
-                "load": round(self.load, 3), "busy": round(self.busy, 3), "stream_share": round(self.stream_share, 4),
-                "realtime_elsewhere": realtime - state.realtime,
-            })]):
-                state.link.sent = now
+            else:
+                self._send(self._ingest_sock, ingest_identity(index), [wire.HEARTBEAT, wire.pack({
+                    "load": round(self.load, 3), "busy": round(self.busy, 3), "stream_share": round(self.stream_share, 4),
+                    "realtime_elsewhere": realtime - state.realtime,
+                })])
 
     def _update_stream_share(self, use: RealtimeUse) -> None:
         """Share of the workers' time one speaking realtime stream asks for, over the last ticks."""
