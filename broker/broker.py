@@ -1,10 +1,12 @@
 """The broker process: the front door for clients and the load balancer between ingest processes
 and workers.
 
-Jobs name audio by slot range in shm, so only a few hundred bytes per job pass through here. One
-thread polls three ROUTER sockets (ZeroMQ guide's load-balancing broker, with credit instead of
-one-job-at-a-time), heartbeats both ways Paranoid Pirate style (a worker's on a socket of their
-own, so they flow while it computes), and re-queues the jobs of a worker that dies.
+Jobs name audio by slot range in shm, so only a few hundred bytes per job pass through here, and
+results not at all: workers send them straight to the owning ingest and tell the broker only
+which jobs they answered (DONE). One thread polls three ROUTER sockets (ZeroMQ guide's
+load-balancing broker, with credit instead of one-job-at-a-time), heartbeats both ways Paranoid
+Pirate style (a worker's on a socket of their own, so they flow while it computes), and
+re-queues the jobs of a worker that dies.
 """
 
 from __future__ import annotations
@@ -192,12 +194,12 @@ class Broker:
                 ))
                 self.worker_links[ident] = Link(seen=now)
                 log.info("broker.worker_ready", worker=ident.decode(errors="replace"), capacity=info["capacity"], model=info.get("model"))
-            elif kind == wire.RESULTS:
-                results = wire.unpack_results(body[0])
+            elif kind == wire.DONE:
+                results = wire.unpack_done(body[0])
                 worker = self.dispatcher.workers.get(ident)
                 held = worker.inflight if worker is not None else {}
                 finals = {key for key in map(job_key, results) if key in held and held[key].final}
-                self._answer(self.dispatcher.complete(ident, results), finals)
+                self._count(self.dispatcher.complete(ident, results), finals)
             elif kind != wire.HEARTBEAT:
                 raise ValueError(f"unknown kind {kind[:16]!r}")
         except Exception as exc:
@@ -273,16 +275,19 @@ class Broker:
         )
         log.info("broker.ingest_ready", ingest=index, endpoint=info["endpoint"], ingest_pid=pid)
 
-    def _answer(self, results: list[JobResult], finals: AbstractSet[JobKey] = frozenset()) -> None:
-        """Queue results for their ingests and count them as finished jobs.
-
-        `finals` names the final jobs among worker results (looked up in the answering worker's
-        credit); every other answer the broker makes is a queued partial it expired, since the queue
-        never expires a final. A late result from a worker already declared lost is not in its
-        credit any more and counts as a partial: rare, and only the `kind` label is off.
-        """
+    def _answer(self, results: list[JobResult]) -> None:
+        """Queue the broker's own answers (partials it expired) for their ingests, and count them."""
         for result in results:
             self._outbox.setdefault(result.ingest, []).append(result)
+        self._count(results)
+
+    def _count(self, results: list[JobResult], finals: AbstractSet[JobKey] = frozenset()) -> None:
+        """Count answered jobs. `finals` names the final jobs among a worker's (looked up in its
+        credit); every other answer is a partial, since the queue never expires a final. A late
+        answer from a worker already declared lost is not in its credit any more and counts as a
+        partial: rare, and only the `kind` label is off.
+        """
+        for result in results:
             kind = "final" if job_key(result) in finals else "partial"
             self.metrics.inc("jobs_total", kind=kind, status=STATUS_NAMES.get(result.status, str(result.status)))
 

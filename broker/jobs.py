@@ -15,7 +15,8 @@ import msgpack
 # frame 0 of every internal message
 READY = b"READY"  # peer registers: ingest {index, endpoint, pid}; worker {capacity, pid, model}
 JOBS = b"JOBS"  # ingest -> broker, broker -> worker: list of Job arrays
-RESULTS = b"RESULTS"  # worker -> broker, broker -> ingest: list of JobResult arrays
+RESULTS = b"RESULTS"  # worker -> ingest (straight, no broker), broker -> ingest (jobs it expired): JobResult arrays
+DONE = b"DONE"  # worker -> broker: the jobs it answered, for credit and decode times (see pack_done)
 CANCEL = b"CANCEL"  # ingest -> broker: drop queued jobs of these stream keys
 HEARTBEAT = b"HB"
 HEARTBEAT_SUFFIX = b"+hb"  # a worker's heartbeat socket is its job socket's identity plus this
@@ -113,3 +114,13 @@ def pack_results(results: list[JobResult]) -> bytes:
 
 def unpack_results(data: bytes) -> list[JobResult]:
     return [JobResult.from_wire(row) for row in unpack(data)]
+
+
+def pack_done(results: list[JobResult]) -> bytes:
+    """What the broker needs of results that went to their ingests: no text, no segments."""
+    return pack([(r.job_id, r.ingest, r.status, r.batch_size, r.started, r.finished) for r in results])
+
+
+def unpack_done(data: bytes) -> list[JobResult]:
+    return [JobResult(job_id=job_id, ingest=ingest, status=status, batch_size=batch_size, started=started, finished=finished)
+            for job_id, ingest, status, batch_size, started, finished in unpack(data)]

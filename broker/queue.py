@@ -297,7 +297,8 @@ class Dispatcher:
         return sent, self._answer(answers)
 
     def complete(self, ident: bytes, results: Iterable[JobResult]) -> list[JobResult]:
-        """Take results from worker `ident`; returns those to forward to their ingests."""
+        """Take the answers worker `ident` reports; returns the first answer of each job (a
+        re-queued job can be answered twice; its ingest keeps the first result that arrives)."""
         worker = self.workers.get(ident)
         forward: list[JobResult] = []
         for result in results:

@@ -143,6 +143,10 @@ class Config:
     def ingest_endpoint(self, index: int) -> str:
         return f"tcp://{self.ingest.host}:{self.ingest.port_base + index}"
 
+    def ingest_results_endpoint(self, index: int) -> str:
+        """Where workers send ingest process `index` the results of its jobs."""
+        return f"ipc://{self.run_path}/ingest-{index}-results.sock"
+
     def shm_name(self, index: int) -> str:
         return f"streamasr.{self.instance}.ingest{index}"
 

@@ -1,4 +1,5 @@
-"""The ingest process: one ROUTER for all clients, sessions writing into shm, jobs to the broker.
+"""The ingest process: one ROUTER for all clients, sessions writing into shm, jobs to the broker,
+results from the workers straight back (a PULL socket every worker pushes to).
 
 One poll loop. Each iteration drains what arrived, then sends one JOBS message and the
 clients' events: under load many frames share one wake-up, which is what keeps the per-frame
@@ -14,6 +15,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 import structlog
@@ -56,6 +58,10 @@ class IngestServer:
         self.clients.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished client is an error we log, not a silent drop
         self.clients.setsockopt(zmq.SNDHWM, 100_000)
         self.clients.setsockopt(zmq.LINGER, 0)
+        cfg.run_path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.results = self.ctx.socket(zmq.PULL)
+        self.results.setsockopt(zmq.LINGER, 0)
+        self.results.bind(cfg.ingest_results_endpoint(index))
         self.clients.bind(self.endpoint)
         self.broker: zmq.Socket | None = None
         self.sessions: dict[str, Session] = {}
@@ -103,12 +109,30 @@ class IngestServer:
             self.stream_share = float(figures.get("stream_share", 0.0))
             self.realtime_elsewhere = int(figures.get("realtime_elsewhere", 0))
         elif kind == j.RESULTS:
-            for res in j.unpack_results(frames[1]):
-                key = self.owner.pop(res.job_id, None)
-                session = self.sessions.get(key) if key else None
-                if session is not None:
-                    session.on_result(res)
-                    self.dirty.add(key)
+            self._on_results(frames[1])
+
+    def _on_results(self, body: bytes) -> None:
+        """Results of this ingest's jobs, from the workers (or the broker: partials it expired).
+        The first result of a job counts: a job re-queued after its worker was given up for dead
+        may be answered twice, and a job id is never reused."""
+        for res in j.unpack_results(body):
+            key = self.owner.pop(res.job_id, None)
+            if key is None:
+                self.log.info("ingest.result_unknown_job", job=res.job_id, worker=res.worker, status=res.status)
+                continue
+            session = self.sessions.get(key)
+            if session is not None:
+                session.on_result(res)
+                self.dirty.add(key)
+
+    def _on_worker(self, frames: list[bytes]) -> None:
+        try:
+            if frames[0] != j.RESULTS or len(frames) != 2:
+                raise ValueError(f"unknown kind {frames[0][:16]!r}")
+            self._on_results(frames[1])
+        except Exception as exc:
+            self.metrics.inc("errors_total", code=m.INTERNAL)
+            self.log.warning("ingest.bad_worker_message", error=repr(exc))
 
     def _heartbeat(self, now: float) -> None:
         if now - self.hb_sent >= self.hb_interval:
@@ -330,6 +354,7 @@ class IngestServer:
         registered = self.broker
         poller.register(registered, zmq.POLLIN)
         poller.register(self.vad.signal, zmq.POLLIN)
+        poller.register(self.results, zmq.POLLIN)
         last_sweep = time.monotonic()
         self.metrics.set("shm_rings_total", self.pool.slots)
         self._publish_gauges()
@@ -343,22 +368,14 @@ class IngestServer:
                 registered = self.broker
                 poller.register(registered, zmq.POLLIN)
             events = dict(poller.poll(timeout=int(self.hb_interval * 1000 / 2)))
+            if self.results in events:
+                _drain(self.results, self._on_worker)
             if self.broker in events:
-                for _ in range(DRAIN_BATCH):
-                    try:
-                        frames = self.broker.recv_multipart(flags=zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._on_broker(frames)
-                if self.dirty:  # results go out before the clients' frames are taken: they waited longest
-                    self._flush()
+                _drain(self.broker, self._on_broker)
+            if self.dirty:  # results go out before the clients' frames are taken: they waited longest
+                self._flush()
             if self.clients in events:
-                for _ in range(DRAIN_BATCH):
-                    try:
-                        frames = self.clients.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._on_client(frames)
+                _drain(self.clients, self._on_client, copy=False)
             if self.vad.signal in events:
                 self._on_vad()
             now = time.monotonic()
@@ -381,6 +398,7 @@ class IngestServer:
             s.log.error("ingest.stream_abandoned_at_shutdown", pending_jobs=len(s.inflight), **s.figures())
         self.vad.close()
         self.clients.close(linger=0)
+        self.results.close(linger=0)
         self.broker.close(linger=0)
         if self.auth is not None:
             self.auth.stop()
@@ -389,6 +407,17 @@ class IngestServer:
         self.pool.unlink()
         self.metrics.close()
         self.log.info("ingest.stopped")
+
+
+def _drain(sock: zmq.Socket, handle: Callable[[list], None], copy: bool = True) -> None:
+    """Hand up to DRAIN_BATCH waiting messages to `handle`: a bound per turn keeps one busy
+    socket from starving the others and the heartbeats."""
+    for _ in range(DRAIN_BATCH):
+        try:
+            frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=copy)
+        except zmq.Again:
+            return
+        handle(frames)
 
 
 def main(cfg: Config, index: int) -> None:

@@ -6,6 +6,8 @@ Real processes under supervisord, real sockets on loopback, real shm, the real W
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
 import pytest
@@ -243,3 +245,42 @@ def test_client_that_vanishes_is_closed_and_others_are_unaffected(null_svc) -> N
     assert closed and closed[-1]["reason"] == "idle_timeout" and closed[-1]["audio_s"] > 1.0
     assert _pids(null_svc) == before
     other.close()
+
+
+def test_worker_back_from_the_dead_does_not_duplicate_results(null_svc) -> None:
+    """A worker frozen past the broker's patience has its job decoded by the other worker; woken
+    up while the stream is still open, it answers that job too, straight to the ingest, which
+    keeps the first answer: the client gets each final once."""
+    status = svc.front_door(null_svc.address, m.Status())
+    assert isinstance(status, m.StatusReply) and len(status.workers) == 2
+    frozen = status.workers[0]["pid"]  # the dispatcher's first choice among idle workers
+    seen = {name: len(null_svc.logs(name).splitlines()) for name in ("broker", "ingest-0")}
+
+    def new_events(name: str, event: str) -> list[dict]:
+        return [json.loads(line) for line in null_svc.logs(name).splitlines()[seen[name]:] if f'"{event}"' in line]
+
+    def wait_event(name: str, event: str) -> dict:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not new_events(name, event):
+            time.sleep(0.1)
+        [found] = new_events(name, event)
+        return found
+
+    client = RawClient(null_svc.address)
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        client.stream_file("zombie", FILES[0])
+        lost = wait_event("broker", "broker.worker_lost")
+        assert lost["requeued"] >= 1
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+    late = wait_event("ingest-0", "ingest.result_unknown_job")
+    assert late["worker"].endswith(f"-{frozen}")
+    client.send(m.End(stream="zombie"))
+    events = client.until_closed()
+    finals = [e for e in events if isinstance(e, m.Final)]
+    assert finals and all(f.text == null_svc.cfg.model.null_text for f in finals)
+    assert [f.seg for f in finals] == list(range(len(finals)))
+    closed = events[-1]
+    assert isinstance(closed, m.Closed) and closed.segments == len(finals)
+    client.close()

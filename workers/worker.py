@@ -2,11 +2,13 @@
 streams and runs the speech model on them.
 
 Two threads, two DEALER sockets to the broker. The main thread owns the job socket: jobs arrive
-on it and results leave on it from the thread that computes them, with no hand-off between
-threads on a job's path. The IO thread owns a second socket, for heartbeats only (its identity
-is the job socket's plus `+hb`), so heartbeats keep flowing while a batch is inside the model (a
-call may take a second, longer than the broker's patience). When the broker falls silent the IO
-thread reconnects Paranoid-Pirate style and tells the main thread to register again.
+on it, and the thread that computes them sends the results straight to the ingest that owns each
+job (a PUSH socket per ingest) and tells the broker which jobs it answered (DONE, on the job
+socket), with no hand-off between threads on a job's path and no detour through the broker. The
+IO thread owns a second socket, for heartbeats only (its identity is the job socket's plus
+`+hb`), so heartbeats keep flowing while a batch is inside the model (a call may take a second,
+longer than the broker's patience). When the broker falls silent the IO thread reconnects
+Paranoid-Pirate style and tells the main thread to register again.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ STOP = b"STOP"  # main -> IO thread: close and exit
 REGISTER = b"REGISTER"  # IO -> main thread: the broker was silent and is back, or new: send READY again
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 2.0
-FLUSH_S = 1.0  # at shutdown, how long results may wait for the broker
+FLUSH_S = 1.0  # at shutdown, how long results may wait for the broker and the ingests
 
 
 class AudioUnavailable(Exception):
@@ -132,7 +134,7 @@ class Heartbeats(threading.Thread):
 
 class _JobLink:
     """The main thread's job socket: READY leads every (re)connection, and messages that cannot
-    go out while the broker is away wait here, so results finished meanwhile are not lost."""
+    go out while the broker is away wait here, so it still hears of the jobs answered meanwhile."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, identity: bytes, ready: bytes) -> None:
         self._ctx = ctx
@@ -187,6 +189,42 @@ class _JobLink:
         self.sock.close(linger=int(seconds * 1000))
 
 
+class _ResultLinks:
+    """Results straight to the ingest that owns each job: one process wake-up fewer on every
+    result's way than a detour through the broker, and a broker restart loses none of them.
+
+    One PUSH socket per ingest, made when its first result is due. A socket queues what it
+    cannot deliver yet (an ingest restarting binds again within moments); only when its queue is
+    full, the ingest gone for good, are results dropped, and logged. Its streams are resumed on
+    another ingest, which decodes their audio again.
+    """
+
+    def __init__(self, ctx: zmq.Context, cfg: Config) -> None:
+        self._ctx = ctx
+        self._cfg = cfg
+        self._socks: dict[int, zmq.Socket] = {}
+
+    def send(self, results: list[JobResult]) -> None:
+        by_ingest: dict[int, list[JobResult]] = {}
+        for result in results:
+            by_ingest.setdefault(result.ingest, []).append(result)
+        for index, answers in by_ingest.items():
+            sock = self._socks.get(index)
+            if sock is None:
+                sock = self._socks[index] = self._ctx.socket(zmq.PUSH)
+                sock.connect(self._cfg.ingest_results_endpoint(index))
+            try:
+                sock.send_multipart([wire.RESULTS, wire.pack_results(answers)], zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("worker.results_undeliverable", ingest=index, results=len(answers))
+
+    def close(self, seconds: float) -> None:
+        """At shutdown: what is queued gets `seconds` to reach its ingest."""
+        for sock in self._socks.values():
+            sock.close(linger=int(seconds * 1000))
+        self._socks.clear()
+
+
 class Worker:
     """The compute side: model, shm attachments, batching."""
 
@@ -237,9 +275,11 @@ class Worker:
             link = _JobLink(ctx, self.cfg.broker_worker_endpoint, self.identity.encode(), wire.pack({
                 "capacity": self.capacity, "pid": os.getpid(), "model": self.cfg.model.name,
             }))
+            results = _ResultLinks(ctx, self.cfg)
             try:
-                self._serve(link, pipe, stop)
+                self._serve(link, results, pipe, stop)
             finally:
+                results.close(FLUSH_S)
                 link.flush(FLUSH_S)
                 try:
                     pipe.send(STOP, zmq.NOBLOCK)
@@ -256,7 +296,7 @@ class Worker:
         log.info("worker.stopped", abandoned=len(self._batcher), io_failed=failed)
         return 1 if failed else 0
 
-    def _serve(self, link: _JobLink, pipe: zmq.Socket, stop: StopSignal) -> None:
+    def _serve(self, link: _JobLink, answers: _ResultLinks, pipe: zmq.Socket, stop: StopSignal) -> None:
         """Gather jobs from the broker and run a batch whenever one is due; a batch already
         running when SIGTERM arrives is finished and its results sent."""
         poller = zmq.Poller()
@@ -283,7 +323,8 @@ class Worker:
             if batch:
                 results += self.process(batch)
             if results:
-                link.send([wire.RESULTS, wire.pack_results(results)])
+                answers.send(results)
+                link.send([wire.DONE, wire.pack_done(results)])
             else:
                 link.send_outbox()
 
