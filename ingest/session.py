@@ -235,9 +235,12 @@ class Session:
         job = self.inflight.pop(res.job_id, None)
         if job is None:
             return  # a duplicate after a re-dispatch
+        now = time.monotonic()
         if job.created:
-            self.metrics.observe("final_latency_seconds" if job.final else "partial_latency_seconds",
-                                 time.monotonic() - job.created)
+            self.metrics.observe("final_latency_seconds" if job.final else "partial_latency_seconds", now - job.created)
+            if res.started:  # a decode ran (an expired job has no times): where its latency went
+                self.metrics.observe("job_transit_seconds", res.started - job.created, leg="to_worker")
+                self.metrics.observe("job_transit_seconds", now - res.finished, leg="to_ingest")
         seg = self.segments.get(job.seg)
         if job.final:
             self._on_final(job, res, seg)

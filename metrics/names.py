@@ -11,6 +11,9 @@ PREFIX = "streamasr_"
 # Seconds: sub-millisecond (a partial on an idle GPU) up to a final that waited behind a long queue.
 LATENCY_BUCKETS: tuple[float, ...] = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                                       1.0, 2.5, 5.0, 10.0, 30.0)
+# Seconds: one process hop (a tenth of a millisecond) up to a job queued behind a busy pool.
+TRANSIT_BUCKETS: tuple[float, ...] = (0.0001, 0.0002, 0.0003, 0.0004, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003,
+                                      0.005, 0.01, 0.025, 0.1, 1.0)
 # Requests per backend call: powers of two up to the largest batch a worker can be configured for.
 BATCH_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64)
 # Seconds: a young collection takes tens of microseconds, a full one over a large heap can take 100s of ms.
@@ -36,6 +39,10 @@ SPECS: dict[str, MetricSpec] = {s.name: s for s in (
                "Partial results: from job creation at ingest to the result back at ingest.", buckets=LATENCY_BUCKETS),
     MetricSpec("final_latency_seconds", "histogram", "ingest",
                "Final results: from job creation at ingest to the result back at ingest.", buckets=LATENCY_BUCKETS),
+    MetricSpec("job_transit_seconds", "histogram", "ingest",
+               "A job's way between processes: leg=to_worker from its creation at ingest to its decode starting (the "
+               "broker's queue included), leg=to_ingest from the decode's end to its result back at ingest.", ("leg",),
+               buckets=TRANSIT_BUCKETS),
     MetricSpec("finals_revised_total", "counter", "ingest",
                "Finals whose whole-segment decode changed words partials had marked stable."),
     MetricSpec("shm_rings_used", "gauge", "ingest", "Shared-memory audio rings holding a stream."),

@@ -111,10 +111,11 @@ class Target:
         out.update({str(w.get("id")): w["pid"] for w in reply.workers if w.get("pid")})
         return out
 
-    def gc_pauses(self) -> dict[tuple[str, str, str], Histogram]:
-        """(family, process, generation) -> histogram of `gc_pause_seconds` ("pause") and
-        `gc_cpu_seconds` ("cpu") from the dashboard's /metrics; empty for a service we did not
-        start (its dashboard is on its own machine's localhost)."""
+    def histograms(self) -> dict[tuple[str, str, str], Histogram]:
+        """(family, process, label) -> histogram of `gc_pause_seconds` ("pause") and
+        `gc_cpu_seconds` ("cpu") by generation, and `job_transit_seconds` ("transit") by leg, from
+        the dashboard's /metrics; empty for a service we did not start (its dashboard is on its
+        own machine's localhost)."""
         if self.local is None:
             return {}
         from urllib.request import urlopen
@@ -128,12 +129,14 @@ class Target:
             return {}
         buckets: dict[tuple[str, str, str], dict[float, float]] = {}  # cumulative, as exported
         totals: dict[tuple[str, str, str], float] = {}
-        families = {"streamasr_gc_pause_seconds": "pause", "streamasr_gc_cpu_seconds": "cpu"}
+        families = {"streamasr_gc_pause_seconds": "pause", "streamasr_gc_cpu_seconds": "cpu",
+                    "streamasr_job_transit_seconds": "transit"}
         for family in text_string_to_metric_families(text):
             if family.name not in families:
                 continue
             for sample in family.samples:
-                key = (families[family.name], sample.labels.get("process", "?"), sample.labels.get("generation", "?"))
+                label = sample.labels.get("generation", sample.labels.get("leg", "?"))
+                key = (families[family.name], sample.labels.get("process", "?"), label)
                 if sample.name.endswith("_bucket"):
                     buckets.setdefault(key, {})[float(sample.labels["le"])] = sample.value
                 elif sample.name.endswith("_sum"):
@@ -236,16 +239,39 @@ def _ms(bound: float | None) -> float | None:
     return round(1000 * bound, 3) if bound is not None and math.isfinite(bound) else None
 
 
-def gc_report(before: dict[tuple[str, str, str], Histogram],
-              after: dict[tuple[str, str, str], Histogram]) -> dict[str, dict[str, Any]]:
-    """Per process, the GC pauses of this run: count, total ms and max (as a bucket's upper bound),
-    the collector's CPU time at most, and the same per generation: a pause much longer than its
-    CPU time is the process waiting for a core."""
+def _this_run(before: dict[tuple[str, str, str], Histogram],
+              after: dict[tuple[str, str, str], Histogram]) -> dict[tuple[str, str, str], Histogram]:
+    """What the histograms took during the run: `after` less `before`."""
     runs: dict[tuple[str, str, str], Histogram] = {}
     for key, h in after.items():
         runs[key] = h.copy()
         if key in before:
             runs[key].add(before[key], sign=-1)
+    return runs
+
+
+def transit_report(before: dict[tuple[str, str, str], Histogram],
+                   after: dict[tuple[str, str, str], Histogram]) -> dict[str, dict[str, Any]]:
+    """Per leg of a decoded job's way (to the worker, back to the ingest), over every ingest:
+    count and p50 / p90 / p99 ms, interpolated within the histogram's buckets."""
+    legs: dict[str, Histogram] = {}
+    for (family, _, leg), h in _this_run(before, after).items():
+        if family != "transit":
+            continue
+        if leg in legs:
+            legs[leg].add(h)
+        else:
+            legs[leg] = h
+    return {leg: {"count": int(h.count), **{f"p{q}_ms": _ms(h.quantile(q / 100)) for q in (50, 90, 99)}}
+            for leg, h in sorted(legs.items()) if h.count}
+
+
+def gc_report(before: dict[tuple[str, str, str], Histogram],
+              after: dict[tuple[str, str, str], Histogram]) -> dict[str, dict[str, Any]]:
+    """Per process, the GC pauses of this run: count, total ms and max (as a bucket's upper bound),
+    the collector's CPU time at most, and the same per generation: a pause much longer than its
+    CPU time is the process waiting for a core."""
+    runs = {key: h for key, h in _this_run(before, after).items() if key[0] in ("pause", "cpu")}
 
     def total(hists: list[Histogram]) -> Histogram | None:
         if not hists:
@@ -361,7 +387,8 @@ class RunSpec:
 
 def summarize(spec: RunSpec, results: list[dict[str, Any]], t0: float, wall_end: float, sampler: Sampler,
               batches: tuple[list[int], list[float]] | None, jobs: tuple[m.StatusReply | None, m.StatusReply | None],
-              processes: int, gc_pauses: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+              processes: int, gc_pauses: dict[str, dict[str, Any]],
+              transit: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """One summary object, plus the raw arrays the plot needs."""
     streams = [s for r in results for s in r["streams"]]
     opened = [s for s in streams if s["ready"]]
@@ -456,6 +483,8 @@ def summarize(spec: RunSpec, results: list[dict[str, Any]], t0: float, wall_end:
                            "stream_share_last": sampler.loads[-1][3] if sampler.loads else None,
                            "over_time": [[round(t - t0, 2), b, share] for t, _, b, share in sampler.loads]},
         "gc_pauses": gc_pauses,
+        # Where decoded jobs' latency went outside the model, measured inside the service.
+        "job_transit_ms": transit,
         "wer": wer,
         "load_average": [round(x, 2) for x in os.getloadavg()],  # 1/5/15 min at the end: was the machine shared?
         "cpu_pressure_pct": cpu_pressure(),
@@ -507,7 +536,7 @@ def run_load(target: Target, spec: RunSpec, clips: list[Clip]) -> tuple[dict[str
         logs = target.worker_logs()
         offsets = batch_log_offsets(logs)
         before = target.status()
-        gc_before = target.gc_pauses()
+        hist_before = target.histograms()
         sampler = Sampler(pids, load=lambda: ((reply.load, reply.busy, reply.stream_share)
                                               if (reply := target.status()) is not None else None)).start()
         t0 = time.monotonic() + 0.5
@@ -530,7 +559,7 @@ def run_load(target: Target, spec: RunSpec, clips: list[Clip]) -> tuple[dict[str
         after = target.status()
         if target.local is not None:
             time.sleep(PUBLISH_INTERVAL_S)  # the last pauses reach the dashboard with the next publish
-        gc_after = target.gc_pauses()
+        hist_after = target.histograms()
         allocations = marks.collect(spec.streams, spec.frame_ms) if marks is not None else None
         batches = batch_sizes(offsets, logs) if logs else None
         for proc in procs:
@@ -540,7 +569,8 @@ def run_load(target: Target, spec: RunSpec, clips: list[Clip]) -> tuple[dict[str
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    summary, raw = summarize(spec, results, t0, wall_end, sampler, batches, (before, after), procs_n, gc_report(gc_before, gc_after))
+    summary, raw = summarize(spec, results, t0, wall_end, sampler, batches, (before, after), procs_n,
+                             gc_report(hist_before, hist_after), transit_report(hist_before, hist_after))
     if allocations is not None:
         summary["allocations"] = allocations
     return summary, raw
@@ -599,6 +629,10 @@ def print_report(s: dict[str, Any], out: Any = sys.stdout) -> None:
         busy = s["admission_busy"]
         w(f"workers' realtime busy share: max {busy['max']:.2f}, per speaking stream at the end {busy['stream_share_last']:.3f}",
           file=out)
+    if s["job_transit_ms"]:
+        legs = "; ".join(f"{leg.replace('_', ' ')} p50 {_fmt(t['p50_ms'], 3)} p90 {_fmt(t['p90_ms'], 3)} p99 {_fmt(t['p99_ms'], 3)}"
+                         for leg, t in s["job_transit_ms"].items())
+        w(f"job transit outside the model (ms, within histogram buckets): {legs}", file=out)
     if s["gc_pauses"]:
         def bound(ms: float | None, n: int) -> str:
             return "-" if not n else "> largest bucket" if ms is None else f"<= {ms:g} ms"

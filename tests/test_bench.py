@@ -59,6 +59,11 @@ def test_realtime_report_is_well_formed(tmp_path: Path) -> None:
         assert set(g["by_generation"]) <= {"0", "1", "2"}, (name, g)
         if g["count"]:  # the collector's CPU time is recorded for the same collections
             assert g["cpu_max_ms_at_most"] is None or g["cpu_max_ms_at_most"] > 0, (name, g)
+    # each decoded job's two legs outside the model, as the ingest measured them
+    assert set(s["job_transit_ms"]) == {"to_worker", "to_ingest"}
+    for leg, t in s["job_transit_ms"].items():
+        assert 0 < t["count"] <= s["jobs"]["done"], (leg, t)
+        assert 0 < t["p50_ms"] <= t["p90_ms"] <= t["p99_ms"], (leg, t)
 
 
 def test_tracemalloc_reports_what_each_serving_process_kept(tmp_path: Path) -> None:
