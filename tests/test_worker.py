@@ -1,20 +1,27 @@
-"""A worker's compute side in-process: audio from a real shm pool, the null backend, failures."""
+"""A worker's compute side in-process: audio from a real shm pool, the null backend, failures;
+and its result sockets to the ingests."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import pytest
+import zmq
+from structlog.testing import capture_logs
 
-from broker.jobs import FAILED, OK, REALTIME, Job
+from broker import jobs as wire
+from broker.jobs import FAILED, OK, REALTIME, Job, JobResult
 from config import settings
 from shm import RingPool, reclaim
 from speech.backend import Backend, DecodeRequest, DecodeResult
 from speech.null_backend import NullBackend
-from workers.worker import Worker
+from workers.worker import Worker, _ResultLinks
 
 
 @pytest.fixture
@@ -139,3 +146,33 @@ def test_recreated_segment_is_reattached(worker: Worker) -> None:
         second.close()
     finally:
         reclaim(instance)
+
+
+def test_results_go_to_their_own_ingest_and_a_gone_one_is_reported() -> None:
+    """Each ingest's results leave on its own socket, whole and in order; an ingest that is not
+    there has them queued until its queue is full, and what cannot be queued is logged."""
+    run = Path(tempfile.mkdtemp(prefix="sasr-"))  # short: ipc paths are limited to about 100 bytes
+    cfg = settings.load(None, {"run_dir": str(run), "instance": f"t{uuid.uuid4().hex[:8]}"})
+    ctx = zmq.Context()
+    ingest1 = ctx.socket(zmq.PULL)
+    ingest1.bind(cfg.ingest_results_endpoint(1))
+    links = _ResultLinks(ctx, cfg)
+    try:
+        with capture_logs() as logs:
+            links.send([JobResult(job_id=i, ingest=i % 2, text=f"r{i}") for i in range(6)])
+            assert ingest1.poll(5000)
+            kind, body = ingest1.recv_multipart()
+            assert kind == wire.RESULTS
+            assert [(r.job_id, r.text) for r in wire.unpack_results(body)] == [(1, "r1"), (3, "r3"), (5, "r5")]
+            for i in range(2000):  # ingest 0 never binds
+                links.send([JobResult(job_id=100 + i, ingest=0)])
+        dropped = [e for e in logs if e["event"] == "worker.results_undeliverable"]
+        assert dropped and {e["ingest"] for e in dropped} == {0}
+        queued = 1 + 2000 - len(dropped)  # the first message (jobs 0, 2, 4) and the rest that fit
+        assert queued == links._socks[0].getsockopt(zmq.SNDHWM)  # wait for ingest 0 in its socket's queue
+        assert not ingest1.poll(100)  # none of ingest 0's went elsewhere
+    finally:
+        links.close(0)
+        ingest1.close(linger=0)
+        ctx.term()
+        shutil.rmtree(run, ignore_errors=True)
