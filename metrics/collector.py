@@ -427,12 +427,15 @@ class Collector:
                 kind = dict(labels).get("kind", "")
                 jobs[kind] = jobs.get(kind, 0.0) + value
         summed: dict[str, Histogram] = {}
-        for (_, name, _labels_), hist in hists.items():
-            if name in ("partial_latency_seconds", "final_latency_seconds", "batch_size"):
-                if name in summed:
-                    summed[name].add(hist)
-                else:
-                    summed[name] = hist.copy()
+        for (_, name, labels), hist in hists.items():
+            if name == "job_transit_seconds":  # one histogram per leg: to_worker, to_ingest
+                name = dict(labels).get("leg", "")
+            elif name not in ("partial_latency_seconds", "final_latency_seconds", "batch_size"):
+                continue
+            if name in summed:
+                summed[name].add(hist)
+            else:
+                summed[name] = hist.copy()
         return {"jobs": jobs, "hists": summed}
 
     def _build_view(self, now: float) -> dict[str, Any]:
@@ -454,8 +457,8 @@ class Collector:
         rates = {kind: max(0.0, (v - old[1].get("jobs", {}).get(kind, 0.0)) / span)
                  for kind, v in new[1].get("jobs", {}).items()} if span > 0 else {}
         latency: dict[str, dict[str, Any]] = {}
-        for kind in ("partial", "final"):
-            name = f"{kind}_latency_seconds"
+        for kind, name in (("partial", "partial_latency_seconds"), ("final", "final_latency_seconds"),
+                           ("to_worker", "to_worker"), ("to_ingest", "to_ingest")):  # the last two: job_transit_seconds
             latency[kind] = self._window_stats(old[1].get("hists", {}).get(name), new[1].get("hists", {}).get(name))
         batch = self._window_stats(old[1].get("hists", {}).get("batch_size"), new[1].get("hists", {}).get("batch_size"))
         view: dict[str, Any] = {

@@ -226,6 +226,8 @@ def test_full_service_dashboard_under_bench(service_factory, tmp_path: Path) -> 
         assert name in figures, name
     for name in ("streamasr_partial_latency_seconds", "streamasr_final_latency_seconds", "streamasr_batch_size"):
         assert figures[name + "_count"][()] > 0, name
+    for leg in ("to_worker", "to_ingest"):
+        assert figures["streamasr_job_transit_seconds_count"][(("leg", leg),)] > 0, leg
     decoded = counters(url, "streamasr_worker_jobs")
     # kept per worker, not summed; an idle-fast null model may leave one worker with all the jobs
     assert decoded and {dict(labels)["worker"] for labels in decoded} <= {"worker-0", "worker-1"}, decoded

@@ -47,6 +47,8 @@ while True:
         m.inc("jobs_total", kind="final", status="done")
         m.observe("final_latency_seconds", random.uniform(0.1, 1.0))
     m.observe("partial_latency_seconds", random.uniform(0.01, 0.2))
+    m.observe("job_transit_seconds", random.uniform(0.0005, 0.00075), leg="to_worker")  # one bucket each
+    m.observe("job_transit_seconds", random.uniform(0.003, 0.005), leg="to_ingest")
     m.observe("batch_size", random.randint(1, 8))
     m.inc("busy_seconds_total", 0.02)
     m.set("streams_active", random.randint(1, 9), priority="realtime")
@@ -140,6 +142,8 @@ def test_snapshots_of_several_processes_aggregate(instance, publishers, collecto
     snap = wait_for(lambda: (s := collector.snapshot())["latency"]["partial"]["count"] and s["throughput"]["jobs_per_s"] and s,
                     what="windowed latency and throughput")
     assert 0.01 <= snap["latency"]["partial"]["p50"] <= 0.25
+    assert 0.0005 <= snap["latency"]["to_worker"]["p95"] <= 0.00075  # each leg on its own, summed over processes
+    assert 0.003 <= snap["latency"]["to_ingest"]["p50"] <= 0.005
     assert 1 <= snap["batch"]["mean"] <= 8
     assert snap["throughput"]["jobs_per_s"] > 5  # two publishers at ~20 partials/s each
     assert 2 <= snap["streams"]["realtime"] <= 18 and snap["rings"]["total"] == 32  # gauges sum over processes

@@ -80,6 +80,8 @@ function render(s) {
   setMetric("batch-mean", number(s.batch.mean, 2));
   setMetric("partial-p95", seconds(s.latency.partial.p95));
   setMetric("final-p95", seconds(s.latency.final.p95));
+  setMetric("to-worker-p95", seconds(s.latency.to_worker.p95));
+  setMetric("to-ingest-p95", seconds(s.latency.to_ingest.p95));
   setMetric("window", number(s.window_s));
   setMetric("rings-used", number(s.rings.used));
   setMetric("rings-total", number(s.rings.total));
