@@ -93,7 +93,7 @@ class Broker:
         # Workers whose heartbeat socket has been heard: one of these becoming unreachable means
         # the process is gone (before that, its heartbeat socket may just not be connected yet).
         self._heartbeat_heard: set[bytes] = set()
-        self._outbox: dict[int, list[JobResult]] = {}  # results per ingest, sent once per loop turn
+        self._outbox: dict[int, list[JobResult]] = {}  # the broker's own answers per ingest, sent once per loop turn
         self._ctx = zmq.Context()
         self._ingest_sock = self._ctx.socket(zmq.ROUTER)
         self._worker_sock = self._ctx.socket(zmq.ROUTER)

@@ -197,7 +197,7 @@ class Dispatcher:
     A worker is never sent more jobs than its announced capacity minus the jobs it holds; each
     result returns one credit. Jobs of a worker that dies go back to the front of the queue. The
     first worker may still answer after all, so for re-queued jobs the broker remembers which
-    were answered and forwards one result per job.
+    were answered and counts one answer per job (the ingest likewise keeps the first result).
     """
 
     def __init__(self, queue: JobQueue, remember: int = 65_536) -> None:
@@ -300,7 +300,7 @@ class Dispatcher:
         """Take the answers worker `ident` reports; returns the first answer of each job (a
         re-queued job can be answered twice; its ingest keeps the first result that arrives)."""
         worker = self.workers.get(ident)
-        forward: list[JobResult] = []
+        first: list[JobResult] = []
         for result in results:
             key = job_key(result)
             job = worker.inflight.pop(key, None) if worker is not None else None
@@ -320,9 +320,9 @@ class Dispatcher:
                 # when it answers.
                 self.queue.remove(key)
                 self._mark_answered(key)
-            forward.append(result)
-        self.jobs_done += len(forward)
-        return forward
+            first.append(result)
+        self.jobs_done += len(first)
+        return first
 
     def cancel(self, ingest: int, streams: Iterable[str]) -> list[Job]:
         return self._forget(self.queue.remove_where(ingest, streams))
@@ -336,7 +336,7 @@ class Dispatcher:
         return jobs
 
     def _answer(self, answers: list[JobResult]) -> list[JobResult]:
-        """Count EXPIRED answers and make sure a late result of the same job is not forwarded."""
+        """Count EXPIRED answers and make sure a late result of the same job is not counted again."""
         for result in answers:
             key = job_key(result)
             if key in self._requeued:

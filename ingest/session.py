@@ -234,7 +234,7 @@ class Session:
     def on_result(self, res: JobResult) -> None:
         job = self.inflight.pop(res.job_id, None)
         if job is None:
-            return  # a duplicate after a re-dispatch
+            return  # a job of an earlier stream under the same key (duplicates stop at the server)
         now = time.monotonic()
         if job.created:
             self.metrics.observe("final_latency_seconds" if job.final else "partial_latency_seconds", now - job.created)

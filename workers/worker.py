@@ -275,11 +275,11 @@ class Worker:
             link = _JobLink(ctx, self.cfg.broker_worker_endpoint, self.identity.encode(), wire.pack({
                 "capacity": self.capacity, "pid": os.getpid(), "model": self.cfg.model.name,
             }))
-            results = _ResultLinks(ctx, self.cfg)
+            answers = _ResultLinks(ctx, self.cfg)
             try:
-                self._serve(link, results, pipe, stop)
+                self._serve(link, answers, pipe, stop)
             finally:
-                results.close(FLUSH_S)
+                answers.close(FLUSH_S)
                 link.flush(FLUSH_S)
                 try:
                     pipe.send(STOP, zmq.NOBLOCK)
