@@ -200,6 +200,9 @@ class Broker:
                 held = worker.inflight if worker is not None else {}
                 finals = {key for key in map(job_key, results) if key in held and held[key].final}
                 self._count(self.dispatcher.complete(ident, results), finals)
+            elif kind == wire.LEAVING:
+                if link is not None:
+                    log.info("broker.worker_left", worker=ident.decode(errors="replace"), requeued=self._forget_worker(ident, now))
             elif kind != wire.HEARTBEAT:
                 raise ValueError(f"unknown kind {kind[:16]!r}")
         except Exception as exc:
@@ -207,12 +210,16 @@ class Broker:
             log.warning("broker.bad_worker_message", worker=ident.decode(errors="replace"), error=repr(exc))
 
     def _lose_worker(self, ident: bytes, why: str, now: float) -> None:
+        log.warning("broker.worker_lost", worker=ident.decode(errors="replace"), why=why, requeued=self._forget_worker(ident, now))
+
+    def _forget_worker(self, ident: bytes, now: float) -> int:
+        """Drop a worker that died or said goodbye; the jobs it held go back to the queue. Returns their number."""
         worker = self.dispatcher.workers.get(ident)
         held = len(worker.inflight) if worker else 0
         self.worker_links.pop(ident, None)
         self._heartbeat_heard.discard(ident)
         self._answer(self.dispatcher.remove_worker(ident, now))
-        log.warning("broker.worker_lost", worker=ident.decode(errors="replace"), why=why, requeued=held)
+        return held
 
     def _dispatch(self, now: float) -> None:
         """Hand out queued jobs, one JOBS message per worker; a worker found gone on the way

