@@ -52,6 +52,7 @@ class IngestState:
     pid: int
     streams: int  # its load, from READY and heartbeats
     realtime: int  # realtime streams among them, from heartbeats
+    recent: int  # realtime streams it admitted within the figures' window, from heartbeats
     rings: int  # shm rings in use, from heartbeats: a leak shows here
     registered: float
     link: Link
@@ -262,6 +263,7 @@ class Broker:
                     info = wire.unpack(body[0])
                     state.streams = int(info.get("streams", state.streams))
                     state.realtime = int(info.get("realtime", state.realtime))
+                    state.recent = int(info.get("recent", state.recent))
                     state.rings = int(info.get("rings", state.rings))
             else:
                 raise ValueError(f"unknown kind {kind[:16]!r}")
@@ -276,7 +278,7 @@ class Broker:
             dropped = self.dispatcher.drop_ingest(index)
             log.warning("broker.ingest_replaced", ingest=index, old_pid=old.pid, ingest_pid=pid, dropped=len(dropped))
         self.ingests[index] = IngestState(
-            index=index, endpoint=str(info["endpoint"]), pid=pid, streams=int(info.get("streams", 0)), realtime=0, rings=0,
+            index=index, endpoint=str(info["endpoint"]), pid=pid, streams=int(info.get("streams", 0)), realtime=0, recent=0, rings=0,
             registered=old.registered if old is not None and old.pid == pid else now,
             link=Link(seen=now),
         )
@@ -313,6 +315,7 @@ class Broker:
         self.busy = 0.5 * self.busy + 0.5 * use.busy
         self._update_stream_share(use)
         realtime = sum(s.realtime for s in self.ingests.values())
+        recent = sum(s.recent for s in self.ingests.values())
         queued = self.dispatcher.queue.counts()
         self.metrics.set("jobs_queued", queued.get(REALTIME, 0), priority="realtime")
         self.metrics.set("jobs_queued", queued.get(BATCH, 0), priority="batch")
@@ -334,7 +337,8 @@ class Broker:
             else:
                 self._send(self._ingest_sock, ingest_identity(index), [wire.HEARTBEAT, wire.pack({
                     "load": round(self.load, 3), "busy": round(self.busy, 3), "stream_share": round(self.stream_share, 4),
-                    "realtime_elsewhere": realtime - state.realtime,
+                    "realtime_elsewhere": realtime - state.realtime, "recent_elsewhere": recent - state.recent,
+                    "window_s": SHARE_TICKS * self._interval_s,
                 })])
 
     def _update_stream_share(self, use: RealtimeUse) -> None:

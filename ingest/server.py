@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 
 import numpy as np
@@ -77,6 +78,9 @@ class IngestServer:
         self.busy = 0.0
         self.stream_share = 0.0
         self.realtime_elsewhere = 0  # realtime streams open on the other ingest processes
+        self.figures_window_s = 0.0  # what the busy figure and the share are measured over
+        self.admitted: deque[float] = deque()  # when realtime streams were admitted here, within that window
+        self.recent_elsewhere = 0  # realtime streams admitted on the other ingests within it
         self.draining = False
         self.stop_at: float | None = None
         self._connect_broker()
@@ -108,6 +112,8 @@ class IngestServer:
             self.busy = float(figures.get("busy", 0.0))
             self.stream_share = float(figures.get("stream_share", 0.0))
             self.realtime_elsewhere = int(figures.get("realtime_elsewhere", 0))
+            self.recent_elsewhere = int(figures.get("recent_elsewhere", 0))
+            self.figures_window_s = float(figures.get("window_s", 0.0))
         elif kind == j.RESULTS:
             self._on_results(frames[1])
 
@@ -138,7 +144,7 @@ class IngestServer:
         if now - self.hb_sent >= self.hb_interval:
             self.hb_sent = now
             self.broker.send_multipart([j.HEARTBEAT, j.pack({"streams": len(self.sessions), "realtime": self._realtime_open(),
-                                                             "rings": self.pool.in_use})])
+                                                             "recent": self._recent_admissions(now), "rings": self.pool.in_use})])
         if now - self.broker_seen > self.hb_interval * self.cfg.broker.liveness:
             self.log.warning("ingest.broker_lost", silent_s=round(now - self.broker_seen, 2))
             self._connect_broker()
@@ -217,10 +223,12 @@ class IngestServer:
             if max_load and self.load > max_load:
                 return refuse(m.OVERLOADED, f"the service is past its capacity (realtime streams wait {self.load:.1f} s for a model); "
                                             "try again later or open with priority batch")
-            # Extrapolated only while the workers are at least half busy: a share measured on other
+            # Extrapolated only while the workers are at least half busy, counting the streams
+            # admitted too recently to show in the figures (a burst): a share measured on other
             # streams (sent faster than real time, say) must not turn streams away from idle workers.
             busy = self.stream_share * (self._realtime_open() + self.realtime_elsewhere + 1)
-            if max_busy and self.busy >= max_busy / 2 and busy > max_busy:
+            unseen = self._recent_admissions(time.monotonic()) + self.recent_elsewhere
+            if max_busy and self.busy + self.stream_share * unseen >= max_busy / 2 and busy > max_busy:
                 return refuse(m.OVERLOADED, f"the service is at its capacity (with another realtime stream the models would be "
                                             f"{100 * busy:.0f} % busy); try again later or open with priority batch")
         try:
@@ -236,6 +244,14 @@ class IngestServer:
                          priority=msg.priority, language=msg.language, partials=msg.partials, offset=msg.offset)
         self._send(ident, m.Ready(stream=msg.stream, window=session.window()))
         session.acked_window = session.window()
+        if msg.priority == "realtime" and not msg.offset:
+            self.admitted.append(time.monotonic())
+
+    def _recent_admissions(self, now: float) -> int:
+        """Realtime streams admitted here within the broker's figures' window: their demand is not in them yet."""
+        while self.admitted and now - self.admitted[0] > self.figures_window_s:
+            self.admitted.popleft()
+        return len(self.admitted)
 
     def _realtime_open(self) -> int:
         """Realtime streams open here: counted when needed (an open, a heartbeat), not kept in step."""

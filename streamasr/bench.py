@@ -11,7 +11,8 @@ reporting latencies it inflated itself.
 With --ramp the streams open one by one during the run instead of together, so admission control,
 which reacts to the broker's measured queue wait, gets the chance to refuse some: refused opens are
 counted by error code, latencies are those of the admitted streams, and the report carries the peak
-admission figure and, for a service the bench started, each process's GC pauses.
+admission figure and, for a service the bench started, each process's GC pauses. A sweep turns
+admission off in the service it starts: it measures what N streams get, refusing is not its point.
 """
 
 from __future__ import annotations
@@ -722,7 +723,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ramp", type=float, default=0.0, metavar="SECONDS",
                    help="real-time only: stream i of N opens at i x SECONDS / N, so admission control sees the load "
                         "grow; a refused open is counted by its error code and not retried (0: open all at once)")
-    p.add_argument("--sweep", help="comma-separated stream counts, e.g. 1,2,4,8: runs each, reports the largest N within the bounds")
+    p.add_argument("--sweep", help="comma-separated stream counts, e.g. 1,2,4,8: runs each, reports the largest N within the bounds "
+                                   "(admission control off in a service the bench starts)")
     p.add_argument("--p99-bound-ms", type=float, default=1000.0, help="sweep bound on p99 partial latency (finals: 1.5x)")
     p.add_argument("--interval-bound-ms", type=float, default=1000.0,
                    help="sweep bound on the p90 interval between a segment's partials: superseded partials keep "
@@ -773,6 +775,10 @@ def main(argv: list[str] | None = None) -> int:
                                          "ingest": {"max_streams_per_client": max(64, max(counts))}}
             if args.max_batch:
                 overrides["model"] = {"max_batch": args.max_batch}
+            if args.sweep:
+                # A sweep measures what N streams get. After the first run the service has measured
+                # one stream's share, and admission would cut the later, larger bursts.
+                overrides["ingest"] |= {"admit_max_load_s": 0, "admit_max_busy": 0}
             print(f"starting the service: model {args.model}, {args.workers} workers ...", file=sys.stderr, flush=True)
             overrides = settings.merge({"model": {"name": args.model, "backend": "null" if args.model == "null" else "onnxruntime"},
                                         "workers": {"processes": args.workers}}, overrides)

@@ -21,6 +21,43 @@ from streaming import StreamClient, StreamResult, hello, read_wav, speech_files,
 GAP = np.zeros(8_000, np.int16).tobytes()
 
 
+class Opener:
+    """Realtime streams of `pcm`, opened one after another until one is refused."""
+
+    def __init__(self, service: Any, pcm: bytes) -> None:
+        self.service = service
+        self.pcm = pcm
+        self.results: list[StreamResult] = []
+        self.threads: list[threading.Thread] = []
+        self.refused: StreamResult | None = None
+
+    def open_until_refused(self, pause_s: float, figure: str, most: int = 40) -> float:
+        """Opens streams `pause_s` apart; returns the peak of status `figure` seen meanwhile."""
+        peak = 0.0
+        for i in range(most):
+            client = StreamClient(self.service.address, self.pcm, f"rt{i}", speed=1.0, timeout=300)
+            thread = threading.Thread(target=lambda c=client: self.results.append(c.run()), daemon=True)
+            thread.start()
+            assert client.answered.wait(60), f"rt{i}: open not answered"
+            peak = max(peak, svc.status(self.service.cfg).get(figure, 0.0))
+            if client.result.refused is not None:
+                thread.join(10)
+                self.refused = self.results.pop(self.results.index(client.result))
+                return peak
+            self.threads.append(thread)
+            time.sleep(pause_s)
+        raise AssertionError(f"{most} realtime streams admitted on 2 cores (peak {figure} {peak})")
+
+    def admitted_finish(self) -> None:
+        """Every admitted stream finished with its finals and no error."""
+        for t in self.threads:
+            t.join(300)
+        assert len(self.results) == len(self.threads)
+        for r in self.results:
+            assert r.refused is None and r.errors == [], (r.stream, r.refused, r.errors)
+            assert r.closed is not None and r.closed.reason == "end" and r.finals, r
+
+
 @pytest.mark.parametrize("figure", ["load", "busy"])
 def test_realtime_admission_control(service_factory: Any, figure: str) -> None:
     """tiny.en on 2 workers, more realtime streams than 2 cores can serve, one more every 0.3 s.
@@ -31,29 +68,10 @@ def test_realtime_admission_control(service_factory: Any, figure: str) -> None:
     off = {"load": "admit_max_busy", "busy": "admit_max_load_s"}[figure]
     service = service_factory(model="whisper-tiny.en", workers=2, ingest={off: 0})
     pcm = GAP.join(read_wav(p) for p in speech_files()[:3])  # ~16 s of speech with pauses
-    results: list[StreamResult] = []
-    threads: list[threading.Thread] = []
-    peak = 0.0
-
-    def run(client: StreamClient) -> None:
-        results.append(client.run())
-
-    refused: StreamResult | None = None
-    for i in range(40):
-        client = StreamClient(service.address, pcm, f"rt{i}", speed=1.0, timeout=300)
-        thread = threading.Thread(target=run, args=(client,), daemon=True)
-        thread.start()
-        assert client.answered.wait(60), f"rt{i}: open not answered"
-        peak = max(peak, svc.status(service.cfg).get(figure, 0.0))
-        if client.result.refused is not None:
-            thread.join(10)
-            refused = results.pop(results.index(client.result))
-            break
-        threads.append(thread)
-        time.sleep(0.3)
-    assert refused is not None, f"40 realtime streams admitted on 2 cores (peak {figure} {peak})"
-    assert refused.refused == m.OVERLOADED
-    admitted = len(threads)
+    opener = Opener(service, pcm)
+    peak = opener.open_until_refused(0.3, figure)
+    assert opener.refused is not None and opener.refused.refused == m.OVERLOADED
+    admitted = len(opener.threads)
     assert admitted >= 1
     logs = service.logs("ingest-0")
     assert "ingest.open_refused" in logs
@@ -63,18 +81,37 @@ def test_realtime_admission_control(service_factory: Any, figure: str) -> None:
     batch = StreamClient(service.address, pcm, "batch", speed=None, priority="batch", timeout=300).run()
     assert batch.refused is None and batch.errors == [] and batch.closed is not None and batch.finals
 
-    for t in threads:
-        t.join(300)
-    assert len(results) == admitted
-    for r in results:  # every admitted stream finished with its finals and no error
-        assert r.refused is None and r.errors == [], (r.stream, r.refused, r.errors)
-        assert r.closed is not None and r.closed.reason == "end" and r.finals, r
+    opener.admitted_finish()
     print(f"admitted {admitted} realtime streams, refused the next at {figure} {peak:.2f}")
 
     # once the backlog is worked off, realtime streams are admitted again
     wait_for(lambda: svc.status(service.cfg).get(figure, 99) < 0.1, 120, f"the {figure} figure to fall")
     again = StreamClient(service.address, pcm[: 3 * 16_000], "again", speed=None, timeout=120).run()
     assert again.refused is None and again.closed is not None
+
+
+def test_a_burst_is_cut_where_one_stream_s_share_says(service_factory: Any) -> None:
+    """Streams opened at once on idle workers that have served before: the figures cannot show
+    the burst yet, so the streams just admitted count at the measured share of one stream, and
+    the burst is cut where a slow ramp would be."""
+    service = service_factory(model="whisper-tiny.en", workers=2, ingest={"admit_max_load_s": 0})
+    pcm = GAP.join(read_wav(p) for p in speech_files()[:2])
+    first = StreamClient(service.address, pcm, "first", speed=1.0, timeout=120).run()
+    assert first.refused is None and first.finals
+    status = wait_for(lambda: (lambda s: s if s["busy"] < 0.05 else None)(svc.status(service.cfg)), 60, "idle workers")
+    share = status["stream_share"]
+    assert 0 < share < 0.4, status  # one stream of tiny.en is a fraction of two cores
+
+    opener = Opener(service, pcm)
+    opener.open_until_refused(0.0, "busy")
+    assert opener.refused is not None and opener.refused.refused == m.OVERLOADED
+    admitted = len(opener.threads)
+    # with the share measured before the burst, the next stream would pass admit_max_busy (0.8);
+    # one more may pass if the share was re-measured lower during the burst
+    assert 0.8 / share - 1 <= admitted <= 0.8 / share + 1, (admitted, share)
+    assert "% busy" in service.logs("ingest-0")
+    opener.admitted_finish()
+    print(f"burst: admitted {admitted} realtime streams at a share of {share:.3f} per stream")
 
 
 def _open(sock: zmq.Socket, stream: str) -> m.ServerMessage:
