@@ -21,6 +21,7 @@ import structlog
 import zmq
 
 from broker import jobs as wire
+from broker.figures import Figures, SavedFigures
 from broker.jobs import BATCH, EXPIRED, FAILED, OK, REALTIME, JobResult
 from broker.queue import Dispatcher, JobKey, JobQueue, RealtimeUse, job_key
 from broker.signals import StopSignal
@@ -85,11 +86,13 @@ class Broker:
         self.load = 0.0
         # With it, the share of the workers' time realtime decodes take, and what one speaking
         # stream asks of them: its partials and finals per second times what each costs to
-        # decode. Kept through quiet spells, where there is nothing to measure it by.
+        # decode. Kept through quiet spells, where there is nothing to measure it by, and across
+        # restarts (broker.figures).
         self.busy = 0.0
         self.stream_share = 0.0
         self._decode_cost = [0.0, 0.0]  # seconds per partial, per final (kept when none ran)
         self._use_ticks: deque[RealtimeUse] = deque(maxlen=SHARE_TICKS)
+        self._saved_figures = SavedFigures(cfg)
         self.worker_links: dict[bytes, Link] = {}
         # Workers whose heartbeat socket has been heard: one of these becoming unreachable means
         # the process is gone (before that, its heartbeat socket may just not be connected yet).
@@ -117,6 +120,9 @@ class Broker:
     def run(self) -> None:
         """Serve until SIGTERM/SIGINT."""
         self.cfg.run_path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        restored = self._saved_figures.load()
+        if restored is not None:
+            self.stream_share, self._decode_cost = restored.stream_share, restored.decode_cost
         self.metrics.start()
         try:
             self._ingest_sock.bind(self.cfg.broker_ingest_endpoint)
@@ -131,6 +137,7 @@ class Broker:
             with StopSignal() as stop:
                 self._serve(stop)
         finally:
+            self._saved_figures.save(self._figures(), time.monotonic(), at_once=True)
             self.close()
             self.metrics.close()
         log.info("broker.stopped", queued=len(self.dispatcher.queue), inflight=self.dispatcher.inflight)
@@ -314,6 +321,7 @@ class Broker:
         use = self.dispatcher.realtime_use(now)
         self.busy = 0.5 * self.busy + 0.5 * use.busy
         self._update_stream_share(use)
+        self._saved_figures.save(self._figures(), now)
         realtime = sum(s.realtime for s in self.ingests.values())
         recent = sum(s.recent for s in self.ingests.values())
         queued = self.dispatcher.queue.counts()
@@ -340,6 +348,9 @@ class Broker:
                     "realtime_elsewhere": realtime - state.realtime, "recent_elsewhere": recent - state.recent,
                     "window_s": SHARE_TICKS * self._interval_s,
                 })])
+
+    def _figures(self) -> Figures:
+        return Figures(self.stream_share, list(self._decode_cost))
 
     def _update_stream_share(self, use: RealtimeUse) -> None:
         """Share of the workers' time one speaking realtime stream asks for, over the last ticks."""

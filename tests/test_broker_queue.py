@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import itertools
 import random
+from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
+from broker.figures import FILE, Figures, SavedFigures
 from broker.jobs import BATCH, EXPIRED, OK, REALTIME, Job, JobResult
 from broker.broker import Broker
 from broker.queue import Dispatcher, JobQueue, RealtimeUse, job_key
@@ -330,5 +333,31 @@ def test_stream_share_is_what_a_speaking_stream_asks_for_not_the_backlog() -> No
             broker._update_stream_share(RealtimeUse(seconds=1.0, workers=2, decode_s=[0.1, 1.6], decoded=[1, 4],
                                                     asked=[2, 0], streams={(0, "new")}))
         assert broker.stream_share <= steady  # the new stream asks for what a stream asks, not for the backlog
+    finally:
+        broker.close()
+
+
+def test_saved_figures_come_back_for_the_same_model_only(tmp_path: Path) -> None:
+    """A restarted broker starts from the share its predecessor measured, unless the model
+    settings changed (another model costs otherwise) or the file cannot be read."""
+    cfg = settings.load(None, {"run_dir": str(tmp_path)})
+    saved = SavedFigures(cfg)
+    saved.save(Figures(0.2, [0.05, 0.3]), NOW)
+    assert SavedFigures(cfg).load() == Figures(0.2, [0.05, 0.3])
+    saved.save(Figures(0.1, [0.05, 0.3]), NOW + 1)  # changed, but saved at most every SAVE_EVERY_S
+    assert SavedFigures(cfg).load() == Figures(0.2, [0.05, 0.3])
+    saved.save(Figures(0.1, [0.05, 0.3]), NOW + 1, at_once=True)  # at shutdown
+    assert SavedFigures(cfg).load() == Figures(0.1, [0.05, 0.3])
+
+    other = settings.load(None, {"run_dir": str(tmp_path), "model": {"precision": "int8"}})
+    assert SavedFigures(other).load() is None
+    (tmp_path / FILE).write_text("{not json")
+    with capture_logs() as logs:
+        assert SavedFigures(cfg).load() is None
+    assert [e["event"] for e in logs] == ["broker.admission_figures_unreadable"]
+
+    broker = Broker(other)  # restored when the broker runs; a fresh one measures from nothing
+    try:
+        assert broker.stream_share == 0.0
     finally:
         broker.close()

@@ -4,6 +4,9 @@ admitted ones finish, batch streams are still taken and slowed by credits; strea
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import threading
 import time
 from typing import Any
@@ -13,6 +16,7 @@ import psutil
 import pytest
 import zmq
 
+from broker import figures
 from protocol import messages as m
 from shm import pool
 from streamasr import service as svc
@@ -93,14 +97,27 @@ def test_realtime_admission_control(service_factory: Any, figure: str) -> None:
 def test_a_burst_is_cut_where_one_stream_s_share_says(service_factory: Any) -> None:
     """Streams opened at once on idle workers that have served before: the figures cannot show
     the burst yet, so the streams just admitted count at the measured share of one stream, and
-    the burst is cut where a slow ramp would be."""
+    the burst is cut where a slow ramp would be. A restarted broker has measured nothing: it
+    starts from the share the last one saved, so the herd of a restart is cut the same way."""
     service = service_factory(model="whisper-tiny.en", workers=2, ingest={"admit_max_load_s": 0})
     pcm = GAP.join(read_wav(p) for p in speech_files()[:2])
     first = StreamClient(service.address, pcm, "first", speed=1.0, timeout=120).run()
     assert first.refused is None and first.finals
-    status = wait_for(lambda: (lambda s: s if s["busy"] < 0.05 else None)(svc.status(service.cfg)), 60, "idle workers")
-    share = status["stream_share"]
-    assert 0 < share < 0.4, status  # one stream of tiny.en is a fraction of two cores
+    wait_for(lambda: svc.status(service.cfg)["stream_share"] > 0, 10, "one stream's share measured")
+
+    [broker] = [p["pid"] for p in svc.processes(service.cfg) if p["name"] == "broker"]
+    os.kill(broker, signal.SIGKILL)
+
+    def broker_restarted() -> dict[str, Any] | None:
+        status = svc.status(service.cfg)
+        pids = [p["pid"] for p in status["processes"] if p["name"] == "broker"]
+        return status if pids not in ([], [0], [broker]) and status.get("ready") and len(status["workers"]) == 2 else None
+
+    restarted = wait_for(broker_restarted, 60, "the broker restarted, with its workers")
+    saved = json.loads((service.cfg.run_path / figures.FILE).read_text())
+    share = restarted["stream_share"]
+    assert share == round(saved["stream_share"], 4) and 0 < share < 0.4, (restarted, saved)  # a fraction of two cores
+    assert "broker.admission_figures_restored" in service.logs("broker")
 
     opener = Opener(service, pcm)
     opener.open_until_refused(0.0, "busy")

@@ -1,0 +1,74 @@
+"""What one speaking stream costs the workers, kept in the run directory across restarts.
+
+Admission multiplies that share by the streams open. A broker that has just started has measured
+nothing, and the clients of a restarted service come back at once: with the share of the last
+run, that herd is cut where the last run's streams say instead of being admitted whole. The
+share is kept only for the same model settings (another model or precision costs otherwise) and
+is measured anew as soon as streams speak.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import structlog
+
+from config.settings import Config
+
+log = structlog.get_logger()
+
+FILE = "admission.json"
+SAVE_EVERY_S = 10.0
+
+
+@dataclass(slots=True)
+class Figures:
+    stream_share: float  # share of the workers' time one speaking realtime stream asks for
+    decode_cost: list[float]  # seconds per partial, per final
+
+
+class SavedFigures:
+    """The broker's admission figures in `run_path/admission.json`, keyed by the model settings."""
+
+    def __init__(self, cfg: Config) -> None:
+        self._path = cfg.run_path / FILE
+        self._model = asdict(cfg.model)
+        self._saved: Figures | None = None
+        self._saved_at = 0.0
+
+    def load(self) -> Figures | None:
+        """The last run's figures, if it served the same model settings."""
+        try:
+            data = json.loads(self._path.read_text())
+            if data.get("model") != self._model:
+                return None
+            figures = Figures(float(data["stream_share"]), [float(c) for c in data["decode_cost"]][:2])
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("broker.admission_figures_unreadable", path=str(self._path), error=repr(exc))
+            return None
+        if figures.stream_share <= 0 or len(figures.decode_cost) != 2:
+            return None
+        self._saved = figures
+        log.info("broker.admission_figures_restored", stream_share=round(figures.stream_share, 4),
+                 age_s=round(time.time() - float(data.get("saved", 0)), 1))
+        return figures
+
+    def save(self, figures: Figures, now: float, at_once: bool = False) -> None:
+        """Written when they changed, at most every SAVE_EVERY_S unless `at_once`; atomically, so
+        a crash leaves the old file."""
+        if figures == self._saved or figures.stream_share <= 0 or (not at_once and now - self._saved_at < SAVE_EVERY_S):
+            return
+        tmp = self._path.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps({"model": self._model, "stream_share": figures.stream_share,
+                                       "decode_cost": figures.decode_cost, "saved": time.time()}))
+            os.replace(tmp, self._path)
+        except OSError as exc:
+            log.warning("broker.admission_figures_unsaved", path=str(self._path), error=repr(exc))
+        self._saved = Figures(figures.stream_share, list(figures.decode_cost))
+        self._saved_at = now
