@@ -75,8 +75,13 @@ def service_factory(tmp_path: Path) -> Iterator[Callable[..., Service]]:
 
 @pytest.fixture(scope="session")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    """One real service (Whisper tiny.en on ONNX Runtime, 2 workers) shared by the end-to-end tests."""
-    with running(tmp_path_factory.mktemp("svc"), model="whisper-tiny.en", workers=2) as svc:
+    """One real service (Whisper tiny.en on ONNX Runtime, 2 workers) shared by the end-to-end tests.
+
+    Several of them open more realtime streams at once than two cores serve, on purpose (finals
+    stay accurate under overload, faults mid-load), on a service earlier tests have warmed: the
+    busy figure, which cuts such a burst at one stream's measured share, is off here and tested
+    on services of its own (test_overload.py)."""
+    with running(tmp_path_factory.mktemp("svc"), model="whisper-tiny.en", workers=2, ingest={"admit_max_busy": 0}) as svc:
         yield svc
 
 
