@@ -30,6 +30,7 @@ import pytest
 import zmq
 
 from broker import jobs as wire
+from broker.broker import SHARE_TICKS
 from broker.jobs import OK, REALTIME, Job, JobResult
 from config import settings
 from config.settings import Config
@@ -58,8 +59,9 @@ def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
 
 
 class FakeIngest(threading.Thread):
-    """Ingest process `index` as the broker and workers see it: READY, heartbeats, JOBS; collects
-    every RESULTS message, the workers' (on its results socket) and the broker's alike."""
+    """Ingest process `index` as the broker and workers see it: READY, heartbeats (with what
+    `reported` says), JOBS; collects every RESULTS message, the workers' (on its results
+    socket) and the broker's alike, and keeps the broker's last heartbeat figures."""
 
     def __init__(self, cfg: Config, index: int = 0) -> None:
         super().__init__(daemon=True)
@@ -67,6 +69,8 @@ class FakeIngest(threading.Thread):
         self.index = index
         self.endpoint = cfg.ingest_endpoint(index)
         self.results: list[JobResult] = []
+        self.reported: dict[str, int] = {"streams": 0}  # what its heartbeats say
+        self.figures: dict[str, Any] = {}  # the broker's, from its last heartbeat
         self._out: queue.Queue[list[bytes]] = queue.Queue()
         self._lock = threading.Lock()
         self._stop_event = threading.Event()
@@ -108,7 +112,7 @@ class FakeIngest(threading.Thread):
                 while not self._out.empty():
                     sock.send_multipart(self._out.get())
                 if time.monotonic() >= next_hb:
-                    sock.send_multipart([wire.HEARTBEAT, wire.pack({"streams": 0})])
+                    sock.send_multipart([wire.HEARTBEAT, wire.pack(self.reported)])
                     next_hb = time.monotonic() + HEARTBEAT_MS / 1000
                 for ready in dict(poller.poll(10)):
                     while ready.poll(0):
@@ -116,6 +120,8 @@ class FakeIngest(threading.Thread):
                         if frames[0] == wire.RESULTS:
                             with self._lock:
                                 self.results += wire.unpack_results(frames[1])
+                        elif frames[0] == wire.HEARTBEAT and len(frames) > 1:
+                            self.figures = wire.unpack(frames[1])
         finally:
             sock.close()
             results.close()
@@ -364,6 +370,22 @@ def test_stopping_worker_hands_back_what_it_holds(running: Cluster) -> None:
     assert left["level"] == "info" and left["worker"].split("-")[1] == "0" and left["requeued"] == MAX_BATCH
     assert not [e for e in events if e["event"] == "broker.worker_lost"]
     assert [w["id"].split("-")[1] for w in running.status()["workers"]] == ["1"]
+
+
+def test_each_ingest_hears_of_the_realtime_streams_open_and_just_admitted_elsewhere(running: Cluster) -> None:
+    """Admission on one ingest counts the streams of the others: the broker sums what each
+    reports and tells every ingest the rest, with the window its figures cover."""
+    other = FakeIngest(running.cfg, index=1)
+    other.start()
+    try:
+        running.ingest.reported = {"streams": 5, "realtime": 4, "recent": 3}
+        other.reported = {"streams": 2, "realtime": 2, "recent": 1}
+        for ingest, (open_elsewhere, recent_elsewhere) in ((running.ingest, (2, 1)), (other, (4, 3))):
+            wait_for(lambda: ingest.figures.get("realtime_elsewhere") == open_elsewhere
+                     and ingest.figures.get("recent_elsewhere") == recent_elsewhere, 5, f"ingest {ingest.index}'s figures")
+            assert ingest.figures["window_s"] == pytest.approx(SHARE_TICKS * HEARTBEAT_MS / 1000)
+    finally:
+        other.stop()
 
 
 def test_worker_back_from_the_dead_is_counted_once(running: Cluster) -> None:
