@@ -35,7 +35,7 @@ class SavedFigures:
 
     def __init__(self, cfg: Config) -> None:
         self._path = cfg.run_path / FILE
-        self._model = asdict(cfg.model)
+        self._model = json.loads(json.dumps(asdict(cfg.model)))  # as it reads back from the file
         self._saved: Figures | None = None
         self._saved_at = 0.0
 
