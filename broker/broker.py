@@ -11,6 +11,7 @@ re-queues the jobs of a worker that dies.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Set as AbstractSet
@@ -35,7 +36,7 @@ from protocol import messages as m
 log = structlog.get_logger()
 
 DRAIN_MAX = 512  # messages taken from one socket per loop turn, so heartbeats stay on time
-SHARE_TICKS = 5  # heartbeat ticks the per-stream demand is measured over
+SHARE_WINDOW_S = 5.0  # the per-stream demand is measured over this long, at least
 STATUS_NAMES = {OK: "done", EXPIRED: "expired", FAILED: "failed"}  # `status` label of jobs_total
 
 
@@ -91,7 +92,14 @@ class Broker:
         self.busy = 0.0
         self.stream_share = 0.0
         self._decode_cost = [0.0, 0.0]  # seconds per partial, per final (kept when none ran)
-        self._use_ticks: deque[RealtimeUse] = deque(maxlen=SHARE_TICKS)
+        # A stream counts as speaking in a span of ticks when it asked for a decode in it: spans
+        # of at least two partial intervals (1 s at the defaults), so one that speaks through a
+        # span asks in it however short the heartbeat.
+        span_s = max(1.0, 2 * cfg.ingest.partial_interval_ms / 1000)
+        self._span_ticks = max(1, math.ceil(span_s / self._interval_s - 1e-9))
+        spans = max(1, math.ceil(SHARE_WINDOW_S / (self._span_ticks * self._interval_s) - 1e-9))
+        self._use_ticks: deque[RealtimeUse] = deque(maxlen=spans * self._span_ticks)
+        self.figures_window_s = spans * self._span_ticks * self._interval_s  # sent to the ingests with the figures
         self._saved_figures = SavedFigures(cfg)
         self.worker_links: dict[bytes, Link] = {}
         # Workers whose heartbeat socket has been heard: one of these becoming unreachable means
@@ -346,25 +354,30 @@ class Broker:
                 self._send(self._ingest_sock, ingest_identity(index), [wire.HEARTBEAT, wire.pack({
                     "load": round(self.load, 3), "busy": round(self.busy, 3), "stream_share": round(self.stream_share, 4),
                     "realtime_elsewhere": realtime - state.realtime, "recent_elsewhere": recent - state.recent,
-                    "window_s": SHARE_TICKS * self._interval_s,
+                    "window_s": self.figures_window_s,
                 })])
 
     def _figures(self) -> Figures:
         return Figures(self.stream_share, list(self._decode_cost))
 
     def _update_stream_share(self, use: RealtimeUse) -> None:
-        """Share of the workers' time one speaking realtime stream asks for, over the last ticks."""
+        """Share of the workers' time one realtime stream asks for while it speaks, over the last
+        ticks: what was asked, at what each decode cost, per worker-second and per stream
+        speaking in it. A stream's pauses, and the part of the window before it opened or after
+        it ended, are not counted as its time: streams that open together speak together."""
         self._use_ticks.append(use)
-        ticks = self._use_ticks
+        ticks = list(self._use_ticks)
         for final in (0, 1):
             decoded = sum(u.decoded[final] for u in ticks)
             if decoded:
                 self._decode_cost[final] = sum(u.decode_s[final] for u in ticks) / decoded
-        streams = set().union(*(u.streams for u in ticks))
-        capacity = sum(u.seconds * u.workers for u in ticks)
-        if streams and capacity:
+        stream_capacity = 0.0  # worker-seconds times the streams speaking in them
+        for start in range(0, len(ticks), self._span_ticks):
+            span = ticks[start:start + self._span_ticks]
+            stream_capacity += sum(u.seconds * u.workers for u in span) * len(set().union(*(u.streams for u in span)))
+        if stream_capacity:
             asked = sum(sum(u.asked[final] for u in ticks) * self._decode_cost[final] for final in (0, 1))
-            self.stream_share = asked / capacity / len(streams)
+            self.stream_share = asked / stream_capacity
 
     @staticmethod
     def _send(sock: zmq.Socket, ident: bytes, frames: list[bytes]) -> bool:

@@ -30,7 +30,7 @@ import pytest
 import zmq
 
 from broker import jobs as wire
-from broker.broker import SHARE_TICKS
+from broker.broker import SHARE_WINDOW_S
 from broker.jobs import OK, REALTIME, Job, JobResult
 from config import settings
 from config.settings import Config
@@ -383,7 +383,7 @@ def test_each_ingest_hears_of_the_realtime_streams_open_and_just_admitted_elsewh
         for ingest, (open_elsewhere, recent_elsewhere) in ((running.ingest, (2, 1)), (other, (4, 3))):
             wait_for(lambda: ingest.figures.get("realtime_elsewhere") == open_elsewhere
                      and ingest.figures.get("recent_elsewhere") == recent_elsewhere, 5, f"ingest {ingest.index}'s figures")
-            assert ingest.figures["window_s"] == pytest.approx(SHARE_TICKS * HEARTBEAT_MS / 1000)
+            assert ingest.figures["window_s"] == pytest.approx(SHARE_WINDOW_S)  # whole spans of 1 s, 10 heartbeats each
     finally:
         other.stop()
 

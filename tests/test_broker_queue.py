@@ -361,3 +361,40 @@ def test_saved_figures_come_back_for_the_same_model_only(tmp_path: Path) -> None
         assert broker.stream_share == 0.0
     finally:
         broker.close()
+
+
+def _speaking(streams: set[str], partials_each: int = 2, seconds: float = 1.0) -> RealtimeUse:
+    """One tick in which `streams` each asked for (and had decoded) partials of 0.1 s."""
+    n = partials_each * len(streams)
+    return RealtimeUse(seconds=seconds, workers=2, decode_s=[0.1 * n, 0.0], decoded=[n, 0], asked=[n, 0],
+                       streams={(0, s) for s in streams})
+
+
+def test_stream_share_counts_a_stream_only_while_it_speaks() -> None:
+    """A stream that joins late in the window (or pauses, or ends) is not a stream that asked
+    little: streams opened together speak together, and each asks what a speaking one does."""
+    broker = Broker(settings.load())
+    try:
+        for _ in range(4):
+            broker._update_stream_share(_speaking({"a"}))
+        assert broker.stream_share == pytest.approx(0.2 / 2)  # two partials of 0.1 s a second, on two workers
+        broker._update_stream_share(_speaking({"a", "b"}))  # b opens in the last second of the window
+        assert broker.stream_share == pytest.approx(0.2 / 2)  # not (0.8 + 0.4) / 2 workers / 5 s / 2 streams
+        for _ in range(3):
+            broker._update_stream_share(_speaking({"b"}))  # a pauses
+        assert broker.stream_share == pytest.approx(0.2 / 2)
+    finally:
+        broker.close()
+
+
+def test_stream_share_with_a_short_heartbeat() -> None:
+    """With ticks shorter than two partial intervals a speaking stream does not ask in every
+    one; it is counted over spans of a second, so its share is the same."""
+    broker = Broker(settings.load(None, {"broker": {"heartbeat_ms": 250}}))
+    try:
+        assert broker.figures_window_s == pytest.approx(5.0)
+        for tick in range(24):  # one partial every other tick: two a second
+            broker._update_stream_share(_speaking({"a"}, 1, 0.25) if tick % 2 else RealtimeUse(seconds=0.25, workers=2))
+        assert broker.stream_share == pytest.approx(0.2 / 2)
+    finally:
+        broker.close()
