@@ -92,6 +92,7 @@ class Broker:
         self.busy = 0.0
         self.stream_share = 0.0
         self._decode_cost = [0.0, 0.0]  # seconds per partial, per final (kept when none ran)
+        self._share = [0.0, 0.0]  # stream_share's partials and finals (each kept when not measured)
         # A stream counts as speaking in a span of ticks when it asked for a decode in it: spans
         # of at least two partial intervals (1 s at the defaults), so one that speaks through a
         # span asks in it however short the heartbeat.
@@ -99,6 +100,7 @@ class Broker:
         self._span_ticks = max(1, math.ceil(span_s / self._interval_s - 1e-9))
         spans = max(1, math.ceil(SHARE_WINDOW_S / (self._span_ticks * self._interval_s) - 1e-9))
         self._use_ticks: deque[RealtimeUse] = deque(maxlen=spans * self._span_ticks)
+        self._window_spans = spans
         self.figures_window_s = spans * self._span_ticks * self._interval_s  # sent to the ingests with the figures
         self._saved_figures = SavedFigures(cfg)
         self.worker_links: dict[bytes, Link] = {}
@@ -130,7 +132,7 @@ class Broker:
         self.cfg.run_path.mkdir(mode=0o700, parents=True, exist_ok=True)
         restored = self._saved_figures.load()
         if restored is not None:
-            self.stream_share, self._decode_cost = restored.stream_share, restored.decode_cost
+            self._share, self._decode_cost, self.stream_share = restored.share, restored.decode_cost, restored.stream_share
         self.metrics.start()
         try:
             self._ingest_sock.bind(self.cfg.broker_ingest_endpoint)
@@ -358,13 +360,17 @@ class Broker:
                 })])
 
     def _figures(self) -> Figures:
-        return Figures(self.stream_share, list(self._decode_cost))
+        return Figures(list(self._share), list(self._decode_cost))
 
     def _update_stream_share(self, use: RealtimeUse) -> None:
         """Share of the workers' time one realtime stream asks for while it speaks, over the last
-        ticks: what was asked, at what each decode cost, per worker-second and per stream
-        speaking in it. A stream's pauses, and the part of the window before it opened or after
-        it ended, are not counted as its time: streams that open together speak together."""
+        ticks: its partials, at what one costs, per worker-second and per stream speaking in it
+        (a stream's pauses, and the time before it opened or after it ended, are not its time:
+        streams that open together speak together); and its finals, at what one costs per
+        second of the speech it covers. A final comes after its speech, so counted in the
+        seconds it was asked in it would make one stream look several times dearer than it is.
+        The partials' part is measured only from windows holding at least half a window of
+        speech."""
         self._use_ticks.append(use)
         ticks = list(self._use_ticks)
         for final in (0, 1):
@@ -372,12 +378,18 @@ class Broker:
             if decoded:
                 self._decode_cost[final] = sum(u.decode_s[final] for u in ticks) / decoded
         stream_capacity = 0.0  # worker-seconds times the streams speaking in them
+        stream_spans = 0
         for start in range(0, len(ticks), self._span_ticks):
             span = ticks[start:start + self._span_ticks]
-            stream_capacity += sum(u.seconds * u.workers for u in span) * len(set().union(*(u.streams for u in span)))
-        if stream_capacity:
-            asked = sum(sum(u.asked[final] for u in ticks) * self._decode_cost[final] for final in (0, 1))
-            self.stream_share = asked / stream_capacity
+            speaking = len(set().union(*(u.speaking for u in span)))
+            stream_capacity += sum(u.seconds * u.workers for u in span) * speaking
+            stream_spans += speaking
+        if stream_capacity and 2 * stream_spans >= self._window_spans:
+            self._share[0] = sum(u.asked[0] for u in ticks) * self._decode_cost[0] / stream_capacity
+        speech_s = sum(u.final_speech_s for u in ticks)
+        if speech_s and use.workers:
+            self._share[1] = sum(u.asked[1] for u in ticks) * self._decode_cost[1] / speech_s / use.workers
+        self.stream_share = sum(self._share)
 
     @staticmethod
     def _send(sock: zmq.Socket, ident: bytes, frames: list[bytes]) -> bool:

@@ -26,8 +26,12 @@ SAVE_EVERY_S = 10.0
 
 @dataclass(slots=True)
 class Figures:
-    stream_share: float  # share of the workers' time one speaking realtime stream asks for
+    share: list[float]  # of the workers' time, one speaking realtime stream's partials and finals ask for
     decode_cost: list[float]  # seconds per partial, per final
+
+    @property
+    def stream_share(self) -> float:
+        return sum(self.share)
 
 
 class SavedFigures:
@@ -45,13 +49,13 @@ class SavedFigures:
             data = json.loads(self._path.read_text())
             if data.get("model") != self._model:
                 return None
-            figures = Figures(float(data["stream_share"]), [float(c) for c in data["decode_cost"]][:2])
+            figures = Figures([float(s) for s in data["share"]], [float(c) for c in data["decode_cost"]])
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("broker.admission_figures_unreadable", path=str(self._path), error=repr(exc))
             return None
-        if figures.stream_share <= 0 or len(figures.decode_cost) != 2:
+        if figures.stream_share <= 0 or len(figures.share) != 2 or len(figures.decode_cost) != 2:
             return None
         self._saved = figures
         log.info("broker.admission_figures_restored", stream_share=round(figures.stream_share, 4),
@@ -65,10 +69,10 @@ class SavedFigures:
             return
         tmp = self._path.with_suffix(".tmp")
         try:
-            tmp.write_text(json.dumps({"model": self._model, "stream_share": figures.stream_share,
+            tmp.write_text(json.dumps({"model": self._model, "share": figures.share,
                                        "decode_cost": figures.decode_cost, "saved": time.time()}))
             os.replace(tmp, self._path)
         except OSError as exc:
             log.warning("broker.admission_figures_unsaved", path=str(self._path), error=repr(exc))
-        self._saved = Figures(figures.stream_share, list(figures.decode_cost))
+        self._saved = Figures(list(figures.share), list(figures.decode_cost))
         self._saved_at = now

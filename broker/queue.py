@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from broker.jobs import BATCH, EXPIRED, REALTIME, Job, JobResult
+from shm import SAMPLE_RATE
 
 JobKey = tuple[int, int]  # (ingest, job_id): job ids are unique only within one ingest
 StreamKey = tuple[int, str]  # (ingest, stream)
@@ -157,9 +158,10 @@ class RealtimeUse:
 
     `decode_s` / `decoded` give what a partial and a final cost to decode (index 0 partials,
     1 finals; a batch's time split evenly among its jobs, so batch jobs sharing it are not
-    counted), `asked` how many of each the realtime `streams` asked for. Demand is counted when
-    asked, not when served: a saturated pool serves fewer jobs than streams ask for, and a
-    backlog is decoded after its streams went quiet.
+    counted), `asked` how many of each realtime streams asked for, `speaking` which streams
+    asked for a partial (one is due every partial interval of speech; a final comes after the
+    speech, at the pause) and `final_speech_s` how much speech the finals asked for cover. Demand is counted when asked, not when served: a saturated pool serves
+    fewer jobs than streams ask for, and a backlog is decoded after its streams went quiet.
     """
 
     seconds: float = 0.0
@@ -167,7 +169,8 @@ class RealtimeUse:
     decode_s: list[float] = field(default_factory=lambda: [0.0, 0.0])
     decoded: list[int] = field(default_factory=lambda: [0, 0])
     asked: list[int] = field(default_factory=lambda: [0, 0])
-    streams: set[tuple[int, str]] = field(default_factory=set)  # (ingest, stream key)
+    speaking: set[tuple[int, str]] = field(default_factory=set)  # (ingest, stream key)
+    final_speech_s: float = 0.0
 
     @property
     def busy(self) -> float:
@@ -248,7 +251,10 @@ class Dispatcher:
                 continue
             self._answered.pop(key, None)  # asked again: its next result is not a duplicate
             if job.priority == REALTIME:
-                self._use.streams.add((job.ingest, job.stream))
+                if job.final:
+                    self._use.final_speech_s += (job.end - job.start) / SAMPLE_RATE
+                else:
+                    self._use.speaking.add((job.ingest, job.stream))
                 self._use.asked[job.final] += 1
             answers += self.queue.push(job, now)
         return self._answer(answers)

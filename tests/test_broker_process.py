@@ -282,8 +282,10 @@ def test_every_job_answered_spread_over_workers_within_credit(running: Cluster) 
     assert len(Counter(r.worker for r in results)) == 2, "both workers should have served"
     status = running.status()
     assert status["jobs_done"] >= len(jobs) and status["inflight"] == 0
-    if not any(e["event"] == "broker.worker_lost" for e in running.log_events("broker")):
-        assert sum(w["jobs_done"] for w in status["workers"]) >= len(jobs)  # a worker registered again counts afresh
+    # A worker that registered again (given up for lost, or its heartbeats unanswered past the
+    # test's 0.3 s patience on a loaded machine) counts afresh; with no such one the counts add up.
+    if sum(e["event"] == "broker.worker_ready" for e in running.log_events("broker")) == 2:
+        assert sum(w["jobs_done"] for w in status["workers"]) >= len(jobs)
 
 
 def test_front_door(running: Cluster) -> None:

@@ -311,10 +311,10 @@ def test_realtime_use_counts_decode_time_and_what_streams_ask_for() -> None:
     use = d.realtime_use(NOW + 1.0)
     assert use.busy == pytest.approx(0.8 / 2.0)  # ...but the workers were 40 % busy
     assert use.decode_s == pytest.approx([0.4, 0.4]) and use.decoded == [1, 1] and use.asked == [1, 1]
-    assert use.streams == {(0, "a"), (0, "b")}  # the batch stream is not realtime demand
-    d.submit([job("d"), job("e"), job("f", final=True)], NOW + 1.5)  # three more speak; none decoded yet
+    assert use.speaking == {(0, "a")}  # b asked for a final (its speech is over), c is a batch stream
+    d.submit([job("d"), job("e"), job("f", final=True)], NOW + 1.5)  # two more speak, one paused; none decoded yet
     use = d.realtime_use(NOW + 2.0)
-    assert use.busy == 0.0 and use.asked == [2, 1] and len(use.streams) == 3
+    assert use.busy == 0.0 and use.asked == [2, 1] and use.speaking == {(0, "d"), (0, "e")}
 
 
 def test_stream_share_is_what_a_speaking_stream_asks_for_not_the_backlog() -> None:
@@ -322,16 +322,16 @@ def test_stream_share_is_what_a_speaking_stream_asks_for_not_the_backlog() -> No
     broker = Broker(settings.load())
     try:
         speaking = {(0, f"s{i}") for i in range(10)}
-        # ten streams ask for two partials a second (0.1 s each) and a final every two seconds (0.4 s)
+        # ten streams ask for two partials a second (0.1 s each) and a final every two seconds of speech (0.4 s)
         for _ in range(5):
             broker._update_stream_share(RealtimeUse(seconds=1.0, workers=2, decode_s=[0.6, 0.8], decoded=[6, 2],
-                                                    asked=[20, 5], streams=speaking))
+                                                    asked=[20, 5], speaking=speaking, final_speech_s=10.0))
         steady = broker.stream_share
         assert steady == pytest.approx((20 * 0.1 + 5 * 0.4) / 2 / 10)  # 0.2 of the two workers per stream
         # they stop; one new stream speaks while the workers still decode the others' finals
         for _ in range(5):
             broker._update_stream_share(RealtimeUse(seconds=1.0, workers=2, decode_s=[0.1, 1.6], decoded=[1, 4],
-                                                    asked=[2, 0], streams={(0, "new")}))
+                                                    asked=[2, 0], speaking={(0, "new")}))
         assert broker.stream_share <= steady  # the new stream asks for what a stream asks, not for the backlog
     finally:
         broker.close()
@@ -342,12 +342,12 @@ def test_saved_figures_come_back_for_the_same_model_only(tmp_path: Path) -> None
     settings changed (another model costs otherwise) or the file cannot be read."""
     cfg = settings.load(None, {"run_dir": str(tmp_path)})
     saved = SavedFigures(cfg)
-    saved.save(Figures(0.2, [0.05, 0.3]), NOW)
-    assert SavedFigures(cfg).load() == Figures(0.2, [0.05, 0.3])
-    saved.save(Figures(0.1, [0.05, 0.3]), NOW + 1)  # changed, but saved at most every SAVE_EVERY_S
-    assert SavedFigures(cfg).load() == Figures(0.2, [0.05, 0.3])
-    saved.save(Figures(0.1, [0.05, 0.3]), NOW + 1, at_once=True)  # at shutdown
-    assert SavedFigures(cfg).load() == Figures(0.1, [0.05, 0.3])
+    saved.save(Figures([0.05, 0.15], [0.05, 0.3]), NOW)
+    assert SavedFigures(cfg).load() == Figures([0.05, 0.15], [0.05, 0.3])
+    saved.save(Figures([0.05, 0.05], [0.05, 0.3]), NOW + 1)  # changed, but saved at most every SAVE_EVERY_S
+    assert SavedFigures(cfg).load() == Figures([0.05, 0.15], [0.05, 0.3])
+    saved.save(Figures([0.05, 0.05], [0.05, 0.3]), NOW + 1, at_once=True)  # at shutdown
+    assert SavedFigures(cfg).load() == Figures([0.05, 0.05], [0.05, 0.3])
 
     other = settings.load(None, {"run_dir": str(tmp_path), "model": {"precision": "int8"}})
     assert SavedFigures(other).load() is None
@@ -367,7 +367,7 @@ def _speaking(streams: set[str], partials_each: int = 2, seconds: float = 1.0) -
     """One tick in which `streams` each asked for (and had decoded) partials of 0.1 s."""
     n = partials_each * len(streams)
     return RealtimeUse(seconds=seconds, workers=2, decode_s=[0.1 * n, 0.0], decoded=[n, 0], asked=[n, 0],
-                       streams={(0, s) for s in streams})
+                       speaking={(0, s) for s in streams})
 
 
 def test_stream_share_counts_a_stream_only_while_it_speaks() -> None:
@@ -396,5 +396,24 @@ def test_stream_share_with_a_short_heartbeat() -> None:
         for tick in range(24):  # one partial every other tick: two a second
             broker._update_stream_share(_speaking({"a"}, 1, 0.25) if tick % 2 else RealtimeUse(seconds=0.25, workers=2))
         assert broker.stream_share == pytest.approx(0.2 / 2)
+    finally:
+        broker.close()
+
+
+def test_stream_share_is_not_taken_from_a_window_that_holds_little_speech() -> None:
+    """A final is asked after its speech: it counts per second of the speech it covers, not in
+    the second it was asked in; and once the window has slid past the speech, the second or
+    two left of it do not make the partials' share."""
+    broker = Broker(settings.load())
+    try:
+        for _ in range(4):
+            broker._update_stream_share(_speaking({"a"}))
+        final = RealtimeUse(seconds=1.0, workers=2, decode_s=[0.0, 0.5], decoded=[0, 1], asked=[0, 1], final_speech_s=4.0)
+        broker._update_stream_share(final)  # at the pause, for the four seconds spoken
+        speaking = 0.2 / 2 + 0.5 / 4.0 / 2  # partials: 0.2 s a second; the final: 0.5 s per 4 s; on two workers
+        assert broker.stream_share == pytest.approx(speaking)
+        for _ in range(5):
+            broker._update_stream_share(RealtimeUse(seconds=1.0, workers=2))  # silence
+        assert broker.stream_share == pytest.approx(speaking)  # not (0.2 + 0.5) / 2 from the last second of speech
     finally:
         broker.close()
