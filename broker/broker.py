@@ -93,7 +93,7 @@ class Broker:
         self.stream_share = 0.0
         self._decode_cost = [0.0, 0.0]  # seconds per partial, per final (kept when none ran)
         self._share = [0.0, 0.0]  # stream_share's partials and finals (each kept when not measured)
-        # A stream counts as speaking in a span of ticks when it asked for a decode in it: spans
+        # A stream counts as speaking in a span of ticks when it asked for a partial in it: spans
         # of at least two partial intervals (1 s at the defaults), so one that speaks through a
         # span asks in it however short the heartbeat.
         span_s = max(1.0, 2 * cfg.ingest.partial_interval_ms / 1000)

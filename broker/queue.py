@@ -160,8 +160,9 @@ class RealtimeUse:
     1 finals; a batch's time split evenly among its jobs, so batch jobs sharing it are not
     counted), `asked` how many of each realtime streams asked for, `speaking` which streams
     asked for a partial (one is due every partial interval of speech; a final comes after the
-    speech, at the pause) and `final_speech_s` how much speech the finals asked for cover. Demand is counted when asked, not when served: a saturated pool serves
-    fewer jobs than streams ask for, and a backlog is decoded after its streams went quiet.
+    speech, at the pause) and `final_speech_s` how much speech the finals asked for cover.
+    Demand is counted when asked, not when served: a saturated pool serves fewer jobs than
+    streams ask for, and a backlog is decoded after its streams went quiet.
     """
 
     seconds: float = 0.0
