@@ -37,6 +37,7 @@ log = structlog.get_logger()
 
 DRAIN_MAX = 512  # messages taken from one socket per loop turn, so heartbeats stay on time
 SHARE_WINDOW_S = 5.0  # the per-stream demand is measured over this long, at least
+LOADED_BUSY = 0.5  # decodes in a tick the workers were this busy cost what they cost near capacity
 STATUS_NAMES = {OK: "done", EXPIRED: "expired", FAILED: "failed"}  # `status` label of jobs_total
 
 
@@ -92,6 +93,10 @@ class Broker:
         self.busy = 0.0
         self.stream_share = 0.0
         self._decode_cost = [0.0, 0.0]  # seconds per partial, per final (kept when none ran)
+        # The same, from ticks with the workers at least LOADED_BUSY busy (kept): decodes that
+        # share the cores with each other and with the ingest take longer, and admission decides
+        # near capacity, so the share is priced at these once they are known.
+        self._loaded_cost = [0.0, 0.0]
         self._share = [0.0, 0.0]  # stream_share's partials and finals (each kept when not measured)
         # A stream counts as speaking in a span of ticks when it asked for a partial in it: spans
         # of at least two partial intervals (1 s at the defaults), so one that speaks through a
@@ -132,7 +137,8 @@ class Broker:
         self.cfg.run_path.mkdir(mode=0o700, parents=True, exist_ok=True)
         restored = self._saved_figures.load()
         if restored is not None:
-            self._share, self._decode_cost, self.stream_share = restored.share, restored.decode_cost, restored.stream_share
+            self._share, self._decode_cost, self._loaded_cost = restored.share, restored.decode_cost, restored.loaded_cost
+            self.stream_share = restored.stream_share
         self.metrics.start()
         try:
             self._ingest_sock.bind(self.cfg.broker_ingest_endpoint)
@@ -360,23 +366,27 @@ class Broker:
                 })])
 
     def _figures(self) -> Figures:
-        return Figures(list(self._share), list(self._decode_cost))
+        return Figures(list(self._share), list(self._decode_cost), list(self._loaded_cost))
 
     def _update_stream_share(self, use: RealtimeUse) -> None:
         """Share of the workers' time one realtime stream asks for while it speaks, over the last
         ticks: its partials, at what one costs, per worker-second and per stream speaking in it
         (a stream's pauses, and the time before it opened or after it ended, are not its time:
         streams that open together speak together); and its finals, at what one costs per
-        second of the speech it covers. A final comes after its speech, so counted in the
+        second of the speech it covers. Costs are those measured with the workers busy, once
+        known. A final comes after its speech, so counted in the
         seconds it was asked in it would make one stream look several times dearer than it is.
         The partials' part is measured only from windows holding at least half a window of
         speech."""
         self._use_ticks.append(use)
         ticks = list(self._use_ticks)
+        loaded = [u for u in ticks if u.busy >= LOADED_BUSY]
         for final in (0, 1):
-            decoded = sum(u.decoded[final] for u in ticks)
-            if decoded:
-                self._decode_cost[final] = sum(u.decode_s[final] for u in ticks) / decoded
+            for costs, among in ((self._decode_cost, ticks), (self._loaded_cost, loaded)):
+                decoded = sum(u.decoded[final] for u in among)
+                if decoded:
+                    costs[final] = sum(u.decode_s[final] for u in among) / decoded
+        cost = [loaded or idle for loaded, idle in zip(self._loaded_cost, self._decode_cost)]
         stream_capacity = 0.0  # worker-seconds times the streams speaking in them
         stream_spans = 0
         for start in range(0, len(ticks), self._span_ticks):
@@ -385,10 +395,10 @@ class Broker:
             stream_capacity += sum(u.seconds * u.workers for u in span) * speaking
             stream_spans += speaking
         if stream_capacity and 2 * stream_spans >= self._window_spans:
-            self._share[0] = sum(u.asked[0] for u in ticks) * self._decode_cost[0] / stream_capacity
+            self._share[0] = sum(u.asked[0] for u in ticks) * cost[0] / stream_capacity
         speech_s = sum(u.final_speech_s for u in ticks)
         if speech_s and use.workers:
-            self._share[1] = sum(u.asked[1] for u in ticks) * self._decode_cost[1] / speech_s / use.workers
+            self._share[1] = sum(u.asked[1] for u in ticks) * cost[1] / speech_s / use.workers
         self.stream_share = sum(self._share)
 
     @staticmethod

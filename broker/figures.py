@@ -28,6 +28,7 @@ SAVE_EVERY_S = 10.0
 class Figures:
     share: list[float]  # of the workers' time, one speaking realtime stream's partials and finals ask for
     decode_cost: list[float]  # seconds per partial, per final
+    loaded_cost: list[float]  # the same with the workers busy (0: not measured yet)
 
     @property
     def stream_share(self) -> float:
@@ -49,13 +50,13 @@ class SavedFigures:
             data = json.loads(self._path.read_text())
             if data.get("model") != self._model:
                 return None
-            figures = Figures([float(s) for s in data["share"]], [float(c) for c in data["decode_cost"]])
+            figures = Figures(*([float(x) for x in data[key]] for key in ("share", "decode_cost", "loaded_cost")))
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("broker.admission_figures_unreadable", path=str(self._path), error=repr(exc))
             return None
-        if figures.stream_share <= 0 or len(figures.share) != 2 or len(figures.decode_cost) != 2:
+        if figures.stream_share <= 0 or any(len(x) != 2 for x in (figures.share, figures.decode_cost, figures.loaded_cost)):
             return None
         self._saved = figures
         log.info("broker.admission_figures_restored", stream_share=round(figures.stream_share, 4),
@@ -69,10 +70,10 @@ class SavedFigures:
             return
         tmp = self._path.with_suffix(".tmp")
         try:
-            tmp.write_text(json.dumps({"model": self._model, "share": figures.share,
-                                       "decode_cost": figures.decode_cost, "saved": time.time()}))
+            tmp.write_text(json.dumps({"model": self._model, "share": figures.share, "decode_cost": figures.decode_cost,
+                                       "loaded_cost": figures.loaded_cost, "saved": time.time()}))
             os.replace(tmp, self._path)
         except OSError as exc:
             log.warning("broker.admission_figures_unsaved", path=str(self._path), error=repr(exc))
-        self._saved = Figures(list(figures.share), list(figures.decode_cost))
+        self._saved = Figures(list(figures.share), list(figures.decode_cost), list(figures.loaded_cost))
         self._saved_at = now

@@ -342,12 +342,12 @@ def test_saved_figures_come_back_for_the_same_model_only(tmp_path: Path) -> None
     settings changed (another model costs otherwise) or the file cannot be read."""
     cfg = settings.load(None, {"run_dir": str(tmp_path)})
     saved = SavedFigures(cfg)
-    saved.save(Figures([0.05, 0.15], [0.05, 0.3]), NOW)
-    assert SavedFigures(cfg).load() == Figures([0.05, 0.15], [0.05, 0.3])
-    saved.save(Figures([0.05, 0.05], [0.05, 0.3]), NOW + 1)  # changed, but saved at most every SAVE_EVERY_S
-    assert SavedFigures(cfg).load() == Figures([0.05, 0.15], [0.05, 0.3])
-    saved.save(Figures([0.05, 0.05], [0.05, 0.3]), NOW + 1, at_once=True)  # at shutdown
-    assert SavedFigures(cfg).load() == Figures([0.05, 0.05], [0.05, 0.3])
+    saved.save(Figures([0.05, 0.15], [0.05, 0.3], [0.1, 0.6]), NOW)
+    assert SavedFigures(cfg).load() == Figures([0.05, 0.15], [0.05, 0.3], [0.1, 0.6])
+    saved.save(Figures([0.05, 0.05], [0.05, 0.3], [0.1, 0.6]), NOW + 1)  # changed, but saved at most every SAVE_EVERY_S
+    assert SavedFigures(cfg).load() == Figures([0.05, 0.15], [0.05, 0.3], [0.1, 0.6])
+    saved.save(Figures([0.05, 0.05], [0.05, 0.3], [0.1, 0.6]), NOW + 1, at_once=True)  # at shutdown
+    assert SavedFigures(cfg).load() == Figures([0.05, 0.05], [0.05, 0.3], [0.1, 0.6])
 
     other = settings.load(None, {"run_dir": str(tmp_path), "model": {"precision": "int8"}})
     assert SavedFigures(other).load() is None
@@ -415,5 +415,24 @@ def test_stream_share_is_not_taken_from_a_window_that_holds_little_speech() -> N
         for _ in range(5):
             broker._update_stream_share(RealtimeUse(seconds=1.0, workers=2))  # silence
         assert broker.stream_share == pytest.approx(speaking)  # not (0.2 + 0.5) / 2 from the last second of speech
+    finally:
+        broker.close()
+
+
+def test_stream_share_is_priced_at_what_decodes_cost_with_the_workers_busy() -> None:
+    """Decodes take longer when streams share the cores: once that has been seen, one stream
+    alone on idle workers is priced at it, since admission decides near capacity."""
+    broker = Broker(settings.load())
+    try:
+        for _ in range(5):  # alone: 0.1 s a partial, 10 % busy
+            broker._update_stream_share(_speaking({"a"}))
+        alone = broker.stream_share
+        assert alone == pytest.approx(0.2 / 2)
+        for _ in range(5):  # six streams, 0.25 s a partial, workers at 100 % (of 1.2 s of decoding asked)
+            broker._update_stream_share(RealtimeUse(seconds=1.0, workers=2, decode_s=[2.0, 0.0], decoded=[8, 0], asked=[12, 0],
+                                                    speaking={(0, f"s{i}") for i in range(6)}))
+        for _ in range(5):  # one stream again, on idle workers
+            broker._update_stream_share(_speaking({"a"}))
+        assert broker.stream_share == pytest.approx(2 * 0.25 / 2) and broker.stream_share > 2 * alone
     finally:
         broker.close()
