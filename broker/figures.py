@@ -21,7 +21,7 @@ from config.settings import Config
 log = structlog.get_logger()
 
 FILE = "admission.json"
-SAVE_EVERY_S = 10.0
+SAVE_EVERY_S = 1.0  # a broker killed mid-run leaves figures at most this old
 
 
 @dataclass(slots=True)

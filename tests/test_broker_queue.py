@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from broker.figures import FILE, Figures, SavedFigures
+from broker.figures import FILE, SAVE_EVERY_S, Figures, SavedFigures
 from broker.jobs import BATCH, EXPIRED, OK, REALTIME, Job, JobResult
 from broker.broker import Broker
 from broker.queue import Dispatcher, JobQueue, RealtimeUse, job_key
@@ -344,9 +344,9 @@ def test_saved_figures_come_back_for_the_same_model_only(tmp_path: Path) -> None
     saved = SavedFigures(cfg)
     saved.save(Figures([0.05, 0.15], [0.05, 0.3], [0.1, 0.6]), NOW)
     assert SavedFigures(cfg).load() == Figures([0.05, 0.15], [0.05, 0.3], [0.1, 0.6])
-    saved.save(Figures([0.05, 0.05], [0.05, 0.3], [0.1, 0.6]), NOW + 1)  # changed, but saved at most every SAVE_EVERY_S
+    saved.save(Figures([0.05, 0.05], [0.05, 0.3], [0.1, 0.6]), NOW + SAVE_EVERY_S / 2)  # changed, but saved at most every SAVE_EVERY_S
     assert SavedFigures(cfg).load() == Figures([0.05, 0.15], [0.05, 0.3], [0.1, 0.6])
-    saved.save(Figures([0.05, 0.05], [0.05, 0.3], [0.1, 0.6]), NOW + 1, at_once=True)  # at shutdown
+    saved.save(Figures([0.05, 0.05], [0.05, 0.3], [0.1, 0.6]), NOW + SAVE_EVERY_S / 2, at_once=True)  # at shutdown
     assert SavedFigures(cfg).load() == Figures([0.05, 0.05], [0.05, 0.3], [0.1, 0.6])
 
     other = settings.load(None, {"run_dir": str(tmp_path), "model": {"precision": "int8"}})
