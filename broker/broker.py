@@ -373,11 +373,10 @@ class Broker:
         ticks: its partials, at what one costs, per worker-second and per stream speaking in it
         (a stream's pauses, and the time before it opened or after it ended, are not its time:
         streams that open together speak together); and its finals, at what one costs per
-        second of the speech it covers. Costs are those measured with the workers busy, once
-        known. A final comes after its speech, so counted in the
-        seconds it was asked in it would make one stream look several times dearer than it is.
-        The partials' part is measured only from windows holding at least half a window of
-        speech."""
+        second of the speech it covers (a final comes after its speech: counted in the seconds it
+        was asked in, it would make one stream look several times dearer than it is). Decodes
+        are priced as they cost with the workers busy, once known. The partials' part is
+        measured only from windows holding at least half a window of speech."""
         self._use_ticks.append(use)
         ticks = list(self._use_ticks)
         loaded = [u for u in ticks if u.busy >= LOADED_BUSY]
@@ -386,7 +385,7 @@ class Broker:
                 decoded = sum(u.decoded[final] for u in among)
                 if decoded:
                     costs[final] = sum(u.decode_s[final] for u in among) / decoded
-        cost = [loaded or idle for loaded, idle in zip(self._loaded_cost, self._decode_cost)]
+        cost = [busy or idle for busy, idle in zip(self._loaded_cost, self._decode_cost)]
         stream_capacity = 0.0  # worker-seconds times the streams speaking in them
         stream_spans = 0
         for start in range(0, len(ticks), self._span_ticks):
