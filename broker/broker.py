@@ -91,13 +91,10 @@ class Broker:
         # decode. Kept through quiet spells, where there is nothing to measure it by, and across
         # restarts (broker.figures).
         self.busy = 0.0
-        self.stream_share = 0.0
-        self._decode_cost = [0.0, 0.0]  # seconds per partial, per final (kept when none ran)
-        # The same, from ticks with the workers at least LOADED_BUSY busy (kept): decodes that
-        # share the cores with each other and with the ingest take longer, and admission decides
-        # near capacity, so the share is priced at these once they are known.
-        self._loaded_cost = [0.0, 0.0]
-        self._share = [0.0, 0.0]  # stream_share's partials and finals (each kept when not measured)
+        # Each part kept when not measured. Decode costs from ticks with the workers at least
+        # LOADED_BUSY busy price the share once known: decodes that share the cores with each
+        # other and with the ingest take longer, and admission decides near capacity.
+        self.figures = Figures(share=[0.0, 0.0], decode_cost=[0.0, 0.0], loaded_cost=[0.0, 0.0])
         # A stream counts as speaking in a span of ticks when it asked for a partial in it: spans
         # of at least two partial intervals (1 s at the defaults), so one that speaks through a
         # span asks in it however short the heartbeat.
@@ -137,8 +134,7 @@ class Broker:
         self.cfg.run_path.mkdir(mode=0o700, parents=True, exist_ok=True)
         restored = self._saved_figures.load()
         if restored is not None:
-            self._share, self._decode_cost, self._loaded_cost = restored.share, restored.decode_cost, restored.loaded_cost
-            self.stream_share = restored.stream_share
+            self.figures = restored
         self.metrics.start()
         try:
             self._ingest_sock.bind(self.cfg.broker_ingest_endpoint)
@@ -153,7 +149,7 @@ class Broker:
             with StopSignal() as stop:
                 self._serve(stop)
         finally:
-            self._saved_figures.save(self._figures(), time.monotonic(), at_once=True)
+            self._saved_figures.save(self.figures, time.monotonic(), at_once=True)
             self.close()
             self.metrics.close()
         log.info("broker.stopped", queued=len(self.dispatcher.queue), inflight=self.dispatcher.inflight)
@@ -337,7 +333,7 @@ class Broker:
         use = self.dispatcher.realtime_use(now)
         self.busy = 0.5 * self.busy + 0.5 * use.busy
         self._update_stream_share(use)
-        self._saved_figures.save(self._figures(), now)
+        self._saved_figures.save(self.figures, now)
         realtime = sum(s.realtime for s in self.ingests.values())
         recent = sum(s.recent for s in self.ingests.values())
         queued = self.dispatcher.queue.counts()
@@ -365,8 +361,9 @@ class Broker:
                     "window_s": self.figures_window_s,
                 })])
 
-    def _figures(self) -> Figures:
-        return Figures(list(self._share), list(self._decode_cost), list(self._loaded_cost))
+    @property
+    def stream_share(self) -> float:
+        return self.figures.stream_share
 
     def _update_stream_share(self, use: RealtimeUse) -> None:
         """Share of the workers' time one realtime stream asks for while it speaks, over the last
@@ -380,12 +377,13 @@ class Broker:
         self._use_ticks.append(use)
         ticks = list(self._use_ticks)
         loaded = [u for u in ticks if u.busy >= LOADED_BUSY]
+        figures = self.figures
         for final in (0, 1):
-            for costs, among in ((self._decode_cost, ticks), (self._loaded_cost, loaded)):
+            for costs, among in ((figures.decode_cost, ticks), (figures.loaded_cost, loaded)):
                 decoded = sum(u.decoded[final] for u in among)
                 if decoded:
                     costs[final] = sum(u.decode_s[final] for u in among) / decoded
-        cost = [busy or idle for busy, idle in zip(self._loaded_cost, self._decode_cost)]
+        cost = [busy or idle for busy, idle in zip(figures.loaded_cost, figures.decode_cost)]
         stream_capacity = 0.0  # worker-seconds times the streams speaking in them
         stream_spans = 0
         for start in range(0, len(ticks), self._span_ticks):
@@ -394,11 +392,10 @@ class Broker:
             stream_capacity += sum(u.seconds * u.workers for u in span) * speaking
             stream_spans += speaking
         if stream_capacity and 2 * stream_spans >= self._window_spans:
-            self._share[0] = sum(u.asked[0] for u in ticks) * cost[0] / stream_capacity
+            figures.share[0] = sum(u.asked[0] for u in ticks) * cost[0] / stream_capacity
         speech_s = sum(u.final_speech_s for u in ticks)
         if speech_s and use.workers:
-            self._share[1] = sum(u.asked[1] for u in ticks) * cost[1] / speech_s / use.workers
-        self.stream_share = sum(self._share)
+            figures.share[1] = sum(u.asked[1] for u in ticks) * cost[1] / speech_s / use.workers
 
     @staticmethod
     def _send(sock: zmq.Socket, ident: bytes, frames: list[bytes]) -> bool:
