@@ -251,20 +251,24 @@ def _this_run(before: dict[tuple[str, str, str], Histogram],
     return runs
 
 
+def _total(hists: list[Histogram]) -> Histogram | None:
+    """The histograms added up (None for none)."""
+    if not hists:
+        return None
+    out = hists[0].copy()
+    for h in hists[1:]:
+        out.add(h)
+    return out
+
+
 def transit_report(before: dict[tuple[str, str, str], Histogram],
                    after: dict[tuple[str, str, str], Histogram]) -> dict[str, dict[str, Any]]:
     """Per leg of a decoded job's way (to the worker, back to the ingest), over every ingest:
     count and p50 / p90 / p99 ms, interpolated within the histogram's buckets."""
-    legs: dict[str, Histogram] = {}
-    for (family, _, leg), h in _this_run(before, after).items():
-        if family != "transit":
-            continue
-        if leg in legs:
-            legs[leg].add(h)
-        else:
-            legs[leg] = h
+    transit = [(leg, h) for (family, _, leg), h in _this_run(before, after).items() if family == "transit"]
+    legs = {leg: _total([h for other, h in transit if other == leg]) for leg, _ in transit}
     return {leg: {"count": int(h.count), **{f"p{q}_ms": _ms(h.quantile(q / 100)) for q in (50, 90, 99)}}
-            for leg, h in sorted(legs.items()) if h.count}
+            for leg, h in sorted(legs.items()) if h is not None and h.count}
 
 
 def gc_report(before: dict[tuple[str, str, str], Histogram],
@@ -274,21 +278,13 @@ def gc_report(before: dict[tuple[str, str, str], Histogram],
     CPU time is the process waiting for a core."""
     runs = {key: h for key, h in _this_run(before, after).items() if key[0] in ("pause", "cpu")}
 
-    def total(hists: list[Histogram]) -> Histogram | None:
-        if not hists:
-            return None
-        out = hists[0].copy()
-        for h in hists[1:]:
-            out.add(h)
-        return out
-
     out: dict[str, dict[str, Any]] = {}
     for proc in sorted({p for _, p, _ in runs}):
         mine = {(family, gen): h for (family, p, gen), h in runs.items() if p == proc}
-        wall = total([h for (family, _), h in mine.items() if family == "pause"])
+        wall = _total([h for (family, _), h in mine.items() if family == "pause"])
         if wall is None:
             continue
-        cpu = total([h for (family, _), h in mine.items() if family == "cpu"])
+        cpu = _total([h for (family, _), h in mine.items() if family == "cpu"])
         top = wall.max_bound()
         out[proc] = {"count": int(wall.count), "total_ms": round(1000 * wall.total, 3),
                      "max_ms_at_most": _ms(top), "over_largest_bucket": top == math.inf,
