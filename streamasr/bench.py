@@ -708,7 +708,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     pace = p.add_mutually_exclusive_group()
     pace.add_argument("--realtime", action="store_true", help="send frames on a wall-clock schedule (default)")
     pace.add_argument("--offline", action="store_true", help="send as fast as the window allows, priority batch")
-    p.add_argument("--model", default="whisper-tiny.en", help="null, whisper-tiny.en or whisper-base (when the bench starts the service)")
+    p.add_argument("--model", help="null, whisper-tiny.en (default) or whisper-base, for the service the bench starts; "
+                                   "with --server, the model its workers report")
     p.add_argument("--server", metavar="ADDR", help="front door of a running service (default: start one)")
     p.add_argument("--workers", type=int, default=2, help="worker processes of the service the bench starts")
     p.add_argument("--max-batch", type=int, help="the started service's model.max_batch (default: the config's)")
@@ -748,6 +749,19 @@ def within_bounds(s: dict[str, Any], bound_ms: float, interval_bound_ms: float) 
             and pl <= bound_ms and fl <= 1.5 * bound_ms and iv <= interval_bound_ms)
 
 
+def served(target: Target, asked: str | None) -> tuple[str, int | None]:
+    """The model and worker count of a running service, from its status: a report must say what
+    was measured, and the null model's fixed text has no word error rate to score."""
+    reply = target.status()
+    if reply is None:
+        raise SystemExit(f"streamasr bench: no status from {target.address}: is the service running?")
+    models = sorted({str(w.get("model")) for w in reply.workers})
+    model = "+".join(models) if models else (asked or "unknown")
+    if asked and models and models != [asked]:
+        print(f"note: --model {asked} ignored: the service at {target.address} serves {model}", file=sys.stderr)
+    return model, len(reply.workers) or None
+
+
 def _terminate(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)  # unwind, so the service we started is stopped
 
@@ -765,7 +779,9 @@ def main(argv: list[str] | None = None) -> int:
         clips = corpus(workdir)
         if args.server:
             target = Target(args.server)
+            model, workers = served(target, args.model)
         else:
+            model, workers = args.model or "whisper-tiny.en", args.workers
             base = tomllib.loads(Path(args.config).read_text()) if args.config else {}
             overrides: dict[str, Any] = {"log_level": "debug",  # the workers log each batch's size at debug
                                          "ingest": {"max_streams_per_client": max(64, max(counts))}}
@@ -775,9 +791,9 @@ def main(argv: list[str] | None = None) -> int:
                 # A sweep measures what N streams get. After the first run the service has measured
                 # one stream's share, and admission would cut the later, larger bursts.
                 overrides["ingest"] |= {"admit_max_load_s": 0, "admit_max_busy": 0}
-            print(f"starting the service: model {args.model}, {args.workers} workers ...", file=sys.stderr, flush=True)
-            overrides = settings.merge({"model": {"name": args.model, "backend": "null" if args.model == "null" else "onnxruntime"},
-                                        "workers": {"processes": args.workers}}, overrides)
+            print(f"starting the service: model {model}, {workers} workers ...", file=sys.stderr, flush=True)
+            overrides = settings.merge({"model": {"name": model, "backend": "null" if model == "null" else "onnxruntime"},
+                                        "workers": {"processes": workers}}, overrides)
             overrides = settings.merge(base, overrides)
             if args.tracemalloc:
                 trace_dir = workdir / "tracemalloc"
@@ -792,8 +808,7 @@ def main(argv: list[str] | None = None) -> int:
         best: int | None = None
         cfg = target.local.cfg if target.local else None  # settings are known only for a service we started
         for n in counts:
-            spec = RunSpec(n, args.duration, args.offline, args.frame_ms, args.clients, args.model,
-                           args.workers if not args.server else None,
+            spec = RunSpec(n, args.duration, args.offline, args.frame_ms, args.clients, model, workers,
                            args.max_batch or (cfg.model.max_batch if cfg else None), args.drain, args.ramp,
                            admit_limit_s=cfg.ingest.admit_max_load_s if cfg else None,
                            precision=cfg.model.precision if cfg else None,

@@ -81,8 +81,12 @@ def test_tracemalloc_reports_what_each_serving_process_kept(tmp_path: Path) -> N
 
 
 def test_offline_receives_every_final(tmp_path: Path, null_service: Service) -> None:
-    s = bench(tmp_path, "--server", null_service.address, "--offline", "--streams", "3", "--duration", "5", "--model", "null")
+    """Against a running service the report names the model its workers serve, whatever --model says."""
+    s = bench(tmp_path, "--server", null_service.address, "--offline", "--streams", "3", "--duration", "5",
+              "--model", "whisper-tiny.en")
     assert s["config"]["mode"] == "offline"
+    assert s["config"]["model"] == "null" and s["config"]["workers"] == 2
+    assert s["wer"] is None
     assert s["streams"]["opened"] == s["streams"]["closed"] == s["streams"]["with_finals"] == 3
     assert s["finals"] >= 3
     check_latency(s["final_latency_ms"])
