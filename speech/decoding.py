@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 
 from speech.backend import SAMPLE_RATE, DecodeRequest, DecodeResult, Segment
-from speech.mel import FRAMES_PER_SECOND, N_FRAMES, log_mel
+from speech.mel import FRAMES_PER_SECOND, N_FRAMES, LogMel
 from speech.tokenizer import TIME_PRECISION, WhisperTokenizer
 
 NEG = np.float32(-1e9)
@@ -59,10 +59,12 @@ class _Row:
     done: bool = False
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    m = x.max(axis=-1, keepdims=True)
-    y = x - m
-    return y - np.log(np.exp(y).sum(axis=-1, keepdims=True))
+def _log_softmax(x: np.ndarray, out: np.ndarray | None = None, scratch: np.ndarray | None = None) -> np.ndarray:
+    """Over the last axis; into `out`, with `scratch` for the exponentials, when given: a decoding
+    step then allocates nothing the size of the vocabulary."""
+    y = np.subtract(x, x.max(axis=-1, keepdims=True), out=out)
+    y -= np.log(np.exp(y, out=scratch).sum(axis=-1, keepdims=True))
+    return y
 
 
 def _logsumexp(x: np.ndarray) -> np.ndarray:
@@ -99,6 +101,9 @@ class WhisperDecoder:
         self.suppress_begin = np.array([t for t in tokenizer.suppress_begin if t < self.vocab], dtype=np.int64)
         self.ts_begin = tokenizer.timestamp_begin
         self.max_initial_ts = round(MAX_INITIAL_TIMESTAMP / TIME_PRECISION)
+        self.log_mel = LogMel()  # one group at a time: its features are encoded before the next group's
+        self._logprobs = np.empty((0, self.vocab), np.float32)  # a step's log-probabilities, rows as needed
+        self._exp = np.empty((0, self.vocab), np.float32)
 
     # ---------------------------------------------------------------------------------- public
     def decode(self, requests: Sequence[DecodeRequest]) -> list[DecodeResult]:
@@ -186,8 +191,16 @@ class WhisperDecoder:
             "count": state["count"][rows],
         }
 
+    def _rows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(n, V) buffers for log-probabilities and their exponentials, grown to the largest batch."""
+        if len(self._logprobs) < n:
+            self._logprobs = np.empty((n, self.vocab), np.float32)
+            self._exp = np.empty((n, self.vocab), np.float32)
+        return self._logprobs[:n], self._exp[:n]
+
     def _filter(self, logits: np.ndarray, rows: list[_Row], ts_on: list[bool], first: list[bool]) -> np.ndarray:
-        """Apply Whisper's logit filters in place to (n, V) logits; returns log-probabilities."""
+        """Apply Whisper's logit filters in place to (n, V) logits; returns log-probabilities, in a
+        buffer the next step overwrites."""
         logits[:, self.suppress] = -np.inf
         tb = self.ts_begin
         for k, row in enumerate(rows):
@@ -213,13 +226,14 @@ class WhisperDecoder:
                 # first sampled token: must be a timestamp, at most MAX_INITIAL_TIMESTAMP
                 logits[k, :tb] = -np.inf
                 logits[k, tb + self.max_initial_ts + 1 :] = -np.inf
-        logprobs = _log_softmax(logits)
+        logprobs, exp = self._rows(len(rows))
+        _log_softmax(logits, logprobs, exp)
         for k in range(len(rows)):
             if ts_on[k]:
                 ts_lp = _logsumexp(logprobs[k, tb:][None])[0]
                 if ts_lp > logprobs[k, :tb].max():
                     logits[k, :tb] = -np.inf
-                    logprobs[k] = _log_softmax(logits[k][None])[0]
+                    _log_softmax(logits[k : k + 1], logprobs[k : k + 1], exp[k : k + 1])
         return logprobs
 
     def _decode_group(
@@ -227,10 +241,7 @@ class WhisperDecoder:
     ) -> list[tuple[DecodeResult, bool, list[int]]]:
         tk = self.tk
         n = len(reqs)
-        mel = np.empty((n, self.dims["n_mels"], frames), dtype=np.float32)
-        for i, r in enumerate(reqs):
-            mel[i] = log_mel(np.asarray(r.audio, dtype=np.float32), frames)
-        cross = self.encode(mel)
+        cross = self.encode(self.log_mel([r.audio for r in reqs], frames))
         state = {"past": self._empty_past(n), "cross": cross, "valid": np.zeros((n, 0), bool), "count": np.zeros(n, np.int64)}
 
         # stage 1: prompt + SOT -> no-speech probability and language at the SOT position
@@ -246,8 +257,9 @@ class WhisperDecoder:
                 ctx = [ctx[0]] + ctx[len(ctx) - room + 1 :] if room > 1 else []
             stage1.append(ctx + [tk.sot])
         logits = self._step(stage1, state)
-        probs = np.exp(_log_softmax(logits))
-        no_speech = probs[:, tk.no_speech] if tk.no_speech is not None else np.zeros(n)
+        no_speech = np.zeros(n)
+        if tk.no_speech is not None:
+            no_speech = np.exp(_log_softmax(logits, *self._rows(n))[:, tk.no_speech])
         languages: list[str] = []
         for i, r in enumerate(reqs):
             if not tk.multilingual:
@@ -303,7 +315,7 @@ class WhisperDecoder:
         n_sampled = 0
         while active:
             cur = [rows[i] for i in active]
-            lp = self._filter(logits.copy(), cur, [ts_on[i] for i in active], [n_sampled == 0] * len(active))
+            lp = self._filter(logits, cur, [ts_on[i] for i in active], [n_sampled == 0] * len(active))
             nxt = lp.argmax(axis=-1)
             keep, feed = [], []
             for k, i in enumerate(active):
@@ -342,7 +354,7 @@ class WhisperDecoder:
         n_sampled = 0
         while active:
             flat = [b for i in active for b in beams[i]]
-            lp = self._filter(logits.copy(), flat, [ts_on[b.req] for b in flat], [n_sampled == 0] * len(flat))
+            lp = self._filter(logits, flat, [ts_on[b.req] for b in flat], [n_sampled == 0] * len(flat))
             new_rows_idx, feed, still = [], [], []
             for a, i in enumerate(active):
                 cands: dict[tuple, tuple[float, int, int]] = {}

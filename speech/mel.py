@@ -66,41 +66,88 @@ def _window() -> np.ndarray:
     return w
 
 
+class LogMel:
+    """Log-mel features of a batch into buffers kept from call to call.
+
+    A worker computes features for every job, in a few dozen window sizes (short partial
+    windows of whole seconds, the 30 s window of finals): the scratch buffers are sized once for
+    the largest window and each call uses their leading part, so no feature array is allocated
+    per job. Only the frames whose 25 ms window reaches the audio are transformed: the rest of
+    the window would be the spectrum of zeros, whose log-mel is the floor (-10) that never
+    raises the maximum, and Whisper zeroes those frames anyway. A 3 s final computes 302
+    frames, not 3000, with the same result.
+
+    The array returned is a view of the extractor's output buffer, valid until its next call.
+    """
+
+    def __init__(self) -> None:
+        self._frames = 0  # the scratch buffers hold this many frames
+        self._padded = self._windowed = np.empty(0, np.float32)
+        self._windowed64 = np.empty(0, np.float64)
+        self._spec128 = np.empty(0, np.complex128)
+        self._spec = np.empty(0, np.complex64)
+        self._power = np.empty(0, np.float32)
+        self._out = np.empty(0, np.float32)
+
+    def __call__(self, audios: list[np.ndarray], n_frames: int = N_FRAMES) -> np.ndarray:
+        """(len(audios), 80, n_frames) float32 log-mel, each audio cut to n_frames * 160 samples."""
+        if n_frames > self._frames:
+            self._frames = n_frames
+            self._padded = np.empty(n_frames * HOP_LENGTH + N_FFT, np.float32)
+            self._windowed = np.empty((n_frames, N_FFT), np.float32)
+            self._windowed64 = np.empty((n_frames, N_FFT), np.float64)
+            self._spec128 = np.empty((n_frames, N_FFT // 2 + 1), np.complex128)
+            self._spec = np.empty((n_frames, N_FFT // 2 + 1), np.complex64)
+            self._power = np.empty((n_frames, N_FFT // 2 + 1), np.float32)
+        size = len(audios) * N_MELS * n_frames
+        if size > self._out.size:
+            self._out = np.empty(size, np.float32)
+        out = self._out[:size].reshape(len(audios), N_MELS, n_frames)
+        for row, audio in zip(out, audios):
+            self._one(np.asarray(audio, dtype=np.float32).reshape(-1), n_frames, row)
+        return out
+
+    def _one(self, audio: np.ndarray, n_frames: int, out: np.ndarray) -> None:
+        n_samples = n_frames * HOP_LENGTH
+        n = min(len(audio), n_samples)
+        half = N_FFT // 2
+        # frame f covers samples [160 f - 200, 160 f + 200) of the audio
+        frames = min(n_frames, -(-(n + half) // HOP_LENGTH))
+        padded = self._padded[: (frames - 1) * HOP_LENGTH + N_FFT if frames < n_frames else n_samples + N_FFT]
+        padded[half : half + n] = audio[:n]
+        padded[half + n :] = 0.0
+        # reflect padding at both ends of the (zero-padded) signal, as torch.stft(center=True) does
+        padded[:half] = padded[half + 1 : 2 * half + 1][::-1]
+        if frames == n_frames:  # the last frames reach the end of the window, and its reflection
+            body = padded[half : half + n_samples]
+            padded[half + n_samples :] = body[n_samples - half - 1 : n_samples - 1][::-1]
+        # centred frames; Whisper drops the one past the end of the window
+        strided = np.lib.stride_tricks.as_strided(padded, shape=(frames, N_FFT), strides=(HOP_LENGTH * 4, 4),
+                                                  writeable=False)
+        windowed = np.multiply(strided, _window(), out=self._windowed[:frames])
+        # numpy transforms float32 in double precision (its loop for a real input is float64), and
+        # fed float32 it allocates its cast buffers on every call: the casts are done here instead
+        windowed64 = self._windowed64[:frames]
+        np.copyto(windowed64, windowed)
+        spec = self._spec[:frames]
+        np.copyto(spec, np.fft.rfft(windowed64, axis=-1, out=self._spec128[:frames]))
+        power = np.square(spec.real, out=self._power[:frames])
+        power += np.square(spec.imag, out=windowed.reshape(-1)[: power.size].reshape(power.shape))  # windowed is spent
+        mel = np.matmul(mel_filters(), power.T, out=out[:, :frames])
+        np.maximum(mel, 1e-10, out=mel)
+        np.log10(mel, out=mel)
+        np.maximum(mel, mel.max() - 8.0, out=mel)
+        mel += 4.0
+        mel /= 4.0
+        out[:, min(n_frames, n // HOP_LENGTH) :] = 0.0
+
+
 def log_mel(audio: np.ndarray, n_frames: int = N_FRAMES) -> np.ndarray:
     """(80, n_frames) float32 log-mel of `audio` (float32 16 kHz, cut to n_frames*160 samples).
 
     As Whisper's transcribe does, the spectrogram is computed on the audio followed by zeros,
     only the frames covering the audio (len // 160) are kept and the rest of the window is
-    filled with 0 in log-mel space (pad_or_trim of the mel, not the mel of silence).
+    filled with 0 in log-mel space (pad_or_trim of the mel, not the mel of silence). One-off
+    use; a worker keeps a LogMel.
     """
-    n_samples = n_frames * HOP_LENGTH
-    audio = np.asarray(audio, dtype=np.float32).reshape(-1)
-    padded = np.zeros(n_samples + N_FFT, dtype=np.float32)  # reflect margins of N_FFT//2 each side
-    n = min(len(audio), n_samples)
-    half = N_FFT // 2
-    padded[half : half + n] = audio[:n]
-    # reflect padding at both ends of the (zero-padded) signal, as torch.stft(center=True) does
-    body = padded[half : half + n_samples]
-    padded[:half] = body[1 : half + 1][::-1]
-    padded[half + n_samples :] = body[n_samples - half - 1 : n_samples - 1][::-1]
-    # n_frames + 1 centred frames; Whisper drops the last one
-    frames = np.lib.stride_tricks.as_strided(
-        padded, shape=(n_frames, N_FFT), strides=(HOP_LENGTH * 4, 4), writeable=False
-    )
-    spec = np.fft.rfft(frames * _window(), axis=-1)
-    power = spec.real**2 + spec.imag**2
-    mel = mel_filters() @ power.T.astype(np.float32)
-    log_spec = np.log10(np.maximum(mel, 1e-10))
-    log_spec = np.maximum(log_spec, log_spec.max() - 8.0)
-    out = ((log_spec + 4.0) / 4.0).astype(np.float32)
-    content = min(n_frames, n // HOP_LENGTH)
-    out[:, content:] = 0.0
-    return out
-
-
-def log_mel_batch(audios: list[np.ndarray], n_frames: int = N_FRAMES) -> np.ndarray:
-    """(B, 80, n_frames) float32."""
-    out = np.empty((len(audios), N_MELS, n_frames), dtype=np.float32)
-    for i, a in enumerate(audios):
-        out[i] = log_mel(a, n_frames)
-    return out
+    return LogMel()([audio], n_frames)[0].copy()

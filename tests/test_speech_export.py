@@ -14,7 +14,7 @@ from speech import loader
 from speech.audio import load_audio
 from speech.ct2 import CT2Model
 from speech.export import ALLOWED_OPS, build_encoder
-from speech.mel import N_FRAMES, log_mel, mel_filters
+from speech.mel import N_FRAMES, LogMel, log_mel, mel_filters
 from streamasr.testdata import utterances
 
 ENCODER_ATOL = 1e-3  # max |ours - CTranslate2| on encoder outputs of magnitude ~10 (measured 2e-5)
@@ -88,6 +88,31 @@ def test_log_mel_matches_reference(speech_audio):
     content = len(audio) // 160
     np.testing.assert_allclose(ours[:, :content], ref[:, :content], atol=MEL_ATOL)
     assert np.all(ours[:, content:] == 0.0)  # Whisper pads the mel itself with zeros
+
+
+def test_log_mel_keeps_its_buffers_and_matches_the_reference_in_every_window(speech_audio):
+    """A worker's extractor serves windows of every size from the same buffers, a batch at a time:
+    each row matches the reference, whatever the calls before it left in the buffers."""
+    from faster_whisper.feature_extractor import FeatureExtractor
+
+    reference = FeatureExtractor(feature_size=80)
+    extract = LogMel()
+    cases = [
+        (speech_audio, N_FRAMES),
+        (speech_audio[:16_000], 300),  # a short window after the largest
+        (speech_audio[:8_000], N_FRAMES),  # little audio in the full window after a lot
+        (np.zeros(0, np.float32), 500),
+    ]
+    batch = [speech_audio[:n] for n in (32_000, 4_000, 24_000)]
+    for audios, frames in [([a], f) for a, f in cases] + [(batch, 500), (batch[::-1], 500)]:
+        ours = extract(audios, frames)
+        assert ours.shape == (len(audios), 80, frames) and ours.dtype == np.float32
+        for row, audio in zip(ours, audios):
+            content = min(frames, len(audio) // 160)
+            if content:
+                ref = reference(audio, padding=160 * N_FRAMES)
+                np.testing.assert_allclose(row[:, :content], ref[:, :content], atol=MEL_ATOL)
+            assert np.all(row[:, content:] == 0.0)
 
 
 def test_encoder_matches_ctranslate2(ct2_tiny, tiny_files, speech_audio):
