@@ -7,6 +7,9 @@ the blocks and bytes allocated since the baseline and still held, and the source
 most of them. Under steady load what is in flight (queued messages, a decode's arrays) is about
 the same at every mark, so the bench compares two later marks: a hot path that keeps nothing per
 frame or per job shows no growth between them, whatever it allocates and frees on the way.
+Each report also gives the peak: the most the process traced between the previous mark and this
+one above what it traced when the previous mark was done. Snapshots show only what is held; the
+peak shows what the work in between allocated and freed at its largest (a decode's arrays).
 Without the variable nothing is traced and SIGUSR1 keeps its default meaning.
 """
 
@@ -54,7 +57,7 @@ def _where(frame: tracemalloc.Frame) -> str:
     return f"{name}:{frame.lineno}"
 
 
-def report(process: str, base: tracemalloc.Snapshot, now: tracemalloc.Snapshot) -> dict[str, Any]:
+def report(process: str, base: tracemalloc.Snapshot, now: tracemalloc.Snapshot, peak_bytes: int = 0) -> dict[str, Any]:
     """Held-allocation difference between two snapshots, totals and the largest source lines."""
     diff = now.compare_to(base, "lineno")
     top = sorted(diff, key=lambda d: (-abs(d.count_diff), -abs(d.size_diff)))[:TOP]
@@ -63,6 +66,7 @@ def report(process: str, base: tracemalloc.Snapshot, now: tracemalloc.Snapshot) 
         "blocks": sum(d.count_diff for d in diff),
         "bytes": sum(d.size_diff for d in diff),
         "traced_bytes": tracemalloc.get_traced_memory()[0],
+        "peak_bytes": peak_bytes,
         "top": [{"where": _where(d.traceback[0]), "blocks": d.count_diff, "bytes": d.size_diff}
                 for d in top if d.count_diff or d.size_diff],
     }
@@ -78,16 +82,21 @@ def arm(process: str) -> None:
     report(process, _snapshot(), _snapshot())  # imports what comparing and reporting need, before any mark
     baseline: list[tracemalloc.Snapshot] = []
     marks = 0
+    level = 0  # traced when the last mark was done
 
     def mark(_signum: int, _frame: Any) -> None:
-        nonlocal marks
+        nonlocal marks, level
+        peak = tracemalloc.get_traced_memory()[1] - level  # before the snapshot: it is traced too
         snap = _snapshot()
         if not baseline:
             baseline.append(snap)
-            return
-        marks += 1
-        tmp = out / f".{process}-{marks}.json.tmp"
-        tmp.write_text(json.dumps(report(process, baseline[0], snap), indent=1))
-        tmp.replace(out / f"{process}-{marks}.json")  # the bench never reads half a file
+        else:
+            marks += 1
+            tmp = out / f".{process}-{marks}.json.tmp"
+            tmp.write_text(json.dumps(report(process, baseline[0], snap, peak), indent=1))
+            tmp.replace(out / f"{process}-{marks}.json")  # the bench never reads half a file
+        del snap
+        level = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
 
     signal.signal(signal.SIGUSR1, mark)

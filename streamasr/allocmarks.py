@@ -1,6 +1,7 @@
 """`streamasr bench --tracemalloc`: mark the service's processes three times under steady load and
 read what each kept (metrics.allocwatch): growth between the second and third mark, per audio frame
-and per job, is what the hot path keeps; the level at the second mark is what is in flight."""
+and per job, is what the hot path keeps; the level at the second mark is what is in flight; the
+peak between them is the most the work in that interval allocated at once."""
 
 from __future__ import annotations
 
@@ -71,6 +72,7 @@ class AllocationMarks:
                 "growth_blocks": growth, "growth_bytes": b["bytes"] - a["bytes"],
                 "growth_blocks_per_frame": round(growth / frames, 4) if frames else None,
                 "growth_blocks_per_job": round(growth / jobs, 3) if jobs else None,
+                "peak_bytes": b["peak_bytes"],
                 "top": b["top"],
             }
         return {"interval_s": round(t3 - t2, 2), "frames": frames, "jobs": jobs, "per_process": per_process}

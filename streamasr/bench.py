@@ -646,8 +646,8 @@ def print_report(s: dict[str, Any], out: Any = sys.stdout) -> None:
         for name, a in alloc["per_process"].items():
             where = ", ".join(f"{t['where']} {t['blocks']:+d}" for t in a["top"][:3])
             w(f"  {name:<10} {a['held_blocks'][0]:+6d} / {a['held_blocks'][1]:+6d}  growth {a['growth_blocks']:+6d} "
-              f"({_fmt(a['growth_blocks_per_frame'], 4)} per frame, {_fmt(a['growth_blocks_per_job'], 3)} per job)  "
-              f"held most at {where}", file=out)
+              f"({_fmt(a['growth_blocks_per_frame'], 4)} per frame, {_fmt(a['growth_blocks_per_job'], 3)} per job), "
+              f"peak {a['peak_bytes'] / 1024:,.0f} KiB above the second mark; held most at {where}", file=out)
     g = s["generator"]
     lag = g["send_lag_ms"]
     if lag["count"]:
@@ -729,7 +729,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--drain", type=float, default=60.0, help="give up waiting for results after this long without any")
     p.add_argument("--tracemalloc", action="store_true",
                    help="trace the started service's Python allocations and report what each process kept per frame and "
-                        "per job between marks at 1/2 and 3/4 of the load (slows the service: not a latency run)")
+                        "per job between marks at 1/2 and 3/4 of the load, and the most it allocated at once "
+                        "(slows the service: not a latency run)")
     p.add_argument("--json", dest="json_path", metavar="FILE", help="write the summary as one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="latency distribution and latency over time (matplotlib)")
     args = p.parse_args(argv)

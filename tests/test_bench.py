@@ -74,6 +74,7 @@ def test_tracemalloc_reports_what_each_serving_process_kept(tmp_path: Path) -> N
     for name, p in a["per_process"].items():
         assert len(p["held_blocks"]) == 2 and p["growth_blocks"] == p["held_blocks"][1] - p["held_blocks"][0], name
         assert p["growth_blocks_per_frame"] == round(p["growth_blocks"] / a["frames"], 4)
+        assert p["peak_bytes"] > 0, name  # every serving process handled messages between the marks
         for top in p["top"]:  # source lines, relative: reports are shared
             where, _, line = top["where"].rpartition(":")
             assert where and not where.startswith("/") and line.isdigit(), top
