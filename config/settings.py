@@ -81,12 +81,22 @@ class IngestConfig:
     # the workers busier than this (0..1): it counts the streams before their jobs queue. Applied
     # while the workers are at least half this busy. 0 = never.
     admit_max_busy: float = 0.8
+    # ... and refused while this many realtime streams are open over the service (0 = no cap):
+    # the largest N `streamasr bench --sweep` kept within the latency bounds on this machine. The
+    # two figures above need load to have been seen; the cap does not, so a first burst after a
+    # start or a change of model is cut at it. Other ingests' streams are counted as of the
+    # broker's last heartbeat.
+    admit_max_realtime_streams: int = 0
     # CurveZMQ on the client-facing sockets (front door and ingest): both empty = plain TCP.
     curve_secret_key: str = ""  # the server's secret key file (zmq.auth certificate format)
     curve_authorized_keys: str = ""  # directory of authorized clients' public key files (*.key)
     # Ops tools (`streamasr status`, the service's readiness wait) are clients of the front door
     # too: with CURVE on they use this key pair file (a *.key_secret), whose public key must be authorized.
     curve_client_key: str = ""
+
+    def __post_init__(self) -> None:
+        if self.admit_max_realtime_streams < 0:
+            raise ValueError("ingest.admit_max_realtime_streams must be 0 (no cap) or more")
 
 
 @dataclass(frozen=True)

@@ -220,6 +220,10 @@ class IngestServer:
             # are still taken, credits slow them down instead. A stream resuming at an offset was
             # admitted before (its ingest died): it is not new load.
             max_load, max_busy = self.cfg.ingest.admit_max_load_s, self.cfg.ingest.admit_max_busy
+            cap = self.cfg.ingest.admit_max_realtime_streams
+            if cap and self._realtime_open() + self.realtime_elsewhere >= cap:
+                return refuse(m.OVERLOADED, f"the service admits {cap} realtime streams at a time "
+                                            "(ingest.admit_max_realtime_streams); try again later or open with priority batch")
             if max_load and self.load > max_load:
                 return refuse(m.OVERLOADED, f"the service is past its capacity (realtime streams wait {self.load:.1f} s for a model); "
                                             "try again later or open with priority batch")

@@ -791,7 +791,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.sweep:
                 # A sweep measures what N streams get. After the first run the service has measured
                 # one stream's share, and admission would cut the later, larger bursts.
-                overrides["ingest"] |= {"admit_max_load_s": 0, "admit_max_busy": 0}
+                overrides["ingest"] |= {"admit_max_load_s": 0, "admit_max_busy": 0, "admit_max_realtime_streams": 0}
             print(f"starting the service: model {model}, {workers} workers ...", file=sys.stderr, flush=True)
             overrides = settings.merge({"model": {"name": model, "backend": "null" if model == "null" else "onnxruntime"},
                                         "workers": {"processes": workers}}, overrides)

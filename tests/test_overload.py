@@ -17,6 +17,7 @@ import pytest
 import zmq
 
 from broker import figures
+from config import settings
 from protocol import messages as m
 from shm import pool
 from streamasr import service as svc
@@ -132,10 +133,16 @@ def test_a_burst_is_cut_where_one_stream_s_share_says(service_factory: Any) -> N
     print(f"burst: admitted {admitted} realtime streams at a share of {share:.3f} per stream")
 
 
-def _open(sock: zmq.Socket, stream: str) -> m.ServerMessage:
-    sock.send_multipart(m.encode(m.Open(stream=stream)))
+def _open(sock: zmq.Socket, stream: str, **fields: Any) -> m.ServerMessage:
+    sock.send_multipart(m.encode(m.Open(stream=stream, **fields)))
     assert sock.poll(10_000), "no answer to open"
     return m.decode_server(sock.recv_multipart())
+
+
+def _end(sock: zmq.Socket, stream: str) -> None:
+    """End `stream` and wait until it is closed: its place is free then."""
+    sock.send_multipart(m.encode(m.End(stream=stream)))
+    wait_for(lambda: sock.poll(100) and isinstance(m.decode_server(sock.recv_multipart()), m.Closed), 30, "closed")
 
 
 def test_stream_limits(service_factory: Any) -> None:
@@ -158,12 +165,39 @@ def test_stream_limits(service_factory: Any) -> None:
         total = _open(b, "two")
         assert isinstance(total, m.ErrorMsg) and total.code == m.TOO_MANY_STREAMS, total
         # ending a stream frees its place
-        a.send_multipart(m.encode(m.End(stream="one")))
-        wait_for(lambda: a.poll(100) and isinstance(m.decode_server(a.recv_multipart()), m.Closed), 30, "closed")
+        _end(a, "one")
         assert isinstance(_open(b, "two"), m.Ready)
     finally:
         a.close()
         b.close()
+
+
+def test_realtime_stream_cap(service_factory: Any) -> None:
+    """The cap needs no load to have been seen: on idle workers the realtime open past it is
+    refused, batch streams and resumed ones are still taken, and a realtime stream that ends
+    frees its place."""
+    with pytest.raises(ValueError, match="admit_max_realtime_streams"):
+        settings.load(None, {"ingest": {"admit_max_realtime_streams": -1}})  # not "refuse every realtime stream"
+    service = service_factory(model="null", workers=1, ingest={"admit_max_realtime_streams": 2})
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(hello(service.address).ingest)
+    try:
+        assert isinstance(_open(sock, "one"), m.Ready)
+        assert isinstance(_open(sock, "two"), m.Ready)
+        refused = _open(sock, "three")
+        assert isinstance(refused, m.ErrorMsg) and refused.code == m.OVERLOADED, refused
+        assert "admit_max_realtime_streams" in refused.message and refused.stream == "three"
+        assert isinstance(_open(sock, "batch", priority="batch"), m.Ready)
+        assert isinstance(_open(sock, "resumed", offset=16_000), m.Ready)  # admitted before its ingest died
+        _end(sock, "one")
+        # "resumed" counts now: two realtime streams are open again
+        refused = _open(sock, "three")
+        assert isinstance(refused, m.ErrorMsg) and refused.code == m.OVERLOADED, refused
+        _end(sock, "two")
+        assert isinstance(_open(sock, "three"), m.Ready)
+    finally:
+        sock.close()
 
 
 def test_soak_returns_to_baseline(service_factory: Any) -> None:
