@@ -838,6 +838,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nsweep: largest N within p99 partial <= {args.p99_bound_ms:g} ms, p99 final <= "
                   f"{1.5 * args.p99_bound_ms:g} ms and p90 partial interval <= {args.interval_bound_ms:g} ms: "
                   f"{best if best is not None else 'none'}")
+            if best is not None and not args.offline:
+                print(f"to admit no more on this machine: [ingest] admit_max_realtime_streams = {best}")
         if args.json_path:
             Path(args.json_path).write_text(json.dumps(result, indent=1))
         if args.plot:

@@ -16,12 +16,17 @@ LATENCY_KEYS = ("count", "p50", "p90", "p99", "p99_9", "max", "mean", "stdev")
 
 
 def bench(tmp_path: Path, *args: str) -> dict[str, Any]:
+    return bench_run(tmp_path, *args)[0]
+
+
+def bench_run(tmp_path: Path, *args: str) -> tuple[dict[str, Any], str]:
+    """The JSON summary and the printed report."""
     out = tmp_path / "out.json"
     proc = subprocess.run([sys.executable, "-m", "streamasr.cli", "bench", *args, "--json", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "latency (ms)" in proc.stdout
-    return json.loads(out.read_text())
+    return json.loads(out.read_text()), proc.stdout
 
 
 def check_latency(stats: dict[str, Any]) -> None:
@@ -64,6 +69,18 @@ def test_realtime_report_is_well_formed(tmp_path: Path) -> None:
     for leg, t in s["job_transit_ms"].items():
         assert 0 < t["count"] <= s["jobs"]["done"], (leg, t)
         assert 0 < t["p50_ms"] <= t["p90_ms"] <= t["p99_ms"], (leg, t)
+
+
+def test_sweep_reports_each_run_and_the_largest_within_the_bounds(tmp_path: Path) -> None:
+    s, printed = bench_run(tmp_path, "--sweep", "1,2", "--duration", "3", "--model", "null")
+    assert [r["streams"]["requested"] for r in s["sweep"]] == [1, 2]
+    within = [r["streams"]["requested"] for r in s["sweep"] if r["within_bounds"]]
+    assert s["best_streams"] == (max(within) if within else None)
+    for r in s["sweep"]:
+        check_latency(r["partial_latency_ms"])
+        assert r["streams"]["unfinished"] == 0 or not r["within_bounds"]
+    # the cap that keeps a service at what was measured, ready to paste
+    assert (f"admit_max_realtime_streams = {s['best_streams']}" in printed) == (s["best_streams"] is not None)
 
 
 def test_tracemalloc_reports_what_each_serving_process_kept(tmp_path: Path) -> None:
