@@ -708,8 +708,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     pace = p.add_mutually_exclusive_group()
     pace.add_argument("--realtime", action="store_true", help="send frames on a wall-clock schedule (default)")
     pace.add_argument("--offline", action="store_true", help="send as fast as the window allows, priority batch")
-    p.add_argument("--model", help="null, whisper-tiny.en (default) or whisper-base, for the service the bench starts; "
-                                   "with --server, the model its workers report")
+    p.add_argument("--model", help="null, whisper-tiny.en or whisper-base, for the service the bench starts (default: "
+                                   "--config's [model] name, else whisper-tiny.en); with --server, the model its workers report")
     p.add_argument("--server", metavar="ADDR", help="front door of a running service (default: start one)")
     p.add_argument("--workers", type=int, default=2, help="worker processes of the service the bench starts")
     p.add_argument("--max-batch", type=int, help="the started service's model.max_batch (default: the config's)")
@@ -782,8 +782,8 @@ def main(argv: list[str] | None = None) -> int:
             target = Target(args.server)
             model, workers = served(target, args.model)
         else:
-            model, workers = args.model or "whisper-tiny.en", args.workers
             base = tomllib.loads(Path(args.config).read_text()) if args.config else {}
+            model, workers = args.model or base.get("model", {}).get("name", "whisper-tiny.en"), args.workers
             overrides: dict[str, Any] = {"log_level": "debug",  # the workers log each batch's size at debug
                                          "ingest": {"max_streams_per_client": max(64, max(counts))}}
             if args.max_batch:

@@ -38,7 +38,10 @@ def check_latency(stats: dict[str, Any]) -> None:
 
 
 def test_realtime_report_is_well_formed(tmp_path: Path) -> None:
-    s = bench(tmp_path, "--streams", "2", "--duration", "5", "--model", "null")
+    settings = tmp_path / "null.toml"
+    settings.write_text('[model]\nname = "null"\n')  # the model comes from --config when --model is not given
+    s = bench(tmp_path, "--streams", "2", "--duration", "5", "--config", str(settings))
+    assert s["config"]["model"] == "null"
     for key in ("config", "streams", "partial_latency_ms", "final_latency_ms", "jitter_ms", "throughput", "errors",
                 "refused_frames", "batches", "jobs", "processes", "generator", "wer", "command", "machine", "date"):
         assert key in s, key
