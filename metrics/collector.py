@@ -470,6 +470,10 @@ class Collector:
             "queued": by_label(gauges, "jobs_queued", "priority"),
             "inflight": total(gauges, "jobs_inflight"),
             "rings": {"used": total(gauges, "shm_rings_used"), "total": total(gauges, "shm_rings_total")},
+            # what a realtime open is admitted against (docs/RELIABILITY.md, "Overload")
+            "admission": {"realtime_cap": self.cfg.ingest.admit_max_realtime_streams or None,
+                          "wait_s": total(gauges, "admission_wait_seconds"), "busy": total(gauges, "admission_busy_ratio"),
+                          "stream_share": total(gauges, "admission_stream_share")},
             "workers": [{"name": i.process, "busy_ratio": i.busy_ratio()} for i in sorted(self._live.values(), key=lambda i: i.process)
                         if any(n == "busy_seconds_total" for n, _ in i.counters)],
             "throughput": {"jobs_per_s": sum(rates.values()), "by_kind": rates},

@@ -107,6 +107,10 @@ def render(snap: dict[str, Any] | None, source: str) -> Group:
     summary.add_row("audio rings", f"{_num(snap['rings']['used'])}/{_num(snap['rings']['total'])}", "in flight", _num(snap["inflight"]),
                     "batch mean", _num(snap["batch"]["mean"], 2), "restarts",
                     ", ".join(f"{p} {n}" for p, n in snap["restarts"].items()) or "none")
+    adm = snap["admission"]
+    summary.add_row("realtime cap", _num(adm["realtime_cap"]) if adm["realtime_cap"] else "none",
+                    "realtime wait", _seconds(adm["wait_s"]), "workers busy", f"{100 * adm['busy']:.0f} %",
+                    "per stream", f"{100 * adm['stream_share']:.0f} %")
 
     procs = Table(title="processes", title_justify="left", expand=False)
     for name, justify in (("name", "left"), ("state", "left"), ("pid", "right"), ("CPU %", "right"), ("RSS", "right"),

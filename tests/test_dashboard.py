@@ -135,6 +135,8 @@ def test_http_endpoints(fake_instance) -> None:
         snap = wait_for(lambda: (s := json.loads(get(url + "api/snapshot")[1])) and len(s["processes"]) == 3 and s,
                         what="all publishers in the snapshot")
         assert sorted(p["name"] for p in snap["processes"]) == sorted(names)
+        assert snap["admission"]["realtime_cap"] is None  # no cap set
+        assert set(snap["admission"]) == {"realtime_cap", "wait_s", "busy", "stream_share"}
         content_type, body = get(url + "metrics")
         assert content_type.startswith("text/plain")
         assert "streamasr_jobs" in {f.name for f in text_string_to_metric_families(body.decode())}
@@ -158,6 +160,7 @@ def test_top_prints_one_frame_from_the_dashboard_or_its_own_collector(fake_insta
     assert top.main(cfg, once=True, url="http://127.0.0.1:9/") == 0  # no dashboard there: a collector of its own
     frame = capsys.readouterr().out
     assert "via collector" in frame and all(name in frame for name in names)
+    assert "per stream" in frame  # the admission row
     with running_dashboard(config_file) as url:
         wait_for(lambda: len(json.loads(get(url + "api/snapshot")[1])["processes"]) == 3, what="the dashboard's view")
         assert top.main(cfg, once=True, url=url) == 0
@@ -182,7 +185,7 @@ SERVICE_PROCESSES = ("broker", "ingest-0", "worker-0", "worker-1")
 def test_full_service_dashboard_under_bench(service_factory, tmp_path: Path) -> None:
     """The real processes publish what the page shows: every one is listed, its figures move under
     `streamasr bench`, and the exported counters grow."""
-    svc = service_factory(model="null", workers=2)
+    svc = service_factory(model="null", workers=2, ingest={"admit_max_realtime_streams": 64})
     url = f"http://127.0.0.1:{svc.cfg.metrics.dashboard_port}/"
     def listed() -> dict | None:
         """The snapshot once it lists every service process; the dashboard may still be starting."""
@@ -193,6 +196,7 @@ def test_full_service_dashboard_under_bench(service_factory, tmp_path: Path) -> 
         return snapshot if set(SERVICE_PROCESSES) <= {p["name"] for p in snapshot["processes"]} else None
 
     snap = wait_for(listed, timeout=30, what="every service process in the dashboard's snapshot")
+    assert snap["admission"]["realtime_cap"] == 64
     names = [p["name"] for p in snap["processes"] if p["name"] in (*SERVICE_PROCESSES, "dashboard")]
     before = counters(url, "streamasr_jobs")
     assert counters(url, "streamasr_refusals") == {} and counters(url, "streamasr_errors") == {}

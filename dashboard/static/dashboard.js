@@ -28,6 +28,10 @@ function seconds(value) {
   return value < 1 ? `${(value * 1000).toFixed(value < 0.01 ? 2 : 0)} ms` : `${value.toFixed(2)} s`;
 }
 
+function percent(ratio) {
+  return ratio === null || ratio === undefined ? "–" : `${(100 * ratio).toFixed(0)} %`;
+}
+
 function bytes(value) {
   if (value === null || value === undefined) return "–";
   const units = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -72,6 +76,10 @@ function render(s) {
 
   setMetric("streams-realtime", number(s.streams.realtime || 0));
   setMetric("streams-batch", number(s.streams.batch || 0));
+  setMetric("realtime-cap", s.admission.realtime_cap ? ` (cap ${s.admission.realtime_cap})` : "");
+  setMetric("admission-wait", seconds(s.admission.wait_s));
+  setMetric("admission-busy", percent(s.admission.busy));
+  setMetric("admission-share", percent(s.admission.stream_share));
   setMetric("queued-realtime", number(s.queued.realtime || 0));
   setMetric("queued-batch", number(s.queued.batch || 0));
   setMetric("inflight", number(s.inflight));
@@ -105,7 +113,7 @@ function render(s) {
   fillTable("#workers", s.workers, (row, w) => {
     row.dataset.worker = w.name;
     cell(row, w.name);
-    cell(row, w.busy_ratio === null ? "–" : `${(100 * w.busy_ratio).toFixed(0)} %`);
+    cell(row, percent(w.busy_ratio));
     const bar = document.createElement("div");
     bar.className = "bar";
     bar.appendChild(document.createElement("div")).style.width = `${100 * (w.busy_ratio || 0)}%`;
