@@ -461,4 +461,6 @@ class Broker:
             load=round(self.load, 3),
             busy=round(self.busy, 3),
             stream_share=round(self.stream_share, 4),
+            realtime=sum(s.realtime for s in self.ingests.values()),
+            realtime_cap=self.cfg.ingest.admit_max_realtime_streams,
         )

@@ -56,6 +56,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"  worker {w.get('id')}: model {w.get('model')}, in flight {w.get('inflight')}, done {w.get('jobs_done')}")
         for i in report.get("ingests", []):
             print(f"  ingest {i.get('index')}: {i.get('endpoint')}, streams {i.get('streams')}")
+        if "realtime" in report:
+            cap = f" (cap {report['realtime_cap']})" if report.get("realtime_cap") else ""
+            print(f"  admission: {report['realtime']} realtime streams{cap}, realtime wait {report['load']:.2f} s, "
+                  f"workers {100 * report['busy']:.0f} % busy, {100 * report['stream_share']:.0f} % per speaking stream")
         for key in ("supervisor_error", "broker_error"):
             if key in report:
                 print(f"  {key.replace('_', ' ')}: {report[key]}")

@@ -190,6 +190,10 @@ def test_realtime_stream_cap(service_factory: Any) -> None:
         assert "admit_max_realtime_streams" in refused.message and refused.stream == "three"
         assert isinstance(_open(sock, "batch", priority="batch"), m.Ready)
         assert isinstance(_open(sock, "resumed", offset=16_000), m.Ready)  # admitted before its ingest died
+        # status counts them (as of the ingest's next heartbeat) against the cap
+        wait_for(lambda: svc.status(service.cfg)["realtime"] == 3, 10, "three realtime streams in the status")
+        printed = service.cli("status").stdout
+        assert "admission: 3 realtime streams (cap 2)" in printed, printed
         _end(sock, "one")
         # "resumed" counts now: two realtime streams are open again
         refused = _open(sock, "three")
