@@ -78,10 +78,15 @@ class Ring:
             np.copyto(self._data[pos : pos + first], samples[:first], casting="same_kind")
             if first < n:
                 np.copyto(self._data[: n - first], samples[first:], casting="same_kind")
-        else:
-            np.multiply(samples[:first], scale, out=self._data[pos : pos + first])
+        else:  # converted in the ring, then scaled there: multiplying integers into float32 would
+            # have numpy allocate a cast buffer per frame (the samples are not published yet)
+            head = self._data[pos : pos + first]
+            np.copyto(head, samples[:first], casting="same_kind")
+            head *= scale
             if first < n:
-                np.multiply(samples[first:], scale, out=self._data[: n - first])
+                tail = self._data[: n - first]
+                np.copyto(tail, samples[first:], casting="same_kind")
+                tail *= scale
         self._header[WRITTEN] = written + n  # published after the data
 
     def view(self, start: int, end: int, out: np.ndarray | None = None) -> np.ndarray:
