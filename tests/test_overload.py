@@ -204,6 +204,40 @@ def test_realtime_stream_cap(service_factory: Any) -> None:
         sock.close()
 
 
+def test_realtime_stream_cap_counts_the_streams_of_every_ingest(service_factory: Any) -> None:
+    """With two ingests the cap is over the service: each counts the other's realtime streams, as
+    the broker's heartbeats tell it."""
+    service = service_factory(model="null", workers=1, ingests=2, ingest={"admit_max_realtime_streams": 2})
+    socks = []
+    for index in (0, 1):
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(service.cfg.ingest_endpoint(index))
+        socks.append(sock)
+    first, second = socks
+
+    def heard(realtime: int) -> None:
+        """The broker counts `realtime` streams, and has had heartbeats to tell every ingest so."""
+        wait_for(lambda: svc.status(service.cfg)["realtime"] == realtime, 10, f"{realtime} realtime streams in the status")
+        time.sleep(4 * service.cfg.broker.heartbeat_ms / 1000)
+
+    try:
+        assert isinstance(_open(first, "a1"), m.Ready)
+        heard(1)
+        assert isinstance(_open(second, "b1"), m.Ready)
+        refused = _open(second, "b2")  # one open here, one on the other ingest
+        assert isinstance(refused, m.ErrorMsg) and refused.code == m.OVERLOADED, refused
+        heard(2)
+        refused = _open(first, "a2")
+        assert isinstance(refused, m.ErrorMsg) and refused.code == m.OVERLOADED, refused
+        _end(second, "b1")
+        heard(1)
+        assert isinstance(_open(first, "a2"), m.Ready)
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def test_soak_returns_to_baseline(service_factory: Any) -> None:
     """Rounds of streams, some abandoned mid-way: fds, shm and rings come back to where they were.
 
