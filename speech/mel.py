@@ -92,7 +92,12 @@ class LogMel:
         self._out = np.empty(0, np.float32)
 
     def __call__(self, audios: list[np.ndarray], n_frames: int = N_FRAMES) -> np.ndarray:
-        """(len(audios), 80, n_frames) float32 log-mel, each audio cut to n_frames * 160 samples."""
+        """(len(audios), 80, n_frames) float32 log-mel, each audio cut to n_frames * 160 samples.
+
+        As Whisper's transcribe does, the spectrogram is of the audio followed by zeros, only the
+        frames covering the audio (len // 160) are kept and the rest of the window is 0 in log-mel
+        space (pad_or_trim of the mel, not the mel of silence).
+        """
         if n_frames > self._frames:
             self._frames = n_frames
             self._padded = np.empty(n_frames * HOP_LENGTH + N_FFT, np.float32)
@@ -142,14 +147,3 @@ class LogMel:
         mel += 4.0
         mel /= 4.0
         out[:, min(n_frames, n // HOP_LENGTH) :] = 0.0
-
-
-def log_mel(audio: np.ndarray, n_frames: int = N_FRAMES) -> np.ndarray:
-    """(80, n_frames) float32 log-mel of `audio` (float32 16 kHz, cut to n_frames*160 samples).
-
-    As Whisper's transcribe does, the spectrogram is computed on the audio followed by zeros,
-    only the frames covering the audio (len // 160) are kept and the rest of the window is
-    filled with 0 in log-mel space (pad_or_trim of the mel, not the mel of silence). One-off
-    use; a worker keeps a LogMel.
-    """
-    return LogMel()([audio], n_frames)[0].copy()

@@ -14,7 +14,7 @@ from speech import loader
 from speech.audio import load_audio
 from speech.ct2 import CT2Model
 from speech.export import ALLOWED_OPS, build_encoder
-from speech.mel import N_FRAMES, LogMel, log_mel, mel_filters
+from speech.mel import N_FRAMES, LogMel, mel_filters
 from streamasr.testdata import utterances
 
 ENCODER_ATOL = 1e-3  # max |ours - CTranslate2| on encoder outputs of magnitude ~10 (measured 2e-5)
@@ -82,7 +82,7 @@ def test_log_mel_matches_reference(speech_audio):
     from faster_whisper.feature_extractor import FeatureExtractor
 
     audio = speech_audio
-    ours = log_mel(audio)
+    ours = LogMel()([audio])[0]
     assert ours.shape == (80, N_FRAMES) and ours.dtype == np.float32
     ref = FeatureExtractor(feature_size=80)(audio, padding=160 * N_FRAMES)  # audio + 30 s of zeros
     content = len(audio) // 160
@@ -119,7 +119,7 @@ def test_encoder_matches_ctranslate2(ct2_tiny, tiny_files, speech_audio):
     import ctranslate2
     import onnxruntime as ort
 
-    mel = log_mel(speech_audio)[None]
+    mel = LogMel()([speech_audio])
     sess = ort.InferenceSession(build_encoder(ct2_tiny).SerializeToString(), providers=["CPUExecutionProvider"])
     ours = sess.run(["encoder_out"], {"mel": mel})[0]
     ct2 = ctranslate2.models.Whisper(str(tiny_files.dir), device="cpu", compute_type="float32")
