@@ -133,6 +133,14 @@ def test_a_burst_is_cut_where_one_stream_s_share_says(service_factory: Any) -> N
     print(f"burst: admitted {admitted} realtime streams at a share of {share:.3f} per stream")
 
 
+def _dealer(endpoint: str) -> zmq.Socket:
+    """A client's socket on an ingest, dropped at once when closed."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
+
+
 def _open(sock: zmq.Socket, stream: str, **fields: Any) -> m.ServerMessage:
     sock.send_multipart(m.encode(m.Open(stream=stream, **fields)))
     assert sock.poll(10_000), "no answer to open"
@@ -147,14 +155,10 @@ def _end(sock: zmq.Socket, stream: str) -> None:
 
 def test_stream_limits(service_factory: Any) -> None:
     service = service_factory(model="null", workers=1, ingest={"max_streams_per_client": 2, "max_streams": 3})
-    ctx = zmq.Context.instance()
     welcome = hello(service.address)
     assert welcome.limits["max_streams_per_client"] == 2
-    a, b = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    a, b = _dealer(welcome.ingest), _dealer(welcome.ingest)
     try:
-        for sock in (a, b):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(welcome.ingest)
         assert isinstance(_open(a, "one"), m.Ready)
         assert isinstance(_open(a, "two"), m.Ready)
         dup = _open(a, "two")
@@ -179,9 +183,7 @@ def test_realtime_stream_cap(service_factory: Any) -> None:
     with pytest.raises(ValueError, match="admit_max_realtime_streams"):
         settings.load(None, {"ingest": {"admit_max_realtime_streams": -1}})  # not "refuse every realtime stream"
     service = service_factory(model="null", workers=1, ingest={"admit_max_realtime_streams": 2})
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(hello(service.address).ingest)
+    sock = _dealer(hello(service.address).ingest)
     try:
         assert isinstance(_open(sock, "one"), m.Ready)
         assert isinstance(_open(sock, "two"), m.Ready)
@@ -208,12 +210,7 @@ def test_realtime_stream_cap_counts_the_streams_of_every_ingest(service_factory:
     """With two ingests the cap is over the service: each counts the other's realtime streams, as
     the broker's heartbeats tell it."""
     service = service_factory(model="null", workers=1, ingests=2, ingest={"admit_max_realtime_streams": 2})
-    socks = []
-    for index in (0, 1):
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(service.cfg.ingest_endpoint(index))
-        socks.append(sock)
+    socks = [_dealer(service.cfg.ingest_endpoint(index)) for index in (0, 1)]
     first, second = socks
 
     def heard(realtime: int) -> None:
@@ -262,15 +259,12 @@ def test_soak_returns_to_baseline(service_factory: Any) -> None:
     rss = {name: p.memory_info().rss for name, p in before.items()}
     segments = pool.segments(service.cfg.instance)
 
-    ctx = zmq.Context.instance()
     welcome = hello(service.address)
     for round_ in range(10):
         results = stream_many(service.address, {f"r{round_}-{i}": pcm for i in range(8)}, speed=None)
         assert all(r.errors == [] and r.closed is not None for r in results.values())
         # a client that vanishes mid-stream: the idle sweep must give its ring back
-        gone = ctx.socket(zmq.DEALER)
-        gone.setsockopt(zmq.LINGER, 0)
-        gone.connect(welcome.ingest)
+        gone = _dealer(welcome.ingest)
         gone.send_multipart(m.encode(m.Open(stream="gone")))
         gone.send_multipart(m.encode(m.Audio(stream="gone", seq=0, data=pcm[:32_000])))
         assert gone.poll(10_000)
