@@ -220,8 +220,9 @@ class IngestServer:
             # are still taken, credits slow them down instead. A stream resuming at an offset was
             # admitted before (its ingest died): it is not new load.
             max_load, max_busy = self.cfg.ingest.admit_max_load_s, self.cfg.ingest.admit_max_busy
+            realtime = self._realtime_open() + self.realtime_elsewhere  # open over the service, as last heard
             cap = self.cfg.ingest.admit_max_realtime_streams
-            if cap and self._realtime_open() + self.realtime_elsewhere >= cap:
+            if cap and realtime >= cap:
                 return refuse(m.OVERLOADED, f"the service admits {cap} realtime streams at a time "
                                             "(ingest.admit_max_realtime_streams); try again later or open with priority batch")
             if max_load and self.load > max_load:
@@ -230,7 +231,7 @@ class IngestServer:
             # Extrapolated only while the workers are at least half busy, counting the streams
             # admitted too recently to show in the figures (a burst): a share measured on other
             # streams (sent faster than real time, say) must not turn streams away from idle workers.
-            busy = self.stream_share * (self._realtime_open() + self.realtime_elsewhere + 1)
+            busy = self.stream_share * (realtime + 1)
             unseen = self._recent_admissions(time.monotonic()) + self.recent_elsewhere
             if max_busy and self.busy + self.stream_share * unseen >= max_busy / 2 and busy > max_busy:
                 return refuse(m.OVERLOADED, f"the service is at its capacity (with another realtime stream the models would be "

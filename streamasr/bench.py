@@ -265,8 +265,11 @@ def transit_report(before: dict[tuple[str, str, str], Histogram],
                    after: dict[tuple[str, str, str], Histogram]) -> dict[str, dict[str, Any]]:
     """Per leg of a decoded job's way (to the worker, back to the ingest), over every ingest:
     count and p50 / p90 / p99 ms, interpolated within the histogram's buckets."""
-    transit = [(leg, h) for (family, _, leg), h in _this_run(before, after).items() if family == "transit"]
-    legs = {leg: _total([h for other, h in transit if other == leg]) for leg, _ in transit}
+    by_leg: dict[str, list[Histogram]] = {}
+    for (family, _, leg), h in _this_run(before, after).items():
+        if family == "transit":
+            by_leg.setdefault(leg, []).append(h)
+    legs = {leg: _total(hists) for leg, hists in by_leg.items()}
     return {leg: {"count": int(h.count), **{f"p{q}_ms": _ms(h.quantile(q / 100)) for q in (50, 90, 99)}}
             for leg, h in sorted(legs.items()) if h is not None and h.count}
 
