@@ -122,6 +122,10 @@ class Broker:
             # Sending to a peer that is gone raises EHOSTUNREACH instead of vanishing silently:
             # for a worker that means its jobs must be re-queued now, not at the next timeout.
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            # A peer that replaces its socket keeps its identity, and its new connection may come
+            # up before this socket has let go of the old one. Without handover the new one is
+            # ignored: its READY and DONE are never read and what is sent to it is lost.
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
             sock.setsockopt(zmq.LINGER, 0)
         self._front.setsockopt(zmq.LINGER, 0)
         self._front.setsockopt(zmq.MAXMSGSIZE, cfg.ingest.max_message_bytes)

@@ -418,6 +418,77 @@ def test_broker_restart_workers_reregister(running: Cluster) -> None:
     assert_exactly_once(running.wait_answers(jobs), jobs)
 
 
+def test_workers_up_before_the_broker_wait_for_it(cluster: Cluster) -> None:
+    """Workers started before the broker keep their first connection: a broker that is not up
+    yet is not a silent one, and a needless reconnect could strand jobs sent meanwhile."""
+    for index in (0, 1):
+        cluster.start_worker(index)
+    for name in ("worker0", "worker1"):
+        wait_for(lambda: (cluster.dir / f"{name}.log").exists() and any(e["event"] == "worker.started" for e in cluster.log_events(name)),
+                 20, f"{name} started")
+    time.sleep(10 * HEARTBEAT_MS / 1000)  # three times the patience
+    cluster.start_broker()
+    cluster.ingest = FakeIngest(cluster.cfg)
+    cluster.ingest.start()
+    cluster.wait_workers(2)
+    jobs = cluster.jobs(100)
+    cluster.ingest.submit(jobs)
+    assert_exactly_once(cluster.wait_answers(jobs), jobs)
+    silent = [e for name in ("worker0", "worker1") for e in cluster.log_events(name) if e["event"] == "worker.broker_silent"]
+    assert not silent
+    assert sum(e["event"] == "broker.worker_ready" for e in cluster.log_events("broker")) == 2
+
+
+def _replaced(cfg: Config, endpoint: str, identity: bytes, ready: dict[str, Any]) -> zmq.Socket:
+    """A peer's socket after it gave up on the broker: same identity, a new connection, READY
+    first, made while the broker may still hold the old connection."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    sock.send_multipart([wire.READY, wire.pack(ready)])
+    return sock
+
+
+def test_a_worker_that_replaces_its_socket_is_served_on_the_new_one(cluster: Cluster) -> None:
+    """Each round the worker's new connection must be the one the broker hears and sends to:
+    its READY hands back what the old socket held, and jobs and DONE flow on the new one."""
+    cluster.start_broker()
+    cluster.ingest = FakeIngest(cluster.cfg)
+    cluster.ingest.start()
+    identity = b"worker-9-1"
+    ready = {"capacity": 1, "pid": 1, "model": "null"}
+    sock = _replaced(cluster.cfg, cluster.cfg.broker_worker_endpoint, identity, ready)
+    wait_for(lambda: cluster.try_front(msgpack.packb({"type": "status"})) and cluster.status()["workers"], 10, "the worker registered")
+    for round_ in range(10):
+        sock.close(linger=0)
+        sock = _replaced(cluster.cfg, cluster.cfg.broker_worker_endpoint, identity, ready)
+        [job] = cluster.jobs(1)
+        cluster.ingest.submit([job])
+        assert sock.poll(5000), f"round {round_}: the job never reached the worker's new socket"
+        kind, body = sock.recv_multipart()
+        assert kind == wire.JOBS and [j.job_id for j in wire.unpack_jobs(body)] == [job.job_id]
+        sock.send_multipart([wire.DONE, wire.pack_done([JobResult(job_id=job.job_id, ingest=0, worker=identity.decode())])])
+        wait_for(lambda: cluster.status()["jobs_done"] == round_ + 1, 5, f"round {round_}: DONE counted")
+    sock.close(linger=0)
+
+
+def test_an_ingest_that_replaces_its_socket_is_heard_on_the_new_one(cluster: Cluster) -> None:
+    """The ingest registers again on a new connection, as a new process would (another pid):
+    the broker must take that READY and send its heartbeats to the new socket."""
+    cluster.start_broker()
+    info = {"index": 0, "endpoint": cluster.cfg.ingest_endpoint(0), "streams": 0}
+    sock = _replaced(cluster.cfg, cluster.cfg.broker_ingest_endpoint, b"ingest-0", {**info, "pid": 1})
+    wait_for(lambda: cluster.try_front(msgpack.packb({"type": "status"})) and cluster.status()["ingests"], 10, "the ingest registered")
+    for pid in range(2, 12):
+        sock.close(linger=0)
+        sock = _replaced(cluster.cfg, cluster.cfg.broker_ingest_endpoint, b"ingest-0", {**info, "pid": pid})
+        wait_for(lambda: [i["pid"] for i in cluster.status()["ingests"]] == [pid], 5, f"READY of pid {pid} heard")
+        assert sock.poll(2000), f"pid {pid}: no heartbeat on the new socket"
+        assert sock.recv_multipart()[0] == wire.HEARTBEAT
+    sock.close(linger=0)
+
+
 def test_failed_job_for_reused_slot(running: Cluster) -> None:
     [stale] = running.jobs(1, generation=running.pool.ring(0).generation - 1)
     [beyond] = running.jobs(1, end=10 * SAMPLES)

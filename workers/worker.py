@@ -91,6 +91,10 @@ class Heartbeats(threading.Thread):
     def _serve(self) -> None:
         sock: zmq.Socket | None = _dealer(self._ctx, self._endpoint, self._identity)
         heard = time.monotonic()
+        # Patience runs from the first heartbeat the socket could send: a broker that is not up
+        # yet is not silent, and replacing the sockets then would only strand what the broker
+        # sends in between.
+        reached: float | None = None
         sent = reconnect_at = 0.0
         backoff = BACKOFF_MIN_S
         poller = zmq.Poller()
@@ -107,7 +111,7 @@ class Heartbeats(threading.Thread):
                 if now >= reconnect_at:
                     sock = _dealer(self._ctx, self._endpoint, self._identity)
                     poller.register(sock, zmq.POLLIN)
-                    heard = now
+                    heard, reached = now, None
                     self._pipe.send(REGISTER)
                 continue
             if sock in events:
@@ -121,9 +125,10 @@ class Heartbeats(threading.Thread):
                 try:
                     sock.send(wire.HEARTBEAT, zmq.NOBLOCK)
                     sent = now
+                    reached = reached or now
                 except zmq.Again:
-                    pass  # not connected: the silence below decides
-            if now - heard > self._patience_s:
+                    pass  # not connected (yet, or any more: then the silence below decides)
+            if reached is not None and now - max(heard, reached) > self._patience_s:
                 log.warning("worker.broker_silent", reconnect_in_s=backoff)
                 poller.unregister(sock)
                 sock.close(linger=0)
