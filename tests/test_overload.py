@@ -117,7 +117,7 @@ def test_a_burst_is_cut_where_one_stream_s_share_says(service_factory: Any) -> N
     restarted = wait_for(broker_restarted, 60, "the broker restarted, with its workers")
     saved = json.loads((service.cfg.run_path / figures.FILE).read_text())
     share = restarted["stream_share"]
-    assert share == round(sum(saved["share"]), 4) and 0 < share < 0.4, (restarted, saved)  # a fraction of two cores
+    assert share == round(sum(saved["share"]), 4) and share > 0, (restarted, saved)  # its size is the machine's: a figure for the docs
     assert "broker.admission_figures_restored" in service.logs("broker")
 
     opener = Opener(service, pcm)
