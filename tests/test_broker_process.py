@@ -426,7 +426,7 @@ def test_workers_up_before_the_broker_wait_for_it(cluster: Cluster) -> None:
     for name in ("worker0", "worker1"):
         wait_for(lambda: (cluster.dir / f"{name}.log").exists() and any(e["event"] == "worker.started" for e in cluster.log_events(name)),
                  20, f"{name} started")
-    time.sleep(10 * HEARTBEAT_MS / 1000)  # three times the patience
+    time.sleep(10 * HEARTBEAT_MS / 1000)  # over three times the patience
     cluster.start_broker()
     cluster.ingest = FakeIngest(cluster.cfg)
     cluster.ingest.start()
@@ -467,7 +467,7 @@ def test_a_worker_that_replaces_its_socket_is_served_on_the_new_one(cluster: Clu
     identity = b"worker-9-1"
     ready = {"capacity": 1, "pid": 1, "model": "null"}
     sock = _replaced(cluster.cfg.broker_worker_endpoint, identity, ready)
-    wait_for(lambda: cluster.try_front(msgpack.packb({"type": "status"})) and cluster.status()["workers"], 10, "the worker registered")
+    cluster.wait_workers(1)
     for round_ in range(10):
         sock.close(linger=0)
         sock = _replaced(cluster.cfg.broker_worker_endpoint, identity, ready)
@@ -487,7 +487,7 @@ def test_an_ingest_that_replaces_its_socket_is_heard_on_the_new_one(cluster: Clu
     _patient_broker(cluster)
     info = {"index": 0, "endpoint": cluster.cfg.ingest_endpoint(0), "streams": 0}
     sock = _replaced(cluster.cfg.broker_ingest_endpoint, b"ingest-0", {**info, "pid": 1})
-    wait_for(lambda: cluster.try_front(msgpack.packb({"type": "status"})) and cluster.status()["ingests"], 10, "the ingest registered")
+    wait_for(lambda: (status := cluster.try_front(msgpack.packb({"type": "status"}))) and status["ingests"], 10, "the ingest registered")
     for pid in range(2, 12):
         sock.close(linger=0)
         sock = _replaced(cluster.cfg.broker_ingest_endpoint, b"ingest-0", {**info, "pid": pid})
