@@ -2,7 +2,8 @@
 
 Same files, same threads, greedy decoding with timestamps, one process: real-time factor
 (processing time / audio duration), WER (streamasr.testdata.normalize), per-utterance
-latency and model sizes on disk.
+latency and model sizes on disk. For our engines also what a warm decode allocates: the most
+tracemalloc sees at once (numpy's arrays and Python's objects) above what was held before it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,25 @@ def _bench_interleaved(engines: dict, items, repeat: int) -> dict[str, dict]:
             out[name]["hyps"].append(texts[name])
             out[name]["latency_s"].append(round(best[name], 4))
     return out
+
+
+def _traced_peaks_kib(fn, items) -> list[float]:
+    """Per utterance, the most a decode traced at once above what was held before it, in KiB.
+    Run after the timed runs (warm, and tracing slows Python). ONNX Runtime's own allocations
+    inside a graph run are not Python's and not traced."""
+    import tracemalloc
+
+    peaks = []
+    tracemalloc.start()
+    try:
+        for _, audio, _ in items:
+            held = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+            fn(audio)
+            peaks.append((tracemalloc.get_traced_memory()[1] - held) / 1024)
+    finally:
+        tracemalloc.stop()
+    return peaks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         r["wer"] = round(wer([u for _, _, u in items], r["hyps"]), 4)
         r["mean_latency_s"] = round(float(np.mean(r["latency_s"])), 4)
         r["p90_latency_s"] = round(float(np.percentile(r["latency_s"], 90)), 4)
+        if engine.startswith("ours-"):
+            peaks = _traced_peaks_kib(engines[engine], items)
+            r["traced_peak_kib"] = {"median": round(float(np.median(peaks)), 1), "max": round(max(peaks), 1)}
         runs.append(r)
 
     by = {r["engine"]: r for r in runs}
@@ -135,10 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     print(f"\nmodel {args.model}, {len(items)} utterances, {audio_s:.1f} s of audio, {args.threads} threads, "
           f"best of {args.repeat}, load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")  # fmt: skip
-    print(f"{'engine':<10} {'RTF':>7} {'WER %':>7} {'mean ms':>8} {'p90 ms':>7} {'load s':>7}")
+    print(f"{'engine':<10} {'RTF':>7} {'WER %':>7} {'mean ms':>8} {'p90 ms':>7} {'load s':>7}  traced peak KiB (median / max)")
     for r in runs:
+        peak = r.get("traced_peak_kib")
         print(f"{r['engine']:<10} {r['rtf']:>7.3f} {100 * r['wer']:>7.1f} {r['mean_latency_s'] * 1000:>8.0f} "
-              f"{r['p90_latency_s'] * 1000:>7.0f} {r['load_s']:>7.2f}")  # fmt: skip
+              f"{r['p90_latency_s'] * 1000:>7.0f} {r['load_s']:>7.2f}  "
+              + (f"{peak['median']:.1f} / {peak['max']:.1f}" if peak else "not traced"))  # fmt: skip
     for prec, ratio in ratios.items():
         print(f"RTF ours/faster-whisper {prec}: {ratio:.2f}")
     print("sizes (MB): " + ", ".join(f"{k}={v}" for k, v in sizes.items()))
