@@ -9,7 +9,8 @@ average log-probability and the no-speech probability at the SOT position.
 
 Batching: all requests of one window size share one encoder call (B, 80, T) and then step
 together. Rows are left-padded; the decoder gets explicit positions and an additive mask, so
-padding columns in the self-attention cache are never attended. Prefill runs in two calls:
+padding columns in the self-attention cache are never attended; every input and output of
+the graphs is a view of a buffer the decoder keeps (`speech.graphio`). Prefill runs in two calls:
 (prompt + SOT) gives the no-speech probability and language logits at the SOT position; the
 rest of the forced tokens follow (the language is known by then). Finished rows leave the
 batch.
@@ -27,10 +28,10 @@ from typing import Sequence
 import numpy as np
 
 from speech.backend import SAMPLE_RATE, DecodeRequest, DecodeResult, Segment
+from speech.graphio import Group, GraphIO
 from speech.mel import FRAMES_PER_SECOND, N_FRAMES, LogMel
 from speech.tokenizer import TIME_PRECISION, WhisperTokenizer
 
-NEG = np.float32(-1e9)
 SAMPLE_LEN = 224
 MAX_PROMPT = 223
 MAX_PREFIX = 200  # forced prefix tokens kept (the rest of 448 positions is for the prompt and output)
@@ -59,20 +60,13 @@ class _Row:
     done: bool = False
 
 
-def _log_softmax(x: np.ndarray, out: np.ndarray | None = None, scratch: np.ndarray | None = None) -> np.ndarray:
-    """Over the last axis; into `out`, with `scratch` for the exponentials, when given: a decoding
-    step then allocates nothing the size of the vocabulary."""
-    y = np.subtract(x, x.max(axis=-1, keepdims=True), out=out)
-    y -= np.log(np.exp(y, out=scratch).sum(axis=-1, keepdims=True))
+def _log_softmax(x: np.ndarray, out: np.ndarray, scratch: np.ndarray, col: np.ndarray) -> np.ndarray:
+    """Over the last axis, into `out`, with `scratch` for the exponentials and `col` (rows, 1)
+    for each row's maximum and sum: a decoding step allocates no array for it."""
+    y = np.subtract(x, x.max(axis=-1, keepdims=True, out=col), out=out)
+    total = np.exp(y, out=scratch).sum(axis=-1, keepdims=True, out=col)
+    y -= np.log(total, out=total)
     return y
-
-
-def _logsumexp(x: np.ndarray) -> np.ndarray:
-    m = x.max(axis=-1, keepdims=True)
-    if not np.isfinite(m).all():
-        m = np.where(np.isfinite(m), m, 0.0)
-    with np.errstate(divide="ignore"):
-        return (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))[..., 0]
 
 
 def short_window_frames(n_samples: int) -> int:
@@ -83,27 +77,21 @@ def short_window_frames(n_samples: int) -> int:
 
 class WhisperDecoder:
     def __init__(self, encoder, decoder, tokenizer: WhisperTokenizer, dims: dict, options: DecodeOptions):
-        self.enc = encoder  # onnxruntime.InferenceSession
-        self.dec = decoder
+        self.io = GraphIO(encoder, decoder, dims)  # the sessions' inputs and outputs, in kept buffers
         self.tk = tokenizer
         self.dims = dims
         self.opt = options
-        self.n_layers = dims["n_dec"]
-        self.heads = dims["dec_heads"]
-        self.dh = dims["d"] // dims["dec_heads"]
         self.vocab = dims["vocab"]
-        self.cross_names = [f"cross_{kv}_{i}" for i in range(self.n_layers) for kv in "kv"]
-        self.present_names = [f"present_{kv}_{i}" for i in range(self.n_layers) for kv in "kv"]
-        suppress = np.zeros(self.vocab, dtype=bool)
-        suppress[[t for t in tokenizer.suppress_tokens if t < self.vocab]] = True
         # tokens between the tokenizer's specials and the model's vocabulary that are not timestamps
-        self.suppress = suppress
+        self.suppress = np.array([t for t in tokenizer.suppress_tokens if t < self.vocab], dtype=np.int64)
         self.suppress_begin = np.array([t for t in tokenizer.suppress_begin if t < self.vocab], dtype=np.int64)
         self.ts_begin = tokenizer.timestamp_begin
         self.max_initial_ts = round(MAX_INITIAL_TIMESTAMP / TIME_PRECISION)
         self.log_mel = LogMel()  # one group at a time: its features are encoded before the next group's
         self._logprobs = np.empty((0, self.vocab), np.float32)  # a step's log-probabilities, rows as needed
         self._exp = np.empty((0, self.vocab), np.float32)
+        self._col = np.empty((0, 1), np.float32)  # a per-row reduction
+        self._best = np.empty(0, np.int64)  # a step's greedy choices
 
     # ---------------------------------------------------------------------------------- public
     def decode(self, requests: Sequence[DecodeRequest]) -> list[DecodeResult]:
@@ -145,58 +133,15 @@ class WhisperDecoder:
         return results  # type: ignore[return-value]
 
     # -------------------------------------------------------------------------------- internals
-    def encode(self, mel: np.ndarray) -> dict[str, np.ndarray]:
-        outs = self.enc.run(self.cross_names, {"mel": mel})
-        return dict(zip(self.cross_names, outs))
-
-    def _empty_past(self, b: int) -> dict[str, np.ndarray]:
-        z = np.zeros((b, self.heads, 0, self.dh), dtype=np.float32)
-        return {f"past_{kv}_{i}": z for i in range(self.n_layers) for kv in "kv"}
-
-    def _step(self, tokens: list[list[int]], state: dict) -> np.ndarray:
-        """Feed each row its tokens (left-padded to one length); returns last-position logits (B, V)."""
-        b = len(tokens)
-        t = max(1, max(len(x) for x in tokens))
-        tok = np.zeros((b, t), dtype=np.int64)
-        new_valid = np.zeros((b, t), dtype=bool)
-        for r, x in enumerate(tokens):
-            if x:
-                tok[r, t - len(x) :] = x
-                new_valid[r, t - len(x) :] = True
-        pos = state["count"][:, None] + np.cumsum(new_valid, axis=1) - 1
-        pos = np.where(new_valid, pos, 0).astype(np.int64)
-        valid = state["valid"]
-        p = valid.shape[1]
-        mask = np.empty((b, 1, t, p + t), dtype=np.float32)
-        mask[:, 0, :, :p] = np.where(valid, 0.0, NEG)[:, None, :]
-        causal = np.tril(np.ones((t, t), dtype=bool))
-        allowed = causal[None] & new_valid[:, None, :]
-        allowed |= np.eye(t, dtype=bool)[None]
-        mask[:, 0, :, p:] = np.where(allowed, 0.0, NEG)
-        feeds = {"tokens": tok, "positions": pos, "mask": mask}
-        feeds.update(state["past"])
-        feeds.update(state["cross"])
-        outs = self.dec.run(["logits"] + self.present_names, feeds)
-        state["past"] = {n.replace("present", "past"): o for n, o in zip(self.present_names, outs[1:])}
-        state["valid"] = np.concatenate([valid, new_valid], axis=1)
-        state["count"] = state["count"] + new_valid.sum(axis=1)
-        return outs[0]
-
-    @staticmethod
-    def _take(state: dict, rows: np.ndarray) -> dict:
-        return {
-            "past": {k: v[rows] for k, v in state["past"].items()},
-            "cross": {k: v[rows] for k, v in state["cross"].items()},
-            "valid": state["valid"][rows],
-            "count": state["count"][rows],
-        }
-
-    def _rows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """(n, V) buffers for log-probabilities and their exponentials, grown to the largest batch."""
+    def _rows(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(n, V) buffers for log-probabilities and their exponentials, (n, 1) for a per-row
+        reduction (and the greedy choices beside them), grown to the largest batch."""
         if len(self._logprobs) < n:
             self._logprobs = np.empty((n, self.vocab), np.float32)
             self._exp = np.empty((n, self.vocab), np.float32)
-        return self._logprobs[:n], self._exp[:n]
+            self._col = np.empty((n, 1), np.float32)
+            self._best = np.empty(n, np.int64)
+        return self._logprobs[:n], self._exp[:n], self._col[:n]
 
     def _filter(self, logits: np.ndarray, rows: list[_Row], ts_on: list[bool], first: list[bool]) -> np.ndarray:
         """Apply Whisper's logit filters in place to (n, V) logits; returns log-probabilities, in a
@@ -226,14 +171,19 @@ class WhisperDecoder:
                 # first sampled token: must be a timestamp, at most MAX_INITIAL_TIMESTAMP
                 logits[k, :tb] = -np.inf
                 logits[k, tb + self.max_initial_ts + 1 :] = -np.inf
-        logprobs, exp = self._rows(len(rows))
-        _log_softmax(logits, logprobs, exp)
+        logprobs, exp, col = self._rows(len(rows))
+        _log_softmax(logits, logprobs, exp, col)
         for k in range(len(rows)):
             if ts_on[k]:
-                ts_lp = _logsumexp(logprobs[k, tb:][None])[0]
+                stamps = logprobs[k, tb:]
+                top = stamps.max()
+                if not np.isfinite(top):
+                    continue  # every timestamp is suppressed
+                e = np.subtract(stamps, top, out=exp[k, tb:])
+                ts_lp = top + np.log(np.exp(e, out=e).sum())  # log of the timestamps' summed probability
                 if ts_lp > logprobs[k, :tb].max():
                     logits[k, :tb] = -np.inf
-                    _log_softmax(logits[k : k + 1], logprobs[k : k + 1], exp[k : k + 1])
+                    _log_softmax(logits[k : k + 1], logprobs[k : k + 1], exp[k : k + 1], col[k : k + 1])
         return logprobs
 
     def _decode_group(
@@ -241,8 +191,8 @@ class WhisperDecoder:
     ) -> list[tuple[DecodeResult, bool, list[int]]]:
         tk = self.tk
         n = len(reqs)
-        cross = self.encode(self.log_mel([r.audio for r in reqs], frames))
-        state = {"past": self._empty_past(n), "cross": cross, "valid": np.zeros((n, 0), bool), "count": np.zeros(n, np.int64)}
+        beam = max(1, self.opt.beam_size)
+        group = self.io.encode(self.log_mel([r.audio for r in reqs], frames), n * beam)
 
         # stage 1: prompt + SOT -> no-speech probability and language at the SOT position
         stage1 = []
@@ -256,7 +206,7 @@ class WhisperDecoder:
             if len(ctx) > room:
                 ctx = [ctx[0]] + ctx[len(ctx) - room + 1 :] if room > 1 else []
             stage1.append(ctx + [tk.sot])
-        logits = self._step(stage1, state)
+        logits = self.io.step(stage1, group, into=0)
         no_speech = np.zeros(n)
         if tk.no_speech is not None:
             no_speech = np.exp(_log_softmax(logits, *self._rows(n))[:, tk.no_speech])
@@ -284,12 +234,16 @@ class WhisperDecoder:
                 seq.append(tk.no_timestamps)
             stage2.append(seq + pre)
             forced.append(pre)
-        first_logits = logits
+        # the first sampled token's logits, in buffer 1 (the decoding loops read them from there)
         if any(stage2):
-            l2 = self._step(stage2, state)
-            first_logits = np.where(np.array([bool(s) for s in stage2])[:, None], l2, logits)
+            first_logits = self.io.step(stage2, group, into=1)
+            for i, s2 in enumerate(stage2):
+                if not s2:  # nothing more was forced: its first token comes from the SOT position
+                    first_logits[i] = logits[i]
+        else:
+            first_logits = self.io.logits(1, n)
+            first_logits[:] = logits
 
-        beam = max(1, self.opt.beam_size)
         # every position must fit the decoder's positional embedding (448)
         n_ctx = int(self.dims.get("n_text_ctx", 448))
         max_new = [
@@ -297,9 +251,9 @@ class WhisperDecoder:
             for c, s1, s2 in zip(caps, stage1, stage2)
         ]
         if beam == 1:
-            finals = self._greedy(reqs, state, first_logits, forced, max_new)
+            finals = self._greedy(reqs, group, first_logits, forced, max_new)
         else:
-            finals = self._beam(reqs, state, first_logits, forced, max_new, beam)
+            finals = self._beam(reqs, group, first_logits, forced, max_new, beam)
 
         out = []
         for i, r in enumerate(reqs):
@@ -307,7 +261,7 @@ class WhisperDecoder:
             out.append((self._result(r, row, languages[i], float(no_speech[i])), capped, list(row.tokens)))
         return out
 
-    def _greedy(self, reqs, state, logits, forced, max_new):
+    def _greedy(self, reqs, group: Group, logits, forced, max_new):
         rows = [_Row(req=i, tokens=list(forced[i]), n_forced=len(forced[i])) for i in range(len(reqs))]
         ts_on = [r.timestamps for r in reqs]
         active = list(range(len(reqs)))
@@ -316,7 +270,7 @@ class WhisperDecoder:
         while active:
             cur = [rows[i] for i in active]
             lp = self._filter(logits, cur, [ts_on[i] for i in active], [n_sampled == 0] * len(active))
-            nxt = lp.argmax(axis=-1)
+            nxt = lp.argmax(axis=-1, out=self._best[: len(active)])
             keep, feed = [], []
             for k, i in enumerate(active):
                 tok = int(nxt[k])
@@ -332,21 +286,21 @@ class WhisperDecoder:
                 feed.append([tok])
             n_sampled += 1
             if len(keep) != len(active):
-                sel = np.array(keep, dtype=np.int64)
-                state = self._take(state, sel)
                 active = [active[k] for k in keep]
+                if active:
+                    self.io.take(group, np.array(keep, dtype=np.int64))
             if not active:
                 break
-            logits = self._step(feed, state)
+            logits = self.io.step(feed, group, into=1)
         return [(rows[i], capped[i]) for i in range(len(reqs))]
 
-    def _beam(self, reqs, state, logits, forced, max_new, beam):
+    def _beam(self, reqs, group: Group, logits, forced, max_new, beam):
         n = len(reqs)
         ts_on = [r.timestamps for r in reqs]
         # every request starts with `beam` copies of its hypothesis; only the first expands at step 0
         rep = np.repeat(np.arange(n), beam)
-        state = self._take(state, rep)
-        logits = logits[rep]
+        self.io.take(group, rep)
+        logits = np.take(logits, rep, axis=0, out=self.io.logits(0, n * beam), mode="clip")
         beams = [[_Row(req=i, tokens=list(forced[i]), n_forced=len(forced[i])) for _ in range(beam)] for i in range(n)]
         finished: list[list[_Row]] = [[] for _ in range(n)]
         capped = [False] * n
@@ -399,8 +353,8 @@ class WhisperDecoder:
             active = still
             if not active:
                 break
-            state = self._take(state, np.array(new_rows_idx, dtype=np.int64))
-            logits = self._step(feed, state)
+            self.io.take(group, np.array(new_rows_idx, dtype=np.int64))
+            logits = self.io.step(feed, group, into=0)
         out = []
         for i in range(n):
             cands = finished[i] or [b for b in beams[i] if not b.done] or beams[i]

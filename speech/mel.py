@@ -77,14 +77,14 @@ class LogMel:
     raises the maximum, and Whisper zeroes those frames anyway. A 3 s final computes 302
     frames, not 3000, with the same result.
 
-    The buffers cost ~11 KB a frame, 34 MB once a 30 s window has been asked for (one decoder's
+    The buffers cost ~13 KB a frame, 39 MB once a 30 s window has been asked for (one decoder's
     worth; pages are touched only as far as the audio reaches): what each final used to allocate
     and free. The array returned is a view of the output buffer, valid until the next call.
     """
 
     def __init__(self) -> None:
         self._frames = 0  # the scratch buffers hold this many frames
-        self._padded = self._windowed = np.empty(0, np.float32)
+        self._padded = self._windowed = self._window_rows = np.empty(0, np.float32)
         self._windowed64 = np.empty(0, np.float64)
         self._spec128 = np.empty(0, np.complex128)
         self._spec = np.empty(0, np.complex64)
@@ -102,6 +102,7 @@ class LogMel:
             self._frames = n_frames
             self._padded = np.empty(n_frames * HOP_LENGTH + N_FFT, np.float32)
             self._windowed = np.empty((n_frames, N_FFT), np.float32)
+            self._window_rows = np.tile(_window(), (n_frames, 1))
             self._windowed64 = np.empty((n_frames, N_FFT), np.float64)
             self._spec128 = np.empty((n_frames, N_FFT // 2 + 1), np.complex128)
             self._spec = np.empty((n_frames, N_FFT // 2 + 1), np.complex64)
@@ -131,7 +132,11 @@ class LogMel:
         # centred frames; Whisper drops the one past the end of the window
         strided = np.lib.stride_tricks.as_strided(padded, shape=(frames, N_FFT), strides=(HOP_LENGTH * 4, 4),
                                                   writeable=False)
-        windowed = np.multiply(strided, _window(), out=self._windowed[:frames])
+        # copied, then windowed by a window repeated for every frame: numpy multiplies an
+        # overlapping or broadcast operand through a buffer of its own, allocated every call
+        windowed = self._windowed[:frames]
+        np.copyto(windowed, strided)
+        windowed *= self._window_rows[:frames]
         # numpy transforms float32 in double precision (its loop for a real input is float64), and
         # fed float32 it allocates its cast buffers on every call: the casts are done here instead
         windowed64 = self._windowed64[:frames]
@@ -140,10 +145,13 @@ class LogMel:
         np.copyto(spec, np.fft.rfft(windowed64, axis=-1, out=self._spec128[:frames]))
         power = np.square(spec.real, out=self._power[:frames])
         power += np.square(spec.imag, out=windowed.reshape(-1)[: power.size].reshape(power.shape))  # windowed is spent
-        mel = np.matmul(mel_filters(), power.T, out=out[:, :frames])
+        # into contiguous memory (windowed is spent again): numpy's matmul would compute into a
+        # temporary and copy it for the strided columns of `out`
+        mel = np.matmul(mel_filters(), power.T, out=windowed.reshape(-1)[: N_MELS * frames].reshape(N_MELS, frames))
         np.maximum(mel, 1e-10, out=mel)
         np.log10(mel, out=mel)
         np.maximum(mel, mel.max() - 8.0, out=mel)
         mel += 4.0
         mel /= 4.0
+        out[:, :frames] = mel
         out[:, min(n_frames, n // HOP_LENGTH) :] = 0.0

@@ -1,0 +1,211 @@
+"""The Whisper graphs' inputs and outputs in buffers one decoder keeps, bound with ONNX Runtime's
+IOBinding: a decoding step allocates no array.
+
+Fed a dict of arrays, ONNX Runtime returns every output (a step's logits, each layer's grown
+self-attention cache) in fresh memory, and the step's token, position and mask inputs are new
+arrays too. Here every input and output is a view of a flat buffer sized for the largest batch
+the decoder has served and for the longest sequence the model takes (448 positions, 1,500 audio
+frames), so shapes may vary from step to step while the memory stays. Pages are only touched as
+far as views reach: a short decode costs no more resident memory than before.
+
+The caches go back and forth between two sides: a step reads the past from one side and writes
+the present (past and the step's new keys and values, the graph's Concat) to the other, since an
+ONNX Runtime output must not alias an input. Dropping or repeating rows (finished rows, beam
+search) copies them to the other side the same way. One group of requests is decoded at a time,
+so the sides are this object's state.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+NEG = np.float32(-1e9)  # additive mask for a column a position must not attend
+
+
+class _Pair:
+    """Two flat buffers of one kind: the side in use, and the one the next write goes to."""
+
+    __slots__ = ("bufs", "i")
+
+    def __init__(self, size: int, dtype: type) -> None:
+        self.bufs = (np.empty(size, dtype), np.empty(size, dtype))
+        self.i = 0
+
+    @property
+    def cur(self) -> np.ndarray:
+        return self.bufs[self.i]
+
+    @property
+    def other(self) -> np.ndarray:
+        return self.bufs[1 - self.i]
+
+    def flip(self) -> None:
+        self.i = 1 - self.i
+
+
+def _address(arr: np.ndarray) -> int:
+    """Where an array's data starts: what IOBinding writes an output to."""
+    return arr.__array_interface__["data"][0]
+
+
+def _view(flat: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """The contiguous prefix of `flat` as an array of `shape`."""
+    return flat[: math.prod(shape)].reshape(shape)
+
+
+@dataclass(slots=True)
+class Group:
+    """A batch being decoded: its rows and how many positions its self-attention cache holds."""
+
+    rows: int
+    past: int = 0
+
+
+class GraphIO:
+    """Runs the encoder and decoder sessions for `speech.decoding` on kept buffers."""
+
+    def __init__(self, encoder, decoder, dims: dict) -> None:
+        self.enc = encoder  # onnxruntime.InferenceSession
+        self.dec = decoder
+        self.layers = int(dims["n_dec"])
+        self.heads = int(dims["dec_heads"])
+        self.dh = int(dims["d"]) // self.heads
+        self.vocab = int(dims["vocab"])
+        self.n_ctx = int(dims.get("n_text_ctx", 448))
+        self.n_audio = int(dims.get("n_audio_ctx", 1500))
+        self.cross_names = [f"cross_{kv}_{i}" for i in range(self.layers) for kv in "kv"]
+        self.past_names = [f"past_{kv}_{i}" for i in range(self.layers) for kv in "kv"]
+        self.present_names = [f"present_{kv}_{i}" for i in range(self.layers) for kv in "kv"]
+        self._enc_io = encoder.io_binding()
+        self._dec_io = decoder.io_binding()
+        # an additive causal mask for a prefill: position i attends columns <= i
+        self._causal = np.triu(np.full((self.n_ctx, self.n_ctx), NEG, np.float32), 1)
+        self._arange = np.arange(self.n_ctx, dtype=np.int64)
+        self._capacity = 0
+        self._frames = 0  # cross-attention length of the group being decoded
+        self._reserve(1)
+
+    def _reserve(self, rows: int) -> None:
+        """Buffers for `rows` rows at the model's longest sequences; grown, never shrunk."""
+        if rows <= self._capacity:
+            return
+        h, dh, ctx = self.heads, self.dh, self.n_ctx
+        self._kv = [_Pair(rows * h * ctx * dh, np.float32) for _ in range(2 * self.layers)]
+        self._cross = [_Pair(rows * h * self.n_audio * dh, np.float32) for _ in range(2 * self.layers)]
+        self._bias = _Pair(rows * ctx, np.float32)  # per row and cache column: 0 attended, NEG padding
+        self._count = _Pair(rows, np.int64)  # per row: real (not padding) positions so far
+        self._tokens = np.empty(rows * ctx, np.int64)
+        self._positions = np.empty(rows * ctx, np.int64)
+        self._mask = np.empty(rows * ctx * ctx, np.float32)
+        self._logits = (np.empty(rows * self.vocab, np.float32), np.empty(rows * self.vocab, np.float32))
+        self._capacity = rows
+
+    def logits(self, side: int, rows: int) -> np.ndarray:
+        """(rows, V) of a logits buffer: steps write one of two, so a group can keep the first
+        call's logits while the second runs."""
+        return _view(self._logits[side], (rows, self.vocab))
+
+    # ------------------------------------------------------------------------------------ encoder
+    def encode(self, mel: np.ndarray, most_rows: int) -> Group:
+        """Encode (B, 80, T) features into the cross-attention keys and values of a new group;
+        `most_rows` is the most rows the group will hold (beam search repeats each request)."""
+        b = mel.shape[0]
+        self._reserve(max(b, most_rows))
+        frames = mel.shape[2] // 2
+        io = self._enc_io
+        io.bind_cpu_input("mel", np.ascontiguousarray(mel))
+        self._frames = frames
+        for name, pair in zip(self.cross_names, self._cross):
+            pair.i = 0
+            view = self._cross_view(pair.cur, name, b)
+            io.bind_output(name, "cpu", 0, np.float32, view.shape, _address(view))
+        self.enc.run_with_iobinding(io)
+        for pair in self._kv:
+            pair.i = 0
+        self._bias.i = self._count.i = 0
+        _view(self._count.cur, (b,))[:] = 0
+        self._bind_cross(b)
+        return Group(rows=b)
+
+    def _cross_view(self, flat: np.ndarray, name: str, rows: int) -> np.ndarray:
+        # keys are stored transposed for q @ k: (B, H, Dh, S); values (B, H, S, Dh)
+        if name.startswith("cross_k"):
+            return _view(flat, (rows, self.heads, self.dh, self._frames))
+        return _view(flat, (rows, self.heads, self._frames, self.dh))
+
+    def _bind_cross(self, rows: int) -> None:
+        for name, pair in zip(self.cross_names, self._cross):
+            self._dec_io.bind_cpu_input(name, self._cross_view(pair.cur, name, rows))
+
+    # ------------------------------------------------------------------------------------ decoder
+    def step(self, feed: Sequence[Sequence[int]], group: Group, into: int) -> np.ndarray:
+        """Feed each row its tokens (left-padded to one length); returns the last position's
+        logits (rows, V), written to logits buffer `into`."""
+        b, p = group.rows, group.past
+        t = max(1, max(len(x) for x in feed))
+        if p + t > self.n_ctx:
+            raise ValueError(f"{p + t} positions, past the model's {self.n_ctx}")
+        tokens = _view(self._tokens, (b, t))
+        positions = _view(self._positions, (b, t))
+        mask = _view(self._mask, (b, 1, t, p + t))
+        bias = _view(self._bias.cur, (b, self.n_ctx))
+        count = _view(self._count.cur, (b,))
+        mask[:, 0, :, :p] = bias[:, None, :p]
+        if t == 1 and all(feed):  # a decoding step: one token per row
+            for r, x in enumerate(feed):
+                tokens[r, 0] = x[0]
+            positions[:, 0] = count
+            mask[:, 0, 0, p] = 0.0
+            bias[:, p] = 0.0
+            count += 1
+        else:  # a prefill: rows of different lengths, padded on the left
+            for r, x in enumerate(feed):
+                pad = t - len(x)
+                tokens[r, :pad] = 0
+                positions[r, :pad] = 0
+                for c, token in enumerate(x):
+                    tokens[r, pad + c] = token
+                np.add(self._arange[: len(x)], count[r], out=positions[r, pad:])
+                rows_mask = mask[r, 0, :, p:]
+                rows_mask[:] = self._causal[:t, :t]
+                rows_mask[:, :pad] = NEG  # padding is attended by nobody but itself
+                np.fill_diagonal(rows_mask[:pad, :pad], 0.0)
+                bias[r, p : p + pad] = NEG
+                bias[r, p + pad : p + t] = 0.0
+                count[r] += len(x)
+        io = self._dec_io
+        io.bind_cpu_input("tokens", tokens)
+        io.bind_cpu_input("positions", positions)
+        io.bind_cpu_input("mask", mask)
+        logits = self.logits(into, b)
+        io.bind_output("logits", "cpu", 0, np.float32, logits.shape, _address(logits))
+        for past, present, pair in zip(self.past_names, self.present_names, self._kv):
+            io.bind_cpu_input(past, _view(pair.cur, (b, self.heads, p, self.dh)))
+            out = _view(pair.other, (b, self.heads, p + t, self.dh))
+            io.bind_output(present, "cpu", 0, np.float32, out.shape, _address(out))
+        self.dec.run_with_iobinding(io)
+        for pair in self._kv:
+            pair.flip()
+        group.past = p + t
+        return logits
+
+    def take(self, group: Group, rows: np.ndarray) -> None:
+        """Keep (or repeat) the group's `rows`, in that order: caches, cross-attention, mask
+        columns and counts move to their other side."""
+        b, n, p = group.rows, len(rows), group.past
+        kv = (self.heads, p, self.dh)
+        for pair in self._kv:
+            np.take(_view(pair.cur, (b, *kv)), rows, axis=0, out=_view(pair.other, (n, *kv)), mode="clip")
+            pair.flip()
+        for name, pair in zip(self.cross_names, self._cross):
+            np.take(self._cross_view(pair.cur, name, b), rows, axis=0, out=self._cross_view(pair.other, name, n), mode="clip")
+            pair.flip()
+        for pair, width in ((self._bias, self.n_ctx), (self._count, 1)):
+            np.take(_view(pair.cur, (b, width)), rows, axis=0, out=_view(pair.other, (n, width)), mode="clip")
+            pair.flip()
+        group.rows = n
+        self._bind_cross(n)
