@@ -20,10 +20,12 @@ class AudioFormatError(ValueError):
     """The client's audio does not match the format it declared."""
 
 
-def decode_pcm(payload: bytes | memoryview, encoding: str, channels: int) -> np.ndarray:
+def decode_pcm(payload: bytes | memoryview, encoding: str, channels: int, out: np.ndarray | None = None) -> np.ndarray:
     """Interleaved little-endian PCM to float32 mono in [-1, 1] (for s16).
 
-    Mono f32le comes back as a read-only view of `payload`: no copy on the common path.
+    Mono f32le comes back as a read-only view of `payload`, and mono s16le is converted into
+    `out` when given (a stream's kept buffer, at least as long as the frame): neither costs an
+    array per frame. Several channels are mixed down into a new array.
     """
     dtype = _DTYPES.get(encoding)
     if dtype is None:
@@ -34,14 +36,16 @@ def decode_pcm(payload: bytes | memoryview, encoding: str, channels: int) -> np.
     if nbytes % (dtype.itemsize * channels):
         raise AudioFormatError(f"{nbytes} bytes is not a whole number of {channels}-channel {encoding} frames")
     raw = np.frombuffer(payload, dtype=dtype)
-    if encoding == "f32le" and not np.isfinite(raw).all():
+    # min and max carry any NaN or infinity, without the per-sample mask np.isfinite would allocate
+    if encoding == "f32le" and raw.size and not (np.isfinite(raw.min()) and np.isfinite(raw.max())):
         raise AudioFormatError("f32le audio contains NaN or infinity")
     if channels > 1:
         mono = raw.reshape(-1, channels).mean(axis=1, dtype=np.float32)
     elif encoding == "f32le":
         return raw.astype(np.float32, copy=False)
     else:
-        mono = raw.astype(np.float32)
+        mono = np.empty(len(raw), np.float32) if out is None else out[: len(raw)]
+        np.copyto(mono, raw, casting="same_kind")  # then scaled in place: a multiply would cast through a buffer
     if encoding == "pcm_s16le":
         mono *= S16_SCALE
     return mono

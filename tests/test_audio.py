@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
 
@@ -30,6 +32,27 @@ def test_mono_f32_is_a_view_of_the_payload() -> None:
     np.testing.assert_array_equal(x, np.linspace(-1, 1, 100, dtype=np.float32))
 
 
+def test_mono_frames_cost_no_array() -> None:
+    """A stream's 16-bit frames are converted into its kept buffer and 32-bit float frames are
+    viewed where they arrived: decoding a frame traces less than one frame's float32 array."""
+    s16 = (np.arange(1600) - 800).astype("<i2").tobytes()
+    f32 = np.linspace(-1, 1, 1600, dtype="<f4").tobytes()
+    out = np.empty(4800, np.float32)
+    decode_pcm(s16, "pcm_s16le", 1, out=out)
+    tracemalloc.start()
+    try:
+        for _ in range(20):
+            x = decode_pcm(s16, "pcm_s16le", 1, out=out)
+            y = decode_pcm(f32, "f32le", 1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1600 * 4, f"decoding traced {peak} bytes at its peak"
+    assert np.shares_memory(x, out) and len(x) == 1600
+    np.testing.assert_allclose(x, (np.arange(1600) - 800) / 32768)
+    np.testing.assert_array_equal(y, np.linspace(-1, 1, 1600, dtype=np.float32))
+
+
 @pytest.mark.parametrize(
     ("payload", "encoding", "channels"),
     [
@@ -40,6 +63,7 @@ def test_mono_f32_is_a_view_of_the_payload() -> None:
         (b"\0" * 8, "f32le", 0),
         (np.array([0.0, np.nan], dtype="<f4").tobytes(), "f32le", 1),
         (np.array([np.inf, 0.0], dtype="<f4").tobytes(), "f32le", 2),
+        (np.array([0.5, -np.inf, 0.25], dtype="<f4").tobytes(), "f32le", 1),
     ],
 )
 def test_malformed_audio_is_rejected(payload: bytes, encoding: str, channels: int) -> None:

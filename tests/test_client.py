@@ -62,6 +62,30 @@ def test_one_file_streams_partials_and_finals(service) -> None:
     assert ends == sorted(ends) and ends[-1] == len(pcm)
 
 
+@pytest.mark.parametrize(("rate", "encoding"), [(8000, "pcm_s16le"), (44100, "f32le")])
+def test_other_rates_are_resampled_frame_by_frame(service, rate: int, encoding: str) -> None:
+    """Telephone audio at 8 kHz and a browser's 44.1 kHz float: resampled at the ingest, one
+    20 ms frame at a time, into the same words, timed in seconds of the stream."""
+    import soxr
+
+    audio = soxr.resample(goforward().astype(np.float32) / 32768, RATE, rate)
+    pcm = np.clip(np.round(audio * 32768), -32768, 32767).astype("<i2") if encoding == "pcm_s16le" else audio.astype("<f4")
+    frame = rate // 50
+    with Client(service.address) as client:
+        stream = client.open(rate=rate, encoding=encoding, language="en")
+        for start in range(0, len(pcm), frame):
+            stream.send(pcm[start : start + frame])
+        stream.end()
+        events = drain(stream)
+    finals = [e for e in events if isinstance(e, Final)]
+    closed = events[-1]
+    assert isinstance(closed, Closed) and closed.reason == "end"
+    assert closed.audio_s == pytest.approx(len(pcm) / rate, abs=0.01)
+    text = " ".join(f.text for f in finals).lower()
+    assert "forward" in text and "meters" in text.replace("metres", "meters")
+    assert finals and all(0 <= f.start <= f.end <= closed.audio_s + 0.5 for f in finals)
+
+
 def test_many_streams_share_one_client(null_service) -> None:
     pcm = goforward()
     with Client(null_service.address) as client:
