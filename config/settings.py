@@ -27,7 +27,7 @@ class ModelConfig:
     # (docs/PERFORMANCE.md, "Whisper on the service").
     partial_precision: str = "int8"
     threads: int = 1  # intra-op threads per worker process
-    arena: bool = True  # ONNX Runtime CPU memory arena
+    arena: bool = True  # ONNX Runtime CPU memory arena (one per process, shared by its sessions)
     cache_dir: str = ""  # exported graphs; "" = $XDG_CACHE_HOME/streamasr
     beam_size: int = 1
     max_batch: int = 1  # dynamic batching: most requests per backend call (1: measured best for Whisper on CPU)
