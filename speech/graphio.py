@@ -4,8 +4,10 @@ IOBinding: a decoding step allocates no array.
 Fed a dict of arrays, ONNX Runtime returns every output (a step's logits, each layer's grown
 self-attention cache) in fresh memory, and the step's token, position and mask inputs are new
 arrays too. Here every input and output is a view of a flat buffer sized for the largest batch
-the decoder has served and for the longest sequence the model takes (448 positions, 1,500 audio
-frames), so shapes may vary from step to step while the memory stays. Pages are only touched as
+the decoder has served and for the longest sequences a decode can reach (1,500 audio frames; twice
+the model's 448 text positions for the caches, since a batch's rows are left-padded to one
+length: a long prompt in one row and a long prefix in another each pad the other), so shapes may
+vary from step to step while the memory stays. Pages are only touched as
 far as views reach: a short decode costs no more resident memory than before.
 
 The caches go back and forth between two sides: a step reads the past from one side and writes
@@ -75,7 +77,8 @@ class GraphIO:
         self.heads = int(dims["dec_heads"])
         self.dh = int(dims["d"]) // self.heads
         self.vocab = int(dims["vocab"])
-        self.n_ctx = int(dims.get("n_text_ctx", 448))
+        self.n_ctx = int(dims.get("n_text_ctx", 448))  # positions a row's tokens may take
+        self.cache_len = 2 * self.n_ctx  # cache columns a padded batch may reach
         self.n_audio = int(dims.get("n_audio_ctx", 1500))
         self.cross_names = [f"cross_{kv}_{i}" for i in range(self.layers) for kv in "kv"]
         self.past_names = [f"past_{kv}_{i}" for i in range(self.layers) for kv in "kv"]
@@ -93,14 +96,14 @@ class GraphIO:
         """Buffers for `rows` rows at the model's longest sequences; grown, never shrunk."""
         if rows <= self._capacity:
             return
-        h, dh, ctx = self.heads, self.dh, self.n_ctx
-        self._kv = [_Pair(rows * h * ctx * dh, np.float32) for _ in range(2 * self.layers)]
+        h, dh, ctx, cache = self.heads, self.dh, self.n_ctx, self.cache_len
+        self._kv = [_Pair(rows * h * cache * dh, np.float32) for _ in range(2 * self.layers)]
         self._cross = [_Pair(rows * h * self.n_audio * dh, np.float32) for _ in range(2 * self.layers)]
-        self._bias = _Pair(rows * ctx, np.float32)  # per row and cache column: 0 attended, NEG padding
+        self._bias = _Pair(rows * cache, np.float32)  # per row and cache column: 0 attended, NEG padding
         self._count = _Pair(rows, np.int64)  # per row: real (not padding) positions so far
         self._tokens = np.empty(rows * ctx, np.int64)
         self._positions = np.empty(rows * ctx, np.int64)
-        self._mask = np.empty(rows * ctx * ctx, np.float32)
+        self._mask = np.empty(rows * ctx * cache, np.float32)
         self._logits = (np.empty(rows * self.vocab, np.float32), np.empty(rows * self.vocab, np.float32))
         self._capacity = rows
 
@@ -147,12 +150,12 @@ class GraphIO:
         logits (rows, V), written to logits buffer `into`."""
         b, p = group.rows, group.past
         t = max(1, max(len(x) for x in feed))
-        if p + t > self.n_ctx:
-            raise ValueError(f"{p + t} positions, past the model's {self.n_ctx}")
+        if t > self.n_ctx or p + t > self.cache_len:
+            raise ValueError(f"{t} tokens on {p} cached columns: past the {self.n_ctx} positions and {self.cache_len} columns kept")
         tokens = _view(self._tokens, (b, t))
         positions = _view(self._positions, (b, t))
         mask = _view(self._mask, (b, 1, t, p + t))
-        bias = _view(self._bias.cur, (b, self.n_ctx))
+        bias = _view(self._bias.cur, (b, self.cache_len))
         count = _view(self._count.cur, (b,))
         mask[:, 0, :, :p] = bias[:, None, :p]
         if t == 1 and all(feed):  # a decoding step: one token per row
@@ -204,7 +207,7 @@ class GraphIO:
         for name, pair in zip(self.cross_names, self._cross):
             np.take(self._cross_view(pair.cur, name, b), rows, axis=0, out=self._cross_view(pair.other, name, n), mode="clip")
             pair.flip()
-        for pair, width in ((self._bias, self.n_ctx), (self._count, 1)):
+        for pair, width in ((self._bias, self.cache_len), (self._count, 1)):
             np.take(_view(pair.cur, (b, width)), rows, axis=0, out=_view(pair.other, (n, width)), mode="clip")
             pair.flip()
         group.rows = n

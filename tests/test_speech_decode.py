@@ -225,6 +225,30 @@ def test_a_warm_decoder_allocates_no_array(tiny, dev):
     assert peak < 64 * 1024, f"a warm decode traced {peak / 1024:.0f} KiB at its peak"
 
 
+def test_a_batch_padded_past_the_text_positions_decodes_as_one_by_one(tiny, dev, monkeypatch):
+    """Rows are left-padded to one length, so a long prompt in one row and a long forced prefix
+    in another make the batch's attention cache longer than the 448 positions any row's own
+    tokens take: the decoder's kept cache must hold that, and the rows decode as they do alone."""
+    speech = np.concatenate([a for _, a in dev[:6]])[: 28 * SAMPLE_RATE]
+    prompt = " ".join(u.reference for u, _ in dev) * 3  # cut to Whisper's 223 prompt tokens
+    prefix = " ".join(dev[9][0].reference.split() * 12)  # ~150 forced tokens
+    reqs = [DecodeRequest(audio=speech, prompt=prompt), DecodeRequest(audio=dev[9][1], prefix=prefix)]
+    io = tiny.decoding.io
+    reached = []
+    step = io.step
+
+    def watched(feed, group, into):
+        reached.append(group.past + max(1, max(len(x) for x in feed)))
+        return step(feed, group, into)
+
+    monkeypatch.setattr(io, "step", watched)
+    batch = tiny.transcribe_batch(reqs)
+    assert max(reached) > io.n_ctx, f"the batch's cache reached only {max(reached)} columns"
+    single = [tiny.transcribe_batch([r])[0] for r in reqs]
+    assert [normalize(r.text) for r in batch] == [normalize(r.text) for r in single]
+    assert len(normalize(batch[0].text).split()) > 40
+
+
 def test_segments_and_timestamps(tiny, dev):
     a = np.concatenate([dev[0][1], np.zeros(SAMPLE_RATE, np.float32), dev[3][1]])
     res = tiny.transcribe_batch([DecodeRequest(audio=a)])[0]
