@@ -69,6 +69,20 @@ def _log_softmax(x: np.ndarray, out: np.ndarray, scratch: np.ndarray, col: np.nd
     return y
 
 
+def _top(x: np.ndarray, k: int) -> list[int]:
+    """Indices of the k largest values of `x`, best first, found by k passes of argmax (each
+    found one masked, then all put back): argpartition would return an index array the size of
+    the vocabulary at every step, and negating `x` for it another."""
+    picked: list[tuple[int, np.float32]] = []
+    for _ in range(k):
+        i = int(x.argmax())
+        picked.append((i, x[i]))
+        x[i] = -np.inf
+    for i, value in reversed(picked):  # reversed: an index picked twice (all -inf) gets its first value back
+        x[i] = value
+    return [i for i, _ in picked]
+
+
 def short_window_frames(n_samples: int) -> int:
     """Mel frames for a short partial window: speech + 2 s, rounded up to whole seconds."""
     seconds = math.ceil(n_samples / SAMPLE_RATE + 2.0)
@@ -288,7 +302,7 @@ class WhisperDecoder:
             if len(keep) != len(active):
                 active = [active[k] for k in keep]
                 if active:
-                    self.io.take(group, np.array(keep, dtype=np.int64))
+                    self.io.take(group, keep)
             if not active:
                 break
             logits = self.io.step(feed, group, into=1)
@@ -298,8 +312,7 @@ class WhisperDecoder:
         n = len(reqs)
         ts_on = [r.timestamps for r in reqs]
         # every request starts with `beam` copies of its hypothesis; only the first expands at step 0
-        rep = np.repeat(np.arange(n), beam)
-        self.io.take(group, rep)
+        rep = self.io.take(group, [i for i in range(n) for _ in range(beam)])
         logits = np.take(logits, rep, axis=0, out=self.io.logits(0, n * beam), mode="clip")
         beams = [[_Row(req=i, tokens=list(forced[i]), n_forced=len(forced[i])) for _ in range(beam)] for i in range(n)]
         finished: list[list[_Row]] = [[] for _ in range(n)]
@@ -315,8 +328,7 @@ class WhisperDecoder:
                 for j in range(beam if n_sampled > 0 else 1):
                     k = a * beam + j
                     row = flat[k]
-                    top = np.argpartition(-lp[k], beam + 1)[: beam + 1]
-                    for tok in top:
+                    for tok in _top(lp[k], beam + 1):
                         s = row.sum_logprob + float(lp[k, tok])
                         key = tuple(row.tokens) + (int(tok),)
                         if key not in cands or cands[key][0] < s:
@@ -353,7 +365,7 @@ class WhisperDecoder:
             active = still
             if not active:
                 break
-            self.io.take(group, np.array(new_rows_idx, dtype=np.int64))
+            self.io.take(group, new_rows_idx)
             logits = self.io.step(feed, group, into=0)
         out = []
         for i in range(n):

@@ -7,8 +7,8 @@ arrays too. Here every input and output is a view of a flat buffer sized for the
 the decoder has served and for the longest sequences a decode can reach (1,500 audio frames; twice
 the model's 448 text positions for the caches, since a batch's rows are left-padded to one
 length: a long prompt in one row and a long prefix in another each pad the other), so shapes may
-vary from step to step while the memory stays. Pages are only touched as
-far as views reach: a short decode costs no more resident memory than before.
+vary from step to step while the memory stays. Pages are touched only as far as the views
+reach, so a short decode keeps little of that resident.
 
 The caches go back and forth between two sides: a step reads the past from one side and writes
 the present (past and the step's new keys and values, the graph's Concat) to the other, since an
@@ -101,6 +101,7 @@ class GraphIO:
         self._cross = [_Pair(rows * h * self.n_audio * dh, np.float32) for _ in range(2 * self.layers)]
         self._bias = _Pair(rows * cache, np.float32)  # per row and cache column: 0 attended, NEG padding
         self._count = _Pair(rows, np.int64)  # per row: real (not padding) positions so far
+        self._taken = np.empty(rows, np.int64)  # the rows a take keeps
         self._tokens = np.empty(rows * ctx, np.int64)
         self._positions = np.empty(rows * ctx, np.int64)
         self._mask = np.empty(rows * ctx * cache, np.float32)
@@ -196,10 +197,14 @@ class GraphIO:
         group.past = p + t
         return logits
 
-    def take(self, group: Group, rows: np.ndarray) -> None:
-        """Keep (or repeat) the group's `rows`, in that order: caches, cross-attention, mask
-        columns and counts move to their other side."""
-        b, n, p = group.rows, len(rows), group.past
+    def take(self, group: Group, keep: Sequence[int]) -> np.ndarray:
+        """Keep (or repeat) the group's rows `keep`, in that order: caches, cross-attention, mask
+        columns and counts move to their other side. Returns `keep` as an index array, valid
+        until the next call."""
+        b, n, p = group.rows, len(keep), group.past
+        rows = self._taken[:n]
+        for c, r in enumerate(keep):
+            rows[c] = r
         kv = (self.heads, p, self.dh)
         for pair in self._kv:
             np.take(_view(pair.cur, (b, *kv)), rows, axis=0, out=_view(pair.other, (n, *kv)), mode="clip")
@@ -212,3 +217,4 @@ class GraphIO:
             pair.flip()
         group.rows = n
         self._bind_cross(n)
+        return rows
