@@ -69,8 +69,9 @@ class Session:
         self.bytes_per_frame = opened.channels * (2 if opened.encoding == "pcm_s16le" else 4)
         # The common case, 16 kHz mono 16-bit, is converted straight into the ring; mono 16-bit at
         # other rates into this buffer (grown to the largest frame) before the resampler.
-        self.direct_s16 = opened.rate == SAMPLE_RATE and opened.channels == 1 and opened.encoding == "pcm_s16le"
-        self.pcm = np.empty(0, np.float32)
+        mono_s16 = opened.channels == 1 and opened.encoding == "pcm_s16le"
+        self.direct_s16 = mono_s16 and opened.rate == SAMPLE_RATE
+        self.pcm: np.ndarray | None = np.empty(0, np.float32) if mono_s16 and not self.direct_s16 else None
         self.log = structlog.get_logger().bind(stream=opened.stream, key=key)
         self.next_seq = 0
         self.in_frames = 0  # input frames (per channel) accepted
@@ -121,7 +122,7 @@ class Session:
         if self.direct_s16:
             self.ring.write(np.frombuffer(msg.data, dtype="<i2"), scale=S16_SCALE)
         else:
-            if frames > len(self.pcm) and self.opened.encoding == "pcm_s16le" and self.opened.channels == 1:
+            if self.pcm is not None and frames > len(self.pcm):
                 self.pcm = np.empty(frames, np.float32)
             try:
                 pcm = decode_pcm(msg.data, self.opened.encoding, self.opened.channels, out=self.pcm)

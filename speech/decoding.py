@@ -93,7 +93,6 @@ class WhisperDecoder:
     def __init__(self, encoder, decoder, tokenizer: WhisperTokenizer, dims: dict, options: DecodeOptions):
         self.io = GraphIO(encoder, decoder, dims)  # the sessions' inputs and outputs, in kept buffers
         self.tk = tokenizer
-        self.dims = dims
         self.opt = options
         self.vocab = dims["vocab"]
         # tokens between the tokenizer's specials and the model's vocabulary that are not timestamps
@@ -259,9 +258,8 @@ class WhisperDecoder:
             first_logits[:] = logits
 
         # every position must fit the decoder's positional embedding (448)
-        n_ctx = int(self.dims.get("n_text_ctx", 448))
         max_new = [
-            max(1, min(self.opt.sample_len if not c else min(self.opt.sample_len, c), n_ctx - len(s1) - len(s2)))
+            max(1, min(self.opt.sample_len if not c else min(self.opt.sample_len, c), self.io.n_ctx - len(s1) - len(s2)))
             for c, s1, s2 in zip(caps, stage1, stage2)
         ]
         if beam == 1:

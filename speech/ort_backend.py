@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -20,18 +21,13 @@ from speech.tokenizer import WhisperTokenizer
 log = logging.getLogger("streamasr.speech")
 
 
-_shared_arena = False  # registered with ONNX Runtime's environment: once per process
-
-
+@functools.cache  # registered with ONNX Runtime's environment: once per process
 def _share_one_arena() -> None:
     """One CPU arena for every session of the process instead of one per session. A worker runs
     four sessions (encoder and decoder, for finals and for partials) one at a time, and each
     arena kept what its largest run needed: shared, the workers hold ~80 MB less (tiny.en)."""
-    global _shared_arena
-    if not _shared_arena:
-        info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
-        ort.create_and_register_allocator(info, ort.OrtArenaCfg({}))
-        _shared_arena = True
+    info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+    ort.create_and_register_allocator(info, ort.OrtArenaCfg({}))
 
 
 def session_options(cfg: ModelConfig) -> ort.SessionOptions:
