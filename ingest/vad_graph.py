@@ -1,0 +1,161 @@
+"""Silero VAD's graph, rewritten so that a batch of streams costs a third as much per chunk.
+
+Silero v5 ships one graph for 8 and 16 kHz: the whole model sits inside an `If` on `sr`, and
+its 1-D convolutions each see 1–4 frames of a chunk. ONNX Runtime runs such a convolution as a
+small matrix product per batch row, with as many columns as frames, so a batch of 200 chunks
+cost as much per chunk as a batch of 8. Here the 16 kHz branch becomes the graph, and each
+convolution becomes one matrix product over the whole batch: the time slices its taps read are
+concatenated into rows of (batch × frames) and multiplied by the kernel laid out as a matrix.
+The weights and every other node are Silero's; outputs agree with the shipped graph's to float
+rounding (tests/test_vad.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper, numpy_helper
+
+
+class UnexpectedGraph(RuntimeError):
+    """The installed Silero graph is not laid out as the rewrite expects (a new release)."""
+
+
+def batched_graph(path: Path, rate: int, frame: int, state: int) -> bytes:
+    """The serialized graph for `rate` with convolutions as batch-wide matrix products.
+
+    Inputs `input` (B, frame) and `state` (2, B, state); outputs `output` (B, 1) and `stateN`.
+    """
+    model = _one_rate(onnx.load(str(path)), rate)
+    lengths = _conv_input_lengths(model, frame, state)
+    weights = _constants(model.graph)
+    nodes: list[onnx.NodeProto] = []
+    for node in model.graph.node:
+        if node.op_type == "Conv" and _kernel(node) > 1:
+            nodes.extend(_conv_as_matmul(node, weights, lengths[node.output[0]]))
+        else:
+            nodes.append(node)
+    del model.graph.node[:]
+    model.graph.node.extend(_without_unused_constants(nodes, [o.name for o in model.graph.output]))
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+def _one_rate(model: onnx.ModelProto, rate: int) -> onnx.ModelProto:
+    """The branch of the top-level `If` taken when `sr` is `rate`, as a graph without `sr`."""
+    graph = model.graph
+    consts = _constants(graph)
+    branches = [node for node in graph.node if node.op_type == "If"]
+    equal = [node for node in graph.node if node.op_type == "Equal" and "sr" in node.input]
+    if len(branches) != 1 or len(equal) != 1 or branches[0].input[0] != equal[0].output[0]:
+        raise UnexpectedGraph("expected the model inside one If on sr == rate")
+    other = [name for name in equal[0].input if name != "sr"]
+    if len(other) != 1 or other[0] not in consts or int(consts[other[0]]) != rate:
+        raise UnexpectedGraph(f"expected the If to test sr == {rate}")
+    branch = next(attr.g for attr in branches[0].attribute if attr.name == "then_branch")
+    outputs = {node.input[0]: node.output[0] for node in graph.node if node.op_type == "Identity"}
+    results = [helper.make_node("Identity", [inner.name], [outputs.get(outer, outer)])
+               for inner, outer in zip(branch.output, branches[0].output)]
+    inputs = [value for value in graph.input if value.name != "sr"]
+    body = helper.make_graph([*branch.node, *results], f"silero_vad_{rate}", inputs, list(graph.output))
+    return helper.make_model(body, opset_imports=model.opset_import, ir_version=model.ir_version)
+
+
+def _constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
+    return {node.output[0]: numpy_helper.to_array(node.attribute[0].t) for node in graph.node
+            if node.op_type == "Constant" and node.attribute[0].name == "value"}
+
+
+def _kernel(node: onnx.NodeProto) -> int:
+    return int(helper.get_attribute_value(next(a for a in node.attribute if a.name == "kernel_shape"))[0])
+
+
+def _conv_input_lengths(model: onnx.ModelProto, frame: int, state: int) -> dict[str, int]:
+    """Frames each convolution reads, keyed by its output: fixed, since a chunk's input is.
+
+    Found by running the graph once with the convolutions' inputs as extra outputs, which holds
+    whatever shape arithmetic the graph does before them.
+    """
+    convs = [node for node in model.graph.node if node.op_type == "Conv"]
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    del probe.graph.output[:]
+    probe.graph.output.extend(helper.make_empty_tensor_value_info(node.input[0]) for node in convs)
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    session = ort.InferenceSession(probe.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    shapes = session.run(None, {"input": np.zeros((1, frame), np.float32), "state": np.zeros((2, 1, state), np.float32)})
+    return {node.output[0]: shape.shape[-1] for node, shape in zip(convs, shapes)}
+
+
+def _conv_as_matmul(node: onnx.NodeProto, weights: dict[str, np.ndarray], length: int) -> list[onnx.NodeProto]:
+    """One Conv (B, C, T) -> (B, F, T') as Transpose, Pad, one Slice per tap, Concat, MatMul.
+
+    A single-channel convolution whose stride divides its kernel and the padded length (the
+    STFT: 256 samples every 128) is first cut into blocks of `stride` samples, which makes it a
+    stride-1 convolution over the blocks with `kernel / stride` taps: two slices, not 256.
+    """
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if attrs.get("group", 1) != 1 or any(d != 1 for d in attrs.get("dilations", [1])) or node.input[1] not in weights:
+        raise UnexpectedGraph(f"convolution {node.name} is not a plain 1-D convolution with constant weights")
+    w = weights[node.input[1]]
+    out_ch, in_ch, kernel = w.shape
+    before, after = attrs.get("pads", [0, 0])
+    stride = attrs.get("strides", [1])[0]
+    padded = length + before + after
+    frames = (padded - kernel) // stride + 1
+    name = f"{node.name}/matmul"
+    made: list[onnx.NodeProto] = []
+
+    def const(suffix: str, value: np.ndarray | list[int]) -> str:
+        array = np.asarray(value, dtype=np.int64) if isinstance(value, list) else value
+        made.append(helper.make_node("Constant", [], [name + suffix], value=numpy_helper.from_array(array, name + suffix)))
+        return name + suffix
+
+    def add(op: str, inputs: list[str], suffix: str, **kw: object) -> str:
+        made.append(helper.make_node(op, inputs, [name + suffix], **kw))
+        return name + suffix
+
+    x = add("Transpose", [node.input[0]], "/time_major", perm=[0, 2, 1])  # (B, T, C)
+    if before or after:
+        x = add("Pad", [x, const("/pads", [0, before, 0, 0, after, 0])], "/padded", mode="constant")
+    if in_ch == 1 and stride > 1 and kernel % stride == 0 and padded % stride == 0:
+        x = add("Reshape", [x, const("/block_shape", [-1, padded // stride, stride])], "/blocks")
+        taps, width, step = kernel // stride, stride, 1
+        matrix = w.reshape(out_ch, kernel).T
+    else:
+        taps, width, step = kernel, in_ch, stride
+        matrix = w.transpose(2, 1, 0).reshape(kernel * in_ch, out_ch)  # row j * C + c: tap j, channel c
+    span, axis, step_ = (frames - 1) * step + 1, const("/axis", [1]), const("/step", [step])
+    cols = [add("Slice", [x, const(f"/start{j}", [j]), const(f"/end{j}", [j + span]), axis, step_], f"/tap{j}") for j in range(taps)]
+    rows = add("Reshape", [add("Concat", cols, "/cols", axis=2), const("/row_shape", [-1, taps * width])], "/rows")
+    y = add("MatMul", [rows, const("/weight", np.ascontiguousarray(matrix, dtype=np.float32))], "/product")
+    if len(node.input) > 2 and node.input[2]:
+        if node.input[2] not in weights:
+            raise UnexpectedGraph(f"convolution {node.name} has a computed bias")
+        y = add("Add", [y, const("/bias", weights[node.input[2]])], "/biased")
+    y = add("Reshape", [y, const("/out_shape", [-1, frames, out_ch])], "/frames")
+    made.append(helper.make_node("Transpose", [y], [node.output[0]], perm=[0, 2, 1]))
+    return made
+
+
+def _without_unused_constants(nodes: list[onnx.NodeProto], outputs: list[str]) -> list[onnx.NodeProto]:
+    """Drop the Constant nodes nothing reads any more (the replaced kernels), which ONNX Runtime
+    would otherwise warn about on every start."""
+    used = set(outputs)
+    for node in nodes:
+        used.update(_reads(node))
+    return [node for node in nodes if node.op_type != "Constant" or node.output[0] in used]
+
+
+def _reads(node: onnx.NodeProto) -> set[str]:
+    """Every name a node reads, its subgraphs' outer-scope names included."""
+    names = set(node.input)
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            for inner in attr.g.node:
+                names |= _reads(inner)
+    return names
