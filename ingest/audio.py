@@ -8,9 +8,10 @@ from __future__ import annotations
 import numpy as np
 import soxr
 
+from protocol.messages import RATES
+
 TARGET_RATE = 16000
 ENCODINGS = ("pcm_s16le", "f32le")
-RATES = (8000, 16000, 22050, 44100, 48000)
 
 _DTYPES = {"pcm_s16le": np.dtype("<i2"), "f32le": np.dtype("<f4")}
 S16_SCALE = np.float32(1 / 32768)

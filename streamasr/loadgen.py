@@ -43,7 +43,6 @@ from protocol.messages import (
     encode,
 )
 
-RATE = 16000
 SAMPLE_BYTES = 2  # pcm_s16le mono
 OPEN_TIMEOUT_S = 30.0
 LEAD_MAX_S = 2.0  # streams begin with up to this much silence so their segments do not end in lockstep
@@ -74,6 +73,7 @@ class Plan:
     drain_s: float  # stop waiting for results after this long without any message
     ramp_s: float = 0.0  # stream i of `total` opens at t0 + i * ramp_s / total; 0: all open before t0
     total: int = 1  # streams over all client processes
+    rate: int = 16000  # what the streams send: other rates make the ingest resample
 
     def to_wire(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -100,16 +100,16 @@ def playlist(index: int, clips: list[Clip], duration_s: float, gap_s: float, dur
     return lead, order
 
 
-def load_clips(clips: list[Clip]) -> list[np.ndarray]:
-    """Each clip as 16 kHz int16 mono."""
-    from speech.audio import load_audio
+def load_clips(clips: list[Clip], rate: int) -> list[np.ndarray]:
+    """Each clip as int16 mono at `rate`."""
+    from speech.audio import SAMPLE_RATE, load_audio, resample
 
-    return [(np.clip(load_audio(c.path), -1.0, 1.0) * 32767.0).astype("<i2") for c in clips]
+    return [(np.clip(resample(load_audio(c.path), SAMPLE_RATE, rate), -1.0, 1.0) * 32767.0).astype("<i2") for c in clips]
 
 
-def stream_audio(lead_s: float, order: list[int], pcm: list[np.ndarray], gap_s: float) -> bytes:
-    gap = np.zeros(int(gap_s * RATE), dtype="<i2")
-    parts = [np.zeros(int(lead_s * RATE), dtype="<i2")]
+def stream_audio(lead_s: float, order: list[int], pcm: list[np.ndarray], gap_s: float, rate: int) -> bytes:
+    gap = np.zeros(int(gap_s * rate), dtype="<i2")
+    parts = [np.zeros(int(lead_s * rate), dtype="<i2")]
     for c in order:
         parts += [pcm[c], gap]
     return np.concatenate(parts).tobytes()
@@ -136,7 +136,7 @@ class Stream:
         return {
             "sid": self.sid, "ready": self.ready, "open_error": self.open_error, "closed_at": self.closed_at,
             "end_sent": self.core.log.end_sent,
-            "audio_s": self.core.cut / RATE, "refs": self.refs, "texts": self.texts, "revised": self.revised,
+            "audio_s": self.core.cut / self.core.log.rate, "refs": self.refs, "texts": self.texts, "revised": self.revised,
             "errors": self.errors,
             "partials": self.partials.tobytes(), "finals": self.finals.tobytes(), "acks": self.acks.tobytes(),
         }
@@ -157,17 +157,17 @@ class LoadClient:
         self.sock.connect(ingest_endpoint(plan.address, welcome.ingest))
         self.fd = self.sock.getsockopt(zmq.FD)
         self.packer = msgpack.Packer(use_bin_type=True)
-        pcm = load_clips(plan.clips)
-        durations = [len(p) / RATE for p in pcm]
+        pcm = load_clips(plan.clips, plan.rate)
+        durations = [len(p) / plan.rate for p in pcm]
         self.streams: list[Stream] = []
         for i in range(plan.first, plan.first + plan.count):
             lead, order = playlist(i, plan.clips, plan.duration_s, plan.gap_s, durations)
             core = StreamCore(f"{plan.tag}-{i}", priority="batch" if plan.offline else "realtime",
-                              frame_bytes=SAMPLE_BYTES, limits=limits, rate=RATE)
-            audio = memoryview(stream_audio(lead, order, pcm, plan.gap_s))
+                              frame_bytes=SAMPLE_BYTES, limits=limits, rate=plan.rate)
+            audio = memoryview(stream_audio(lead, order, pcm, plan.gap_s, plan.rate))
             self.streams.append(Stream(core.stream, core, audio, [plan.clips[c].reference for c in order]))
         self.by_id = {s.sid: s for s in self.streams}
-        self.frame_bytes = max(1, round(plan.frame_ms * RATE / 1000)) * SAMPLE_BYTES
+        self.frame_bytes = max(1, round(plan.frame_ms * plan.rate / 1000)) * SAMPLE_BYTES
         self.lag = array("d")  # actual minus scheduled send time of every real-time frame
         self.last_message = time.monotonic()
 
@@ -205,7 +205,7 @@ class LoadClient:
                 s.revised += msg.revised
             elif isinstance(msg, Ack):
                 if msg.samples > s.core.accepted:  # news about audio: it left in the loop iteration that took the
-                    s.acks.extend((now, now - s.core.log.sent_at(msg.samples / RATE)))  # frame (the ingest round trip)
+                    s.acks.extend((now, now - s.core.log.sent_at(msg.samples / s.core.log.rate)))  # frame (the ingest round trip)
                 s.core.on_ack(msg)
                 self.flush(s)
             elif isinstance(msg, Ready):
@@ -242,7 +242,7 @@ class LoadClient:
         if self.plan.ramp_s > 0 and not self.plan.offline:
             return  # opened one by one during the run
         for s in self.streams:
-            self.sock.send_multipart(encode(Open(s.sid, rate=RATE, priority="batch" if self.plan.offline else "realtime")))
+            self.sock.send_multipart(encode(Open(s.sid, rate=self.plan.rate, priority="batch" if self.plan.offline else "realtime")))
         deadline = time.monotonic() + OPEN_TIMEOUT_S
         while time.monotonic() < deadline and any(not s.ready and s.open_error is None for s in self.streams):
             self.wait(0.1)
@@ -288,7 +288,7 @@ class LoadClient:
             now = time.monotonic()
             while pending and pending[0][0] <= now:
                 _, s = pending.pop(0)
-                self.sock.send_multipart(encode(Open(s.sid, rate=RATE, priority="realtime")))
+                self.sock.send_multipart(encode(Open(s.sid, rate=self.plan.rate, priority="realtime")))
                 opening.append((now + OPEN_TIMEOUT_S, s))
             for deadline, s in list(opening):
                 if s.ready:

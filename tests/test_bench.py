@@ -114,6 +114,20 @@ def test_offline_receives_every_final(tmp_path: Path, null_service: Service) -> 
     assert s["throughput"]["rtf"] > 0
 
 
+def test_streams_at_another_rate_go_through_the_resampler(tmp_path: Path, null_service: Service) -> None:
+    """--rate 8000: the clients send the same playlists as telephone-rate audio, the ingest
+    resamples it, and the report counts the same seconds of audio as at 16 kHz."""
+    runs = {rate: bench(tmp_path, "--server", null_service.address, "--rate", str(rate), "--streams", "2",
+                        "--duration", "3", "--model", "null") for rate in (16000, 8000)}
+    for rate, s in runs.items():
+        assert s["config"]["rate"] == rate
+        assert s["streams"]["opened"] == s["streams"]["closed"] == s["streams"]["with_finals"] == 2
+        assert not s["errors"] and s["refused_frames"] == 0
+        check_latency(s["partial_latency_ms"])
+        check_latency(s["final_latency_ms"])
+    assert math.isclose(runs[8000]["throughput"]["audio_s"], runs[16000]["throughput"]["audio_s"], abs_tol=0.05)
+
+
 def test_ramp_counts_refused_opens_and_measures_the_admitted(tmp_path: Path,
                                                               service_factory: Callable[..., Service]) -> None:
     """Opens spread over a ramp meet the service's limits one by one: the stream over the limit is refused

@@ -1,0 +1,98 @@
+"""What resampling a client's stream to 16 kHz costs the ingest, per frame and in delay, for each
+rate the protocol accepts and each soxr quality; with --wer, what a quality does to the dev set's
+word error rate (the dev set taken to the rate with soxr's best filter, then streamed back in
+20 ms frames as the ingest does, and decoded whole by Whisper tiny.en).
+
+    python scripts/resample_cost.py [--frames-ms 20,100] [--wer]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import soxr
+
+from protocol.messages import RATES
+
+TARGET = 16000
+STREAMS = 200
+QUALITIES = ("HQ", "LQ", "QQ")  # HQ is the ingest's (ingest/audio.py)
+
+
+def stream_through(x: np.ndarray, rate: int, quality: str, frame: int) -> tuple[np.ndarray, float]:
+    """`x` resampled frame by frame, and how far the output trailed the input (ms, mean over frames)."""
+    s = soxr.ResampleStream(rate, TARGET, 1, dtype="float32", quality=quality)
+    parts, lags, taken, given = [], [], 0, 0
+    for i in range(0, len(x), frame):
+        parts.append(s.resample_chunk(x[i : i + frame]))
+        taken += len(x[i : i + frame])
+        given += len(parts[-1])
+        lags.append(taken * 1000 / rate - given * 1000 / TARGET)
+    parts.append(s.resample_chunk(np.zeros(0, np.float32), last=True))
+    return np.concatenate(parts), float(np.mean(lags[len(lags) // 4 :]))
+
+
+def cost_us(rate: int, quality: str, frame: int) -> float:
+    """One frame through one of STREAMS streams' resamplers, as the ingest runs them."""
+    x = (0.1 * np.random.default_rng(0).standard_normal(frame)).astype(np.float32)
+    streams = [soxr.ResampleStream(rate, TARGET, 1, dtype="float32", quality=quality) for _ in range(STREAMS)]
+    for s in streams:
+        s.resample_chunk(x)
+    rounds = 20
+    start = time.perf_counter()
+    for _ in range(rounds):
+        for s in streams:
+            s.resample_chunk(x)
+    return (time.perf_counter() - start) / rounds / STREAMS * 1e6
+
+
+def batched_cost_us(rate: int, frame: int) -> float:
+    """The same frame of STREAMS streams as the channels of one resampler, per stream: what
+    batching would save, were the streams' frames in step."""
+    x = np.ascontiguousarray(np.tile((0.1 * np.random.default_rng(0).standard_normal(frame)).astype(np.float32)[:, None], (1, STREAMS)))
+    s = soxr.ResampleStream(rate, TARGET, STREAMS, dtype="float32", quality="HQ")
+    s.resample_chunk(x)
+    rounds = 20
+    start = time.perf_counter()
+    for _ in range(rounds):
+        s.resample_chunk(x)
+    return (time.perf_counter() - start) / rounds / STREAMS * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--frames-ms", default="20,100")
+    parser.add_argument("--wer", action="store_true", help="also decode the dev set through each quality (about a minute per rate)")
+    args = parser.parse_args()
+    noise = (0.1 * np.random.default_rng(1).standard_normal(5 * 48000)).astype(np.float32)
+    print(f"{'rate':>6} {'quality':>7} {'frame ms':>8} {'us per frame':>12} {'% of a core, 200 streams':>25} {'delay ms':>8}"
+          f" {'us, streams as channels':>24}")
+    for rate in (r for r in RATES if r != TARGET):
+        for quality in QUALITIES:
+            for ms in (int(f) for f in args.frames_ms.split(",")):
+                frame = rate * ms // 1000
+                us = cost_us(rate, quality, frame)
+                _, lag = stream_through(noise[: 5 * rate], rate, quality, frame)
+                batched = f"{batched_cost_us(rate, frame):>24.1f}" if quality == "HQ" else ""
+                print(f"{rate:>6} {quality:>7} {ms:>8} {us:>12.1f} {us * STREAMS * 1000 / ms / 1e4:>25.1f} {lag:>8.1f} {batched}")
+    if args.wer:
+        from config.settings import ModelConfig
+        from speech.audio import load_audio
+        from speech.backend import DecodeRequest
+        from speech.ort_backend import OrtWhisperBackend
+        from streamasr.testdata import utterances, wer
+
+        model = OrtWhisperBackend(ModelConfig(name="whisper-tiny.en"), warmup=False)
+        utts = utterances()
+        for rate in (8000, 48000):
+            sources = [soxr.resample(load_audio(u.path), TARGET, rate, quality="VHQ").astype(np.float32) for u in utts]
+            for quality in QUALITIES:
+                hyps = [model.transcribe_batch([DecodeRequest(audio=stream_through(x, rate, quality, rate // 50)[0],
+                                                              partial=False, language="en")])[0].text for x in sources]
+                print(f"dev set at {rate} Hz, streamed back through {quality}: WER {100 * wer([u.reference for u in utts], hyps):.2f} %")
+
+
+if __name__ == "__main__":
+    main()
