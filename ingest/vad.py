@@ -38,7 +38,8 @@ class VadBank:
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # don't busy-wait between ticks
-        self._session = ort.InferenceSession(batched_graph(MODEL_PATH, SAMPLE_RATE, CONTEXT + CHUNK, STATE), opts, providers=["CPUExecutionProvider"])
+        graph = batched_graph(MODEL_PATH, SAMPLE_RATE, CONTEXT + CHUNK, STATE)
+        self._session = ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
         self._rows: dict[str, int] = {}  # stream key -> row in the per-stream arrays
         self._state = np.zeros((8, 2, STATE), dtype=np.float32)
         self._context = np.zeros((8, CONTEXT), dtype=np.float32)

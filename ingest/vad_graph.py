@@ -130,7 +130,8 @@ def _conv_as_matmul(node: onnx.NodeProto, weights: dict[str, np.ndarray], length
         taps, width, step = kernel, in_ch, stride
         matrix = w.transpose(2, 1, 0).reshape(kernel * in_ch, out_ch)  # row j * C + c: tap j, channel c
     span, axis, step_ = (frames - 1) * step + 1, const("/axis", [1]), const("/step", [step])
-    cols = [add("Slice", [x, const(f"/start{j}", [j]), const(f"/end{j}", [j + span]), axis, step_], f"/tap{j}") for j in range(taps)]
+    cols = [add("Slice", [x, const(f"/start{j}", [j]), const(f"/end{j}", [j + span]), axis, step_], f"/tap{j}")
+            for j in range(taps)]
     rows = add("Reshape", [add("Concat", cols, "/cols", axis=2), const("/row_shape", [-1, taps * width])], "/rows")
     y = add("MatMul", [rows, const("/weight", np.ascontiguousarray(matrix, dtype=np.float32))], "/product")
     if len(node.input) > 2 and node.input[2]:
