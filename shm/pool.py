@@ -1,7 +1,7 @@
 """A POSIX shared-memory segment carved once into many stream rings.
 
-One segment per ingest process, preallocated, so opening a stream never maps or allocates
-anything: `acquire` pops a free slot. Workers attach the same segment read-only by name.
+One segment per ingest process, allocated in full when it is created, so opening a stream never
+maps or allocates anything (`acquire` pops a free slot) and a full /dev/shm is an error at start. Workers attach the same segment read-only by name.
 
 Layout (little-endian, every part 64-byte aligned):
     segment header   64 bytes: magic, layout version, slots, capacity, sample rate
@@ -102,11 +102,17 @@ class RingPool:
             fd = os.open(path, flags, 0o600)
         try:
             os.fchmod(fd, 0o600)  # exactly 0600, whatever the umask
-            # tmpfs pages are allocated on first touch; running out then is SIGBUS, not an error.
+            # Every page allocated now: tmpfs otherwise allocates a page at its first write, and
+            # running out then (another segment, another tenant of /dev/shm) is SIGBUS in the
+            # middle of a stream, not an error at start.
             vfs = os.fstatvfs(fd)
-            if vfs.f_bavail * vfs.f_frsize < size:
-                raise OSError(errno.ENOSPC, f"{SHM_DIR} has {vfs.f_bavail * vfs.f_frsize} bytes free, segment {name} needs {size}")
-            os.ftruncate(fd, size)
+            free = vfs.f_bavail * vfs.f_frsize
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                raise OSError(errno.ENOSPC, f"{SHM_DIR} has {free} bytes free, segment {name} needs {size}") from None
             mm = mmap.mmap(fd, size)
             inode = os.fstat(fd).st_ino
         except BaseException:

@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import errno
 import multiprocessing as mp
 import multiprocessing.queues
 import multiprocessing.synchronize
 import os
 import stat
 import struct
+import subprocess
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from config.settings import ShmConfig
 from shm import PoolExhausted, RingOverrun, RingPool, reclaim, segments
+from shm import pool as shm_pool
 from shm.pool import SHM_DIR
 from shm.ring import SAMPLE_RATE
 
@@ -224,6 +228,44 @@ def test_segment_file_is_private(instance: str) -> None:
     assert st.st_uid == os.getuid()
     pool.close()
     pool.unlink()
+
+
+def test_segment_is_allocated_in_full_when_created(instance: str) -> None:
+    """Every page of the rings is in /dev/shm before the first stream: nothing is left to
+    allocate at a write, where running out would be SIGBUS."""
+    pool = RingPool.create(seg(instance), slots=4, capacity=SAMPLE_RATE * 10)
+    st = os.stat(SHM_DIR / pool.name)
+    assert st.st_blocks * 512 >= st.st_size >= 4 * SAMPLE_RATE * 10 * 4
+    pool.close()
+    pool.unlink()
+
+
+@pytest.fixture
+def small_shm(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    """A 64 MiB tmpfs standing in for /dev/shm (mounting needs root)."""
+    mount = tmp_path / "shm"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    monkeypatch.setattr(shm_pool, "SHM_DIR", mount)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount)], check=True)  # lazy: a failed test may still map a segment
+
+
+def test_a_segment_that_does_not_fit_is_refused_when_created(instance: str, small_shm: Path) -> None:
+    """Two 40 MiB segments in 64 MiB: the second is refused at creation with the free space in
+    the message, however little of the first has been written yet."""
+    capacity = 40 * 2**20 // 4
+    first = RingPool.create(seg(instance, 0), slots=1, capacity=capacity)
+    with pytest.raises(OSError, match="bytes free") as refused:
+        RingPool.create(seg(instance, 1), slots=1, capacity=capacity)
+    assert refused.value.errno == errno.ENOSPC
+    assert sorted(p.name for p in small_shm.iterdir()) == [first.name]  # nothing half-made is left
+    first.acquire().write(signal(capacity))  # the first one's pages are all there to write
+    first.close()
+    first.unlink()
 
 
 def test_reclaim_and_replace_leftover_segments(instance: str) -> None:
