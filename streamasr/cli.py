@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -182,7 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench-model", help="our ONNX Runtime Whisper against faster-whisper (see `streamasr bench-model --help`)")
 
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        code = args.func(args)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:  # the reader went away (`streamasr status | head`): nothing left to tell it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not raise again
+        return 1
 
 
 if __name__ == "__main__":
