@@ -48,7 +48,8 @@ class VadBank:
             graph = str(model)
         self._session = ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
         # the shipped graph takes the rate as an input; the rewritten one is for 16 kHz only
-        self._rate = {"sr": np.array(SAMPLE_RATE, np.int64)} if "sr" in {i.name for i in self._session.get_inputs()} else {}
+        inputs = {i.name for i in self._session.get_inputs()}
+        self._rate = {"sr": np.array(SAMPLE_RATE, np.int64)} if "sr" in inputs else {}
         self._rows: dict[str, int] = {}  # stream key -> row in the per-stream arrays
         self._state = np.zeros((8, 2, STATE), dtype=np.float32)
         self._context = np.zeros((8, CONTEXT), dtype=np.float32)

@@ -1,7 +1,8 @@
 """A POSIX shared-memory segment carved once into many stream rings.
 
 One segment per ingest process, allocated in full when it is created, so opening a stream never
-maps or allocates anything (`acquire` pops a free slot) and a full /dev/shm is an error at start. Workers attach the same segment read-only by name.
+maps or allocates anything (`acquire` pops a free slot) and a full /dev/shm is an error at start.
+Workers attach the same segment read-only by name.
 
 Layout (little-endian, every part 64-byte aligned):
     segment header   64 bytes: magic, layout version, slots, capacity, sample rate
