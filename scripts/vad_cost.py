@@ -14,16 +14,8 @@ import time
 import numpy as np
 import onnxruntime as ort
 
-from ingest.vad import CHUNK, CONTEXT, MODEL_PATH, SAMPLE_RATE, STATE
+from ingest.vad import CHUNK, CONTEXT, MODEL_PATH, SAMPLE_RATE, STATE, vad_session
 from ingest.vad_graph import batched_graph
-
-
-def session(graph: str | bytes) -> ort.InferenceSession:
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 1  # as the ingest runs it
-    opts.inter_op_num_threads = 1
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
 
 
 def per_chunk_us(run: ort.InferenceSession, feed: dict[str, np.ndarray], batch: int) -> float:
@@ -39,8 +31,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32,200")
     parser.add_argument("--rounds", type=int, default=5, help="alternations per batch size; the median is reported")
     args = parser.parse_args()
-    shipped = session(str(MODEL_PATH))
-    rewritten = session(batched_graph(MODEL_PATH, SAMPLE_RATE, CONTEXT + CHUNK, STATE))
+    shipped = vad_session(str(MODEL_PATH))  # one thread, as the ingest runs it
+    rewritten = vad_session(batched_graph(MODEL_PATH, SAMPLE_RATE, CONTEXT + CHUNK, STATE))
     rng = np.random.default_rng(0)
     print(f"{'batch':>6} {'shipped us/chunk':>17} {'rewritten us/chunk':>19} {'ratio':>6}")
     for batch in (int(b) for b in args.batches.split(",")):
