@@ -22,7 +22,7 @@ import structlog
 import zmq
 
 from broker import jobs as wire
-from broker.figures import Figures, SavedFigures
+from broker.figures import Figures, SavedFigures, prior_share
 from broker.jobs import BATCH, EXPIRED, FAILED, OK, REALTIME, JobResult
 from broker.queue import Dispatcher, JobKey, JobQueue, RealtimeUse, job_key
 from broker.signals import StopSignal
@@ -70,6 +70,16 @@ def ingest_index(identity: bytes) -> int | None:
     if identity.startswith(prefix) and identity[len(prefix):].isdigit():
         return int(identity[len(prefix):])
     return None
+
+
+def _decode_cost(value: Any) -> tuple[float, float] | None:
+    """A worker's start-up decode times from its READY, if it sent a usable pair: a worker
+    without them is served all the same, it just does not price streams."""
+    try:
+        partial, final = (float(x) for x in value)
+    except (TypeError, ValueError):
+        return None
+    return (partial, final) if 0 <= partial < math.inf and 0 <= final < math.inf else None
 
 
 class Broker:
@@ -213,11 +223,13 @@ class Broker:
         try:
             if kind == wire.READY:
                 info = wire.unpack(body[0])
+                cost = _decode_cost(info.get("cost"))
                 self._answer(self.dispatcher.add_worker(
-                    ident, int(info["capacity"]), now, pid=int(info.get("pid", 0)), model=str(info.get("model", "")),
+                    ident, int(info["capacity"]), now, pid=int(info.get("pid", 0)), model=str(info.get("model", "")), cost=cost,
                 ))
                 self.worker_links[ident] = Link(seen=now)
-                log.info("broker.worker_ready", worker=ident.decode(errors="replace"), capacity=info["capacity"], model=info.get("model"))
+                log.info("broker.worker_ready", worker=ident.decode(errors="replace"), capacity=info["capacity"], model=info.get("model"),
+                         decode_cost=cost, stream_share_prior=round(sum(self.share_prior), 4))
             elif kind == wire.DONE:
                 results = wire.unpack_done(body[0])
                 worker = self.dispatcher.workers.get(ident)
@@ -366,8 +378,16 @@ class Broker:
                 })])
 
     @property
+    def share_prior(self) -> list[float]:
+        """What one speaking stream is taken to ask for before it is measured: see figures.prior_share."""
+        workers = self.dispatcher.workers.values()
+        return prior_share([w.cost for w in workers if w.cost], len(workers),
+                           self.cfg.ingest.partial_interval_ms / 1000, self.cfg.vad.min_silence_ms / 1000)
+
+    @property
     def stream_share(self) -> float:
-        return self.figures.stream_share
+        """The admission figure: each part as measured (or restored), the prior until it is."""
+        return sum(measured or prior for measured, prior in zip(self.figures.share, self.share_prior))
 
     def _update_stream_share(self, use: RealtimeUse) -> None:
         """Share of the workers' time one realtime stream asks for while it speaks, over the last
@@ -465,6 +485,7 @@ class Broker:
             load=round(self.load, 3),
             busy=round(self.busy, 3),
             stream_share=round(self.stream_share, 4),
+            stream_share_prior=round(sum(self.share_prior), 4),
             realtime=sum(s.realtime for s in self.ingests.values()),
             realtime_cap=self.cfg.ingest.admit_max_realtime_streams,
         )

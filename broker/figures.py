@@ -1,10 +1,13 @@
-"""What one speaking stream costs the workers, kept in the run directory across restarts.
+"""What one speaking stream costs the workers, kept in the run directory across restarts, and
+what it is taken to cost before anything was measured.
 
 Admission multiplies that share by the streams open. A broker that has just started has measured
 nothing, and the clients of a restarted service come back at once: with the share of the last
 run, that herd is cut where the last run's streams say instead of being admitted whole. The
 share is kept only for the same model settings (another model or precision costs otherwise) and
-is measured anew as soon as streams speak.
+is measured anew as soon as streams speak. Where no run has measured it (a first start, other
+model settings, a lost run directory), each part is priced from what the workers' decodes cost
+when they started (`prior_share`), so a first burst is cut too.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ log = structlog.get_logger()
 
 FILE = "admission.json"
 SAVE_EVERY_S = 1.0  # a broker killed mid-run leaves figures at most this old
+# Seconds of speech one final covers, for the prior: what the bench's speech and the dev set
+# measured. Longer segments ask for fewer finals, which makes the prior cautious; streams of
+# one-word answers ask for more than it assumes.
+PRIOR_SPEECH_PER_FINAL_S = 3.0
 
 
 @dataclass(slots=True)
@@ -33,6 +40,19 @@ class Figures:
     @property
     def stream_share(self) -> float:
         return sum(self.share)
+
+
+def prior_share(costs: list[tuple[float, float]], workers: int, partial_interval_s: float, min_silence_s: float) -> list[float]:
+    """The share of `workers` workers' time one speaking stream asks for, as `Figures.share`,
+    from what a partial and a final decode cost the workers that reported it when they started:
+    a segment of PRIOR_SPEECH_PER_FINAL_S asks for a partial every partial interval until the
+    silence that ends it, and for one final."""
+    if not costs or not workers:
+        return [0.0, 0.0]
+    partial_s, final_s = (sum(c[i] for c in costs) / len(costs) for i in (0, 1))
+    speech_s = PRIOR_SPEECH_PER_FINAL_S
+    partials_per_s = (speech_s + min_silence_s) / partial_interval_s / speech_s
+    return [partials_per_s * partial_s / workers, final_s / speech_s / workers]
 
 
 class SavedFigures:

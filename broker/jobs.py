@@ -13,7 +13,7 @@ from typing import Any
 import msgpack
 
 # frame 0 of every internal message
-READY = b"READY"  # peer registers: ingest {index, endpoint, pid}; worker {capacity, pid, model}
+READY = b"READY"  # peer registers: ingest {index, endpoint, pid}; worker {capacity, pid, model, cost: [partial s, final s]}
 JOBS = b"JOBS"  # ingest -> broker, broker -> worker: list of Job arrays
 RESULTS = b"RESULTS"  # worker -> ingest (straight, no broker), broker -> ingest (jobs it expired): JobResult arrays
 DONE = b"DONE"  # worker -> broker: the jobs it answered, for credit and decode times (see pack_done)

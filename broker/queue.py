@@ -187,6 +187,7 @@ class WorkerState:
     capacity: int  # jobs the worker may hold at once (queued in it plus running)
     pid: int = 0
     model: str = ""
+    cost: tuple[float, float] | None = None  # seconds a partial and a final took it at start-up, if it said
     inflight: dict[JobKey, Job] = field(default_factory=dict)
     jobs_done: int = 0
 
@@ -260,11 +261,12 @@ class Dispatcher:
             answers += self.queue.push(job, now)
         return self._answer(answers)
 
-    def add_worker(self, ident: bytes, capacity: int, now: float, pid: int = 0, model: str = "") -> list[JobResult]:
+    def add_worker(self, ident: bytes, capacity: int, now: float, pid: int = 0, model: str = "",
+                   cost: tuple[float, float] | None = None) -> list[JobResult]:
         """Register a (re)connected worker; whatever it held before is re-queued because a READY
         means it started afresh or its socket was replaced and queued messages may be lost."""
         answers = self.remove_worker(ident, now) if ident in self.workers else []
-        self.workers[ident] = WorkerState(ident=ident, capacity=max(1, capacity), pid=pid, model=model)
+        self.workers[ident] = WorkerState(ident=ident, capacity=max(1, capacity), pid=pid, model=model, cost=cost)
         return answers
 
     def remove_worker(self, ident: bytes, now: float) -> list[JobResult]:

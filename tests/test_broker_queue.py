@@ -11,7 +11,7 @@ from structlog.testing import capture_logs
 
 from broker.figures import FILE, SAVE_EVERY_S, Figures, SavedFigures
 from broker.jobs import BATCH, EXPIRED, OK, REALTIME, Job, JobResult
-from broker.broker import Broker
+from broker.broker import Broker, _decode_cost
 from broker.queue import Dispatcher, JobQueue, RealtimeUse, job_key
 from config import settings
 
@@ -383,6 +383,34 @@ def test_stream_share_counts_a_stream_only_while_it_speaks() -> None:
         for _ in range(3):
             broker._update_stream_share(_speaking({"b"}))  # a pauses
         assert broker.stream_share == pytest.approx(0.2 / 2)
+    finally:
+        broker.close()
+
+
+def test_a_stream_is_priced_from_the_workers_start_up_decodes_until_measured() -> None:
+    """Before any stream was measured (or restored), each part of the share is priced from what
+    a partial and a final cost the workers when they started; each part measured replaces its
+    prior, and the prior follows the workers present."""
+    broker = Broker(settings.load())  # partials every 0.5 s, 0.5 s of silence ends a segment
+    try:
+        assert broker.stream_share == 0.0  # no worker: nothing to price a stream at
+        broker.dispatcher.add_worker(b"w0", 1, NOW, cost=(0.05, 0.6))
+        broker.dispatcher.add_worker(b"w1", 1, NOW, cost=(0.07, 0.6))
+        broker.dispatcher.add_worker(b"w2", 1, NOW)  # said nothing of its costs: it counts as a worker
+        # a 3 s segment asks for 7 partials (every 0.5 s of the 3.5 s until it ends) and one final
+        prior = [7 / 3 * 0.06 / 3, 0.6 / 3 / 3]
+        assert broker.share_prior == pytest.approx(prior)
+        assert broker.stream_share == pytest.approx(sum(prior))
+        for _ in range(5):
+            use = _speaking({"a"})
+            use.workers = 3
+            broker._update_stream_share(use)
+        assert broker.stream_share == pytest.approx(0.2 / 3 + prior[1])  # partials measured, finals not yet
+        broker.dispatcher.remove_worker(b"w2", NOW)
+        assert broker.share_prior == pytest.approx([7 / 3 * 0.06 / 2, 0.6 / 3 / 2])
+        # what a READY may carry: a worker whose figures are unusable is served without them
+        assert _decode_cost([0.05, 0.6]) == (0.05, 0.6)
+        assert [_decode_cost(x) for x in (None, [0.1], ["x", 1], [float("nan"), 1], [-1, 1], [1, float("inf")])] == [None] * 6
     finally:
         broker.close()
 

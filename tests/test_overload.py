@@ -104,7 +104,8 @@ def test_a_burst_is_cut_where_one_stream_s_share_says(service_factory: Any) -> N
     pcm = GAP.join(read_wav(p) for p in speech_files()[:2])
     first = StreamClient(service.address, pcm, "first", speed=1.0, timeout=120).run()
     assert first.refused is None and first.finals
-    wait_for(lambda: svc.status(service.cfg)["stream_share"] > 0, 10, "one stream's share measured")
+    saved_file = service.cfg.run_path / figures.FILE
+    wait_for(lambda: saved_file.exists() and min(json.loads(saved_file.read_text())["share"]) > 0, 10, "one stream's share measured")
 
     [broker] = [p["pid"] for p in svc.processes(service.cfg) if p["name"] == "broker"]
     os.kill(broker, signal.SIGKILL)
@@ -115,7 +116,7 @@ def test_a_burst_is_cut_where_one_stream_s_share_says(service_factory: Any) -> N
         return status if pids not in ([], [0], [broker]) and status.get("ready") and len(status["workers"]) == 2 else None
 
     restarted = wait_for(broker_restarted, 60, "the broker restarted, with its workers")
-    saved = json.loads((service.cfg.run_path / figures.FILE).read_text())
+    saved = json.loads(saved_file.read_text())
     share = restarted["stream_share"]
     assert share == round(sum(saved["share"]), 4) and share > 0, (restarted, saved)  # its size is the machine's: a figure for the docs
     assert "broker.admission_figures_restored" in service.logs("broker")
@@ -131,6 +132,37 @@ def test_a_burst_is_cut_where_one_stream_s_share_says(service_factory: Any) -> N
     assert "% busy" in service.logs("ingest-0")
     opener.admitted_finish()
     print(f"burst: admitted {admitted} realtime streams at a share of {share:.3f} per stream")
+
+
+def test_a_fresh_service_cuts_a_burst_at_its_workers_start_up_price(service_factory: Any) -> None:
+    """A service that has measured nothing (first start, a new run directory) prices a stream
+    from the decodes its workers timed when they started, and cuts a burst there instead of
+    admitting it whole; the streams' own figures then replace that price and are saved."""
+    service = service_factory(model="whisper-tiny.en", workers=2, ingest={"admit_max_load_s": 0})
+
+    def both_workers_ready() -> dict[str, Any] | None:
+        status = svc.status(service.cfg)
+        return status if len(status.get("workers", [])) == 2 else None
+
+    status = wait_for(both_workers_ready, 60, "both workers ready")
+    prior = status["stream_share_prior"]
+    assert prior > 0 and status["stream_share"] == prior, status
+    assert not (service.cfg.run_path / figures.FILE).exists()  # nothing measured, nothing restored
+    ready = [e for e in map(json.loads, service.logs("broker").splitlines()) if e["event"] == "broker.worker_ready"]
+    assert len(ready) == 2 and all(len(e["decode_cost"]) == 2 and min(e["decode_cost"]) > 0 for e in ready), ready
+
+    pcm = GAP.join(read_wav(p) for p in speech_files()[:2])
+    opener = Opener(service, pcm)
+    opener.open_until_refused(0.0, "busy")
+    assert opener.refused is not None and opener.refused.refused == m.OVERLOADED
+    admitted = len(opener.threads)
+    # the next stream would pass admit_max_busy (0.8) at the prior; one more may pass if the
+    # burst's first seconds were measured cheaper meanwhile
+    assert 1 <= admitted <= 0.8 / prior + 1, (admitted, prior)
+    opener.admitted_finish()
+    saved_file = service.cfg.run_path / figures.FILE
+    wait_for(lambda: saved_file.exists() and min(json.loads(saved_file.read_text())["share"]) > 0, 10, "the streams' own figures saved")
+    print(f"fresh burst: admitted {admitted} realtime streams at a prior share of {prior:.3f} per stream")
 
 
 def _dealer(endpoint: str) -> zmq.Socket:

@@ -24,6 +24,7 @@ import structlog
 import zmq
 
 from broker import jobs as wire
+from broker.figures import PRIOR_SPEECH_PER_FINAL_S
 from broker.jobs import EXPIRED, FAILED, Job, JobResult
 from broker.signals import StopSignal
 from config.settings import Config
@@ -242,6 +243,7 @@ class Worker:
         self._batcher = Batcher(cfg.model.max_batch, cfg.model.max_wait_ms / 1000)
         self._pools: dict[str, RingPool] = {}
         self.backend: Backend | None = None
+        self.decode_cost = [0.0, 0.0]  # seconds per partial, per final, measured by load()
         # Created here, published from run(): process() records into it when driven directly too.
         self.metrics = ProcessMetrics(cfg, f"worker-{index}")
 
@@ -251,9 +253,26 @@ class Worker:
 
         started = time.monotonic()
         self.backend = load_backend(self.cfg.model)
-        silence = np.zeros(self.backend.sample_rate, dtype=np.float32)
-        self.backend.transcribe_batch([DecodeRequest(audio=silence)])
-        log.info("worker.model_ready", model=self.cfg.model.name, load_s=round(time.monotonic() - started, 3))
+        self.decode_cost = self._calibrate()
+        log.info("worker.model_ready", model=self.cfg.model.name, load_s=round(time.monotonic() - started, 3),
+                 partial_s=round(self.decode_cost[0], 4), final_s=round(self.decode_cost[1], 4))
+
+    def _calibrate(self) -> list[float]:
+        """Seconds one partial and one final decode take here, timed after a warm-up decode of
+        each (a shape's first run allocates). Sent with READY: until the broker has measured what
+        streams cost, admission prices a stream at these, so the first burst a service sees is
+        cut rather than admitted whole. Silence decodes no words, so speech costs more: the
+        broker's first measurements replace these."""
+        assert self.backend is not None
+        audio = np.zeros(int(PRIOR_SPEECH_PER_FINAL_S * self.backend.sample_rate), dtype=np.float32)  # a typical segment
+        costs = []
+        for partial in (True, False):
+            request = [DecodeRequest(audio=audio, partial=partial)]
+            self.backend.transcribe_batch(request)
+            started = time.monotonic()
+            self.backend.transcribe_batch(request)
+            costs.append(time.monotonic() - started)
+        return costs
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT; returns the process exit status."""
@@ -278,7 +297,7 @@ class Worker:
             heartbeats.start()
             log.info("worker.started", worker=self.identity, capacity=self.capacity)
             link = _JobLink(ctx, self.cfg.broker_worker_endpoint, self.identity.encode(), wire.pack({
-                "capacity": self.capacity, "pid": os.getpid(), "model": self.cfg.model.name,
+                "capacity": self.capacity, "pid": os.getpid(), "model": self.cfg.model.name, "cost": self.decode_cost,
             }))
             answers = _ResultLinks(ctx, self.cfg)
             try:
