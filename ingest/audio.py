@@ -24,9 +24,11 @@ class AudioFormatError(ValueError):
 def decode_pcm(payload: bytes | memoryview, encoding: str, channels: int, out: np.ndarray | None = None) -> np.ndarray:
     """Interleaved little-endian PCM to float32 mono in [-1, 1] (for s16).
 
-    Mono f32le comes back as a read-only view of `payload`, and mono s16le is converted into
-    `out` when given (a stream's kept buffer, at least as long as the frame): neither costs an
-    array per frame. Several channels are mixed down into a new array.
+    Mono f32le comes back as a read-only view of `payload`; anything else is converted into
+    `out` when given, a stream's kept buffer at least as long as the frame (twice, for several
+    channels: one lane at a time is converted into the second half and added), so no frame costs
+    an array. Each step is a copy or an operation on float32 alone: numpy's mean, or a mixed-type
+    operation, would cast through buffers of its own.
     """
     dtype = _DTYPES.get(encoding)
     if dtype is None:
@@ -40,15 +42,21 @@ def decode_pcm(payload: bytes | memoryview, encoding: str, channels: int, out: n
     # min and max carry any NaN or infinity, without the per-sample mask np.isfinite would allocate
     if encoding == "f32le" and raw.size and not (np.isfinite(raw.min()) and np.isfinite(raw.max())):
         raise AudioFormatError("f32le audio contains NaN or infinity")
-    if channels > 1:
-        mono = raw.reshape(-1, channels).mean(axis=1, dtype=np.float32)
-    elif encoding == "f32le":
+    if channels == 1 and encoding == "f32le":
         return raw.astype(np.float32, copy=False)
-    else:
-        mono = np.empty(len(raw), np.float32) if out is None else out[: len(raw)]
-        np.copyto(mono, raw, casting="same_kind")  # then scaled in place: a multiply would cast through a buffer
-    if encoding == "pcm_s16le":
-        mono *= S16_SCALE
+    frames = len(raw) // channels
+    kept = np.empty(frames * min(channels, 2), np.float32) if out is None else out
+    mono = kept[:frames]
+    lanes = raw.reshape(frames, channels)
+    np.copyto(mono, lanes[:, 0], casting="same_kind")
+    if channels > 1:
+        lane = kept[frames: 2 * frames]
+        for c in range(1, channels):
+            np.copyto(lane, lanes[:, c], casting="same_kind")
+            mono += lane
+    scale = (S16_SCALE if encoding == "pcm_s16le" else np.float32(1)) / np.float32(channels)
+    if scale != 1:
+        mono *= scale
     return mono
 
 

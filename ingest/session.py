@@ -67,11 +67,12 @@ class Session:
         self.resampler = Resampler(opened.rate)
         self.segmenter = Segmenter(cfg.vad, SAMPLE_RATE)
         self.bytes_per_frame = opened.channels * (2 if opened.encoding == "pcm_s16le" else 4)
-        # The common case, 16 kHz mono 16-bit, is converted straight into the ring; mono 16-bit at
-        # other rates into this buffer (grown to the largest frame) before the resampler.
-        mono_s16 = opened.channels == 1 and opened.encoding == "pcm_s16le"
-        self.direct_s16 = mono_s16 and opened.rate == SAMPLE_RATE
-        self.pcm: np.ndarray | None = np.empty(0, np.float32) if mono_s16 and not self.direct_s16 else None
+        # The common case, 16 kHz mono 16-bit, is converted straight into the ring, and mono float
+        # is read where it arrived; anything else is converted (mixed down) into this buffer,
+        # grown to the largest frame (two lanes of it for several channels), before the resampler.
+        mono = opened.channels == 1
+        self.direct_s16 = mono and opened.encoding == "pcm_s16le" and opened.rate == SAMPLE_RATE
+        self.pcm: np.ndarray | None = None if self.direct_s16 or (mono and opened.encoding == "f32le") else np.empty(0, np.float32)
         self.log = structlog.get_logger().bind(stream=opened.stream, key=key)
         self.next_seq = 0
         self.in_frames = 0  # input frames (per channel) accepted
@@ -122,8 +123,8 @@ class Session:
         if self.direct_s16:
             self.ring.write(np.frombuffer(msg.data, dtype="<i2"), scale=S16_SCALE)
         else:
-            if self.pcm is not None and frames > len(self.pcm):
-                self.pcm = np.empty(frames, np.float32)
+            if self.pcm is not None and frames * min(self.opened.channels, 2) > len(self.pcm):
+                self.pcm = np.empty(frames * min(self.opened.channels, 2), np.float32)
             try:
                 pcm = decode_pcm(msg.data, self.opened.encoding, self.opened.channels, out=self.pcm)
             except AudioFormatError as exc:

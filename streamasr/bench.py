@@ -8,11 +8,12 @@ as msgpack and this module turns them into percentiles, throughput, batch sizes,
 and WER. The generator times its own sends, so a run where it fell behind says so instead of
 reporting latencies it inflated itself.
 
-With --ramp the streams open one by one during the run instead of together, so admission control,
-which reacts to the broker's measured queue wait, gets the chance to refuse some: refused opens are
-counted by error code, latencies are those of the admitted streams, and the report carries the peak
-admission figure and, for a service the bench started, each process's GC pauses. A sweep turns
-admission off in the service it starts: it measures what N streams get, refusing is not its point.
+With --ramp the streams open one by one during the run instead of together, and admission
+control, which reacts to the broker's measured figures, refuses what does not fit: refused opens
+are counted by error code, latencies are those of the admitted streams, and the report carries the
+peak admission figures and, for a service the bench started, each process's GC pauses. Without a
+ramp, and in a sweep, a service the bench starts admits every stream: the run measures what N
+streams get, refusing is not its point. Against --server the service's own settings hold.
 """
 
 from __future__ import annotations
@@ -724,8 +725,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rate", type=int, choices=m.RATES, default=16000,
                    help="the clients' sample rate (16-bit mono); other rates make the ingest resample")
     p.add_argument("--ramp", type=float, default=0.0, metavar="SECONDS",
-                   help="real-time only: stream i of N opens at i x SECONDS / N, so admission control sees the load "
-                        "grow; a refused open is counted by its error code and not retried (0: open all at once)")
+                   help="real-time only: stream i of N opens at i x SECONDS / N, and admission control refuses what does "
+                        "not fit; a refused open is counted by its error code and not retried (0: open all at once, "
+                        "with admission control off in a service the bench starts)")
     p.add_argument("--sweep", help="comma-separated stream counts, e.g. 1,2,4,8: runs each, reports the largest N within the bounds "
                                    "(admission control off in a service the bench starts)")
     p.add_argument("--p99-bound-ms", type=float, default=1000.0, help="sweep bound on p99 partial latency (finals: 1.5x)")
@@ -794,9 +796,10 @@ def main(argv: list[str] | None = None) -> int:
                                          "ingest": {"max_streams_per_client": max(64, max(counts))}}
             if args.max_batch:
                 overrides["model"] = {"max_batch": args.max_batch}
-            if args.sweep:
-                # A sweep measures what N streams get. After the first run the service has measured
-                # one stream's share, and admission would cut the later, larger bursts.
+            if args.sweep or not args.ramp:
+                # Such a run measures what N streams get. Admission would cut the burst where the
+                # workers' start-up decodes price a stream, and in a sweep, after the first run,
+                # where that run's streams were measured.
                 overrides["ingest"] |= {"admit_max_load_s": 0, "admit_max_busy": 0, "admit_max_realtime_streams": 0}
             print(f"starting the service: model {model}, {workers} workers ...", file=sys.stderr, flush=True)
             overrides = settings.merge({"model": {"name": model, "backend": "null" if model == "null" else "onnxruntime"},

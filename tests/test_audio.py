@@ -32,24 +32,30 @@ def test_mono_f32_is_a_view_of_the_payload() -> None:
     np.testing.assert_array_equal(x, np.linspace(-1, 1, 100, dtype=np.float32))
 
 
-def test_mono_frames_cost_no_array() -> None:
-    """A stream's 16-bit frames are converted into its kept buffer and 32-bit float frames are
-    viewed where they arrived: decoding a frame traces less than one frame's float32 array."""
+def test_frames_cost_no_array() -> None:
+    """A stream's 16-bit and several-channel frames are converted into its kept buffer and mono
+    32-bit float frames are viewed where they arrived: decoding a frame traces less than one
+    frame's float32 array."""
     s16 = (np.arange(1600) - 800).astype("<i2").tobytes()
     f32 = np.linspace(-1, 1, 1600, dtype="<f4").tobytes()
+    stereo = np.stack([np.arange(1600), -np.arange(1600) // 2], axis=1).astype("<i2")
     out = np.empty(4800, np.float32)
     decode_pcm(s16, "pcm_s16le", 1, out=out)
+    decode_pcm(stereo.tobytes(), "pcm_s16le", 2, out=out)
     tracemalloc.start()
     try:
         for _ in range(20):
             x = decode_pcm(s16, "pcm_s16le", 1, out=out)
             y = decode_pcm(f32, "f32le", 1)
+        for _ in range(20):
+            z = decode_pcm(stereo.tobytes(), "pcm_s16le", 2, out=out)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert peak < 1600 * 4, f"decoding traced {peak} bytes at its peak"
-    assert np.shares_memory(x, out) and len(x) == 1600
-    np.testing.assert_allclose(x, (np.arange(1600) - 800) / 32768)
+    assert peak < 1600 * 4 + len(stereo.tobytes()), f"decoding traced {peak} bytes at its peak"  # the test's own payload
+    assert np.shares_memory(x, out) and np.shares_memory(z, out) and len(z) == 1600
+    np.testing.assert_allclose(z, stereo.mean(axis=1) / 32768, rtol=1e-6)
+    np.testing.assert_allclose(decode_pcm(s16, "pcm_s16le", 1, out=out), (np.arange(1600) - 800) / 32768)
     np.testing.assert_array_equal(y, np.linspace(-1, 1, 1600, dtype=np.float32))
 
 

@@ -62,17 +62,20 @@ def test_one_file_streams_partials_and_finals(service) -> None:
     assert ends == sorted(ends) and ends[-1] == len(pcm)
 
 
-@pytest.mark.parametrize(("rate", "encoding"), [(8000, "pcm_s16le"), (44100, "f32le")])
-def test_other_rates_are_resampled_frame_by_frame(service, rate: int, encoding: str) -> None:
-    """Telephone audio at 8 kHz and a browser's 44.1 kHz float: resampled at the ingest, one
-    20 ms frame at a time, into the same words, timed in seconds of the stream."""
+@pytest.mark.parametrize(("rate", "encoding", "channels"), [(8000, "pcm_s16le", 1), (44100, "f32le", 1), (48000, "pcm_s16le", 2)])
+def test_other_rates_are_resampled_frame_by_frame(service, rate: int, encoding: str, channels: int) -> None:
+    """Telephone audio at 8 kHz, a browser's 44.1 kHz float and a 48 kHz stereo recording with
+    the speech on one side: mixed down and resampled at the ingest, one 20 ms frame at a time,
+    into the same words, timed in seconds of the stream."""
     import soxr
 
     audio = soxr.resample(goforward().astype(np.float32) / 32768, RATE, rate)
+    if channels == 2:
+        audio = np.stack([audio, np.zeros_like(audio)], axis=1)
     pcm = np.clip(np.round(audio * 32768), -32768, 32767).astype("<i2") if encoding == "pcm_s16le" else audio.astype("<f4")
     frame = rate // 50
     with Client(service.address) as client:
-        stream = client.open(rate=rate, encoding=encoding, language="en")
+        stream = client.open(rate=rate, encoding=encoding, channels=channels, language="en")
         for start in range(0, len(pcm), frame):
             stream.send(pcm[start : start + frame])
         stream.end()
