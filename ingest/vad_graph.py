@@ -6,8 +6,9 @@ small matrix product per batch row, with as many columns as frames, so a batch o
 cost as much per chunk as a batch of 8. Here the 16 kHz branch becomes the graph, and each
 convolution becomes one matrix product over the whole batch: the time slices its taps read are
 concatenated into rows of (batch × frames) and multiplied by the kernel laid out as a matrix.
-The weights and every other node are Silero's; outputs agree with the shipped graph's to float
-rounding (tests/test_vad.py).
+The `If`s inside, on shapes a chunk fixes, are replaced by the branches they take. The weights
+and every other node are Silero's; outputs agree with the shipped graph's to float rounding
+(tests/test_vad.py).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def batched_graph(path: Path, rate: int, frame: int, state: int) -> bytes:
 
     Inputs `input` (B, frame) and `state` (2, B, state); outputs `output` (B, 1) and `stateN`.
     """
-    model = _one_rate(onnx.load(str(path)), rate)
+    model = _inline_fixed_branches(_one_rate(onnx.load(str(path)), rate), frame, state)
     lengths = _conv_input_lengths(model, frame, state)
     weights = _constants(model.graph)
     nodes: list[onnx.NodeProto] = []
@@ -73,6 +74,52 @@ def _kernel(node: onnx.NodeProto) -> int:
     return int(helper.get_attribute_value(next(a for a in node.attribute if a.name == "kernel_shape"))[0])
 
 
+def _probe(model: onnx.ModelProto, names: list[str], frame: int, state: int, batch: int) -> list[np.ndarray]:
+    """The values `names` take when the graph runs once on a batch of silent chunks."""
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    del probe.graph.output[:]
+    probe.graph.output.extend(helper.make_empty_tensor_value_info(name) for name in names)
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    session = ort.InferenceSession(probe.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    return session.run(None, {"input": np.zeros((batch, frame), np.float32), "state": np.zeros((2, batch, state), np.float32)})
+
+
+def _inline_fixed_branches(model: onnx.ModelProto, frame: int, state: int) -> onnx.ModelProto:
+    """Each `If` whose condition comes out the same for any batch becomes the branch it takes.
+
+    Silero's `If`s test shapes (is there a state, is a length 1), and these are fixed once the
+    chunk size is. ONNX Runtime runs each branch as a subgraph of its own, a fixed cost per call
+    that weighs most on small batches; inlined, its nodes join the graph's optimizations.
+    Conditions are read from runs on two batch sizes, so one that depends on the batch stays.
+    """
+    while True:
+        branches = [node for node in model.graph.node if node.op_type == "If"]
+        if not branches:
+            return model
+        conditions = [node.input[0] for node in branches]
+        one, three = (_probe(model, conditions, frame, state, batch) for batch in (1, 3))
+        taken = {id(node): bool(a) for node, a, b in zip(branches, one, three) if bool(a) == bool(b)}
+        if not taken:
+            return model
+        names = {name for node in model.graph.node for name in node.output}
+        nodes: list[onnx.NodeProto] = []
+        for node in model.graph.node:
+            if id(node) not in taken:
+                nodes.append(node)
+                continue
+            branch = next(attr.g for attr in node.attribute if attr.name == ("then_branch" if taken[id(node)] else "else_branch"))
+            made = {name for inner in branch.node for name in inner.output}
+            if made & names:
+                raise UnexpectedGraph(f"a branch of {node.name} reuses names of the graph around it")
+            names |= made
+            nodes.extend(branch.node)
+            nodes.extend(helper.make_node("Identity", [inner.name], [outer]) for inner, outer in zip(branch.output, node.output))
+        del model.graph.node[:]
+        model.graph.node.extend(_without_unused_constants(nodes, [o.name for o in model.graph.output]))
+
+
 def _conv_input_lengths(model: onnx.ModelProto, frame: int, state: int) -> dict[str, int]:
     """Frames each convolution reads, keyed by its output: fixed, since a chunk's input is.
 
@@ -80,14 +127,7 @@ def _conv_input_lengths(model: onnx.ModelProto, frame: int, state: int) -> dict[
     whatever shape arithmetic the graph does before them.
     """
     convs = [node for node in model.graph.node if node.op_type == "Conv"]
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    del probe.graph.output[:]
-    probe.graph.output.extend(helper.make_empty_tensor_value_info(node.input[0]) for node in convs)
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 1
-    session = ort.InferenceSession(probe.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    shapes = session.run(None, {"input": np.zeros((1, frame), np.float32), "state": np.zeros((2, 1, state), np.float32)})
+    shapes = _probe(model, [node.input[0] for node in convs], frame, state, 1)
     return {node.output[0]: shape.shape[-1] for node, shape in zip(convs, shapes)}
 
 
@@ -144,8 +184,8 @@ def _conv_as_matmul(node: onnx.NodeProto, weights: dict[str, np.ndarray], length
 
 
 def _without_unused_constants(nodes: list[onnx.NodeProto], outputs: list[str]) -> list[onnx.NodeProto]:
-    """Drop the Constant nodes nothing reads any more (the replaced kernels), which ONNX Runtime
-    would otherwise warn about on every start."""
+    """Drop the Constant nodes nothing reads any more (the replaced kernels, the branches not
+    taken), which ONNX Runtime would otherwise warn about on every start."""
     used = set(outputs)
     for node in nodes:
         used.update(_reads(node))
