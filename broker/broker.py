@@ -386,8 +386,13 @@ class Broker:
 
     @property
     def stream_share(self) -> float:
-        """The admission figure: each part as measured (or restored), the prior until it is."""
-        return sum(measured or prior for measured, prior in zip(self.figures.share, self.share_prior))
+        """The admission figure, each part as measured (or restored) with the workers busy. Until
+        then it is at least the start-up price: decodes measured with the workers to themselves
+        cost less than they will when a burst shares the cores, and the start-up decodes were
+        timed with every worker decoding at once."""
+        figures = self.figures
+        return sum(measured if loaded else max(measured, prior)
+                   for measured, loaded, prior in zip(figures.share, figures.loaded_cost, self.share_prior))
 
     def _update_stream_share(self, use: RealtimeUse) -> None:
         """Share of the workers' time one realtime stream asks for while it speaks, over the last

@@ -7,7 +7,8 @@ run, that herd is cut where the last run's streams say instead of being admitted
 share is kept only for the same model settings (another model or precision costs otherwise) and
 is measured anew as soon as streams speak. Where no run has measured it (a first start, other
 model settings, a lost run directory), each part is priced from what the workers' decodes cost
-when they started (`prior_share`), so a first burst is cut too.
+when they started (`prior_share`), so a first burst is cut too; and a part measured only with
+the workers to themselves counts at no less than that price.
 """
 
 from __future__ import annotations

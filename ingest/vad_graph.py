@@ -74,8 +74,12 @@ def _kernel(node: onnx.NodeProto) -> int:
     return int(helper.get_attribute_value(next(a for a in node.attribute if a.name == "kernel_shape"))[0])
 
 
-def _probe(model: onnx.ModelProto, names: list[str], frame: int, state: int, batch: int) -> list[np.ndarray]:
-    """The values `names` take when the graph runs once on a batch of silent chunks."""
+def _probe(model: onnx.ModelProto, names: list[str], frame: int, state: int, batch: int, noise: bool = False) -> list[np.ndarray]:
+    """The values `names` take when the graph runs once on a batch of silent chunks (or noise)."""
+    rng = np.random.default_rng(0)
+    feed = {"input": np.zeros((batch, frame), np.float32), "state": np.zeros((2, batch, state), np.float32)}
+    if noise:
+        feed = {name: rng.standard_normal(x.shape).astype(np.float32) * 0.1 for name, x in feed.items()}
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
     del probe.graph.output[:]
@@ -83,7 +87,7 @@ def _probe(model: onnx.ModelProto, names: list[str], frame: int, state: int, bat
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1
     session = ort.InferenceSession(probe.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    return session.run(None, {"input": np.zeros((batch, frame), np.float32), "state": np.zeros((2, batch, state), np.float32)})
+    return session.run(None, feed)
 
 
 def _inline_fixed_branches(model: onnx.ModelProto, frame: int, state: int) -> onnx.ModelProto:
@@ -92,14 +96,15 @@ def _inline_fixed_branches(model: onnx.ModelProto, frame: int, state: int) -> on
     Silero's `If`s test shapes (is there a state, is a length 1), and these are fixed once the
     chunk size is. ONNX Runtime runs each branch as a subgraph of its own, a fixed cost per call
     that weighs most on small batches; inlined, its nodes join the graph's optimizations.
-    Conditions are read from runs on two batch sizes, so one that depends on the batch stays.
+    Conditions are read from two runs, silence at batch 1 and noise at batch 3, so one that
+    depends on the batch or the audio stays.
     """
     while True:
         branches = [node for node in model.graph.node if node.op_type == "If"]
         if not branches:
             return model
         conditions = [node.input[0] for node in branches]
-        one, three = (_probe(model, conditions, frame, state, batch) for batch in (1, 3))
+        one, three = _probe(model, conditions, frame, state, 1), _probe(model, conditions, frame, state, 3, noise=True)
         taken = {id(node): bool(a) for node, a, b in zip(branches, one, three) if bool(a) == bool(b)}
         if not taken:
             return model

@@ -189,7 +189,7 @@ class StatusReply:
     load: float = 0.0  # seconds realtime jobs wait for a model (smoothed): an admission figure
     busy: float = 0.0  # share of the workers' time realtime decodes take (smoothed)
     stream_share: float = 0.0  # the share one speaking realtime stream asks for: the other admission figure
-    stream_share_prior: float = 0.0  # the same from the workers' start-up decodes, standing in until measured
+    stream_share_prior: float = 0.0  # the same from the workers' start-up decodes: a floor until measured with the workers busy
     realtime: int = 0  # realtime streams open over the service, as of each ingest's last heartbeat
     realtime_cap: int = 0  # ingest.admit_max_realtime_streams (0: no cap)
 

@@ -59,7 +59,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"  ingest {i.get('index')}: {i.get('endpoint')}, streams {i.get('streams')}")
         if "realtime" in report:
             cap = f" (cap {report['realtime_cap']})" if report.get("realtime_cap") else ""
-            prior = " (not measured yet: priced from the workers' start-up decodes)" \
+            prior = " (the workers' start-up price: nothing measured above it yet)" \
                 if report["stream_share"] and report["stream_share"] == report.get("stream_share_prior") else ""
             print(f"  admission: {report['realtime']} realtime streams{cap}, realtime wait {report['load']:.2f} s, "
                   f"workers {100 * report['busy']:.0f} % busy, {100 * report['stream_share']:.0f} % per speaking stream{prior}")

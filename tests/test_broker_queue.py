@@ -389,8 +389,9 @@ def test_stream_share_counts_a_stream_only_while_it_speaks() -> None:
 
 def test_a_stream_is_priced_from_the_workers_start_up_decodes_until_measured() -> None:
     """Before any stream was measured (or restored), each part of the share is priced from what
-    a partial and a final cost the workers when they started; each part measured replaces its
-    prior, and the prior follows the workers present."""
+    a partial and a final cost the workers when they started, and the price follows the workers
+    present. A part measured with the workers to themselves counts at no less than that price
+    (a burst will share the cores); measured with the workers busy, it counts as measured."""
     broker = Broker(settings.load())  # partials every 0.5 s, 0.5 s of silence ends a segment
     try:
         assert broker.stream_share == 0.0  # no worker: nothing to price a stream at
@@ -401,11 +402,23 @@ def test_a_stream_is_priced_from_the_workers_start_up_decodes_until_measured() -
         prior = [7 / 3 * 0.06 / 3, 0.6 / 3 / 3]
         assert broker.share_prior == pytest.approx(prior)
         assert broker.stream_share == pytest.approx(sum(prior))
+
+        def tick(streams: int, partial_s: float) -> RealtimeUse:
+            """One second in which `streams` streams each asked for two partials of `partial_s`."""
+            n = 2 * streams
+            return RealtimeUse(seconds=1.0, workers=3, decode_s=[partial_s * n, 0.0], decoded=[n, 0], asked=[n, 0],
+                               speaking={(0, f"s{i}") for i in range(streams)})
+
         for _ in range(5):
-            use = _speaking({"a"})
-            use.workers = 3
-            broker._update_stream_share(use)
-        assert broker.stream_share == pytest.approx(0.2 / 3 + prior[1])  # partials measured, finals not yet
+            broker._update_stream_share(tick(1, 0.3))  # dearer than the price, on idle workers
+        assert broker.stream_share == pytest.approx(0.6 / 3 + prior[1])  # partials measured, finals not yet
+        for _ in range(5):
+            broker._update_stream_share(tick(1, 0.03))  # cheaper, on idle workers
+        assert broker.stream_share == pytest.approx(sum(prior))  # no less than the price
+        for _ in range(5):
+            broker._update_stream_share(tick(15, 0.05))  # 15 streams: the workers busy
+        assert broker.figures.loaded_cost[0] == pytest.approx(0.05)
+        assert broker.stream_share == pytest.approx(0.1 / 3 + prior[1])  # measured under load, below the price
         broker.dispatcher.remove_worker(b"w2", NOW)
         assert broker.share_prior == pytest.approx([7 / 3 * 0.06 / 2, 0.6 / 3 / 2])
         # what a READY may carry: a worker whose figures are unusable is served without them
