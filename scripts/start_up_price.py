@@ -1,6 +1,7 @@
-"""What a worker's start-up decodes (3 s of silence: the price admission puts on a stream until
-streams are measured, workers/worker.py `_calibrate`) cost against decodes of speech: every
-dev-set utterance as a final, and its first 3 s as a partial, timed in the same process.
+"""What a worker's start-up decodes (3 s of silence, workers/worker.py `Worker.calibrate`: the
+least admission prices a stream at until streams are measured with the workers busy) cost
+against decodes of speech: every dev-set utterance as a final, and its first 3 s as a partial,
+timed in the same process.
 
     python scripts/start_up_price.py [--model whisper-tiny.en] [--rounds 3]
 """
@@ -34,7 +35,7 @@ def main() -> None:
     silence: list[list[float]] = [[], []]
     speech: list[list[float]] = [[], []]
     for _ in range(args.rounds):
-        for kind, cost in enumerate(worker._calibrate()):
+        for kind, cost in enumerate(worker.calibrate()):
             silence[kind].append(cost)
         for audio in clips:
             for kind, request in enumerate((DecodeRequest(audio=audio[:head], partial=True), DecodeRequest(audio=audio))):

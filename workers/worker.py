@@ -253,16 +253,17 @@ class Worker:
 
         started = time.monotonic()
         self.backend = load_backend(self.cfg.model)
-        self.decode_cost = self._calibrate()
+        self.decode_cost = self.calibrate()
         log.info("worker.model_ready", model=self.cfg.model.name, load_s=round(time.monotonic() - started, 3),
                  partial_s=round(self.decode_cost[0], 4), final_s=round(self.decode_cost[1], 4))
 
-    def _calibrate(self) -> list[float]:
+    def calibrate(self) -> list[float]:
         """Seconds one partial and one final decode take here, timed after a warm-up decode of
         each (a shape's first run allocates). Sent with READY: until the broker has measured what
-        streams cost, admission prices a stream at these, so the first burst a service sees is
-        cut rather than admitted whole. Silence decodes no words, so speech costs more: the
-        broker's first measurements replace these."""
+        streams cost with the workers busy, admission prices a stream at no less than these, so
+        the first burst a service sees is cut rather than admitted whole. Silence decodes no
+        words, so speech costs more; the workers of a service time theirs at once, sharing the
+        cores as streams will."""
         assert self.backend is not None
         audio = np.zeros(int(PRIOR_SPEECH_PER_FINAL_S * self.backend.sample_rate), dtype=np.float32)  # a typical segment
         costs = []
