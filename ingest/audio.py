@@ -21,6 +21,12 @@ class AudioFormatError(ValueError):
     """The client's audio does not match the format it declared."""
 
 
+def buffer_len(frames: int, channels: int) -> int:
+    """Samples of the kept buffer `decode_pcm` needs for a frame: one lane, and a second to add
+    the other channels from."""
+    return frames * min(channels, 2)
+
+
 def decode_pcm(payload: bytes | memoryview, encoding: str, channels: int, out: np.ndarray | None = None) -> np.ndarray:
     """Interleaved little-endian PCM to float32 mono in [-1, 1] (for s16).
 
@@ -45,7 +51,7 @@ def decode_pcm(payload: bytes | memoryview, encoding: str, channels: int, out: n
     if channels == 1 and encoding == "f32le":
         return raw.astype(np.float32, copy=False)
     frames = len(raw) // channels
-    kept = np.empty(frames * min(channels, 2), np.float32) if out is None else out
+    kept = np.empty(buffer_len(frames, channels), np.float32) if out is None else out
     mono = kept[:frames]
     lanes = raw.reshape(frames, channels)
     np.copyto(mono, lanes[:, 0], casting="same_kind")

@@ -16,7 +16,7 @@ import structlog
 
 from broker.jobs import BATCH, FAILED, OK, REALTIME, Job, JobResult
 from config.settings import Config
-from ingest.audio import S16_SCALE, AudioFormatError, Resampler, decode_pcm
+from ingest.audio import S16_SCALE, AudioFormatError, Resampler, buffer_len, decode_pcm
 from ingest.segmenter import SegmentEvent, Segmenter
 from ingest.stabilizer import LocalAgreement
 from ingest.vad import CHUNK as VAD_CHUNK
@@ -123,8 +123,8 @@ class Session:
         if self.direct_s16:
             self.ring.write(np.frombuffer(msg.data, dtype="<i2"), scale=S16_SCALE)
         else:
-            if self.pcm is not None and frames * min(self.opened.channels, 2) > len(self.pcm):
-                self.pcm = np.empty(frames * min(self.opened.channels, 2), np.float32)
+            if self.pcm is not None and (size := buffer_len(frames, self.opened.channels)) > len(self.pcm):
+                self.pcm = np.empty(size, np.float32)
             try:
                 pcm = decode_pcm(msg.data, self.opened.encoding, self.opened.channels, out=self.pcm)
             except AudioFormatError as exc:

@@ -363,10 +363,11 @@ def test_saved_figures_come_back_for_the_same_model_only(tmp_path: Path) -> None
         broker.close()
 
 
-def _speaking(streams: set[str], partials_each: int = 2, seconds: float = 1.0) -> RealtimeUse:
-    """One tick in which `streams` each asked for (and had decoded) partials of 0.1 s."""
+def _speaking(streams: set[str], partials_each: int = 2, seconds: float = 1.0, partial_s: float = 0.1,
+              workers: int = 2) -> RealtimeUse:
+    """One tick in which `streams` each asked for (and had decoded) partials of `partial_s`."""
     n = partials_each * len(streams)
-    return RealtimeUse(seconds=seconds, workers=2, decode_s=[0.1 * n, 0.0], decoded=[n, 0], asked=[n, 0],
+    return RealtimeUse(seconds=seconds, workers=workers, decode_s=[partial_s * n, 0.0], decoded=[n, 0], asked=[n, 0],
                        speaking={(0, s) for s in streams})
 
 
@@ -405,9 +406,7 @@ def test_a_stream_is_priced_from_the_workers_start_up_decodes_until_measured() -
 
         def tick(streams: int, partial_s: float) -> RealtimeUse:
             """One second in which `streams` streams each asked for two partials of `partial_s`."""
-            n = 2 * streams
-            return RealtimeUse(seconds=1.0, workers=3, decode_s=[partial_s * n, 0.0], decoded=[n, 0], asked=[n, 0],
-                               speaking={(0, f"s{i}") for i in range(streams)})
+            return _speaking({f"s{i}" for i in range(streams)}, partial_s=partial_s, workers=3)
 
         for _ in range(5):
             broker._update_stream_share(tick(1, 0.3))  # dearer than the price, on idle workers
