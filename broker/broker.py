@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
@@ -230,6 +231,7 @@ class Broker:
                 self.worker_links[ident] = Link(seen=now)
                 log.info("broker.worker_ready", worker=ident.decode(errors="replace"), capacity=info["capacity"], model=info.get("model"),
                          decode_cost=cost, stream_share_prior=round(sum(self.share_prior), 4))
+                self._figures_changed()
             elif kind == wire.DONE:
                 results = wire.unpack_done(body[0])
                 worker = self.dispatcher.workers.get(ident)
@@ -255,6 +257,7 @@ class Broker:
         self.worker_links.pop(ident, None)
         self._heartbeat_heard.discard(ident)
         self._answer(self.dispatcher.remove_worker(ident, now))
+        self._figures_changed()
         return held
 
     def _dispatch(self, now: float) -> None:
@@ -318,6 +321,7 @@ class Broker:
             link=Link(seen=now),
         )
         log.info("broker.ingest_ready", ingest=index, endpoint=info["endpoint"], ingest_pid=pid)
+        self._figures_changed([self.ingests[index]])
 
     def _answer(self, results: list[JobResult]) -> None:
         """Queue the broker's own answers (partials it expired) for their ingests, and count them."""
@@ -344,14 +348,13 @@ class Broker:
     # -- liveness ------------------------------------------------------------------------------
 
     def _check_peers(self, now: float) -> None:
-        """Declare silent peers dead and heartbeat the idle links; ingests get the load figure every tick."""
+        """Declare silent peers dead and heartbeat the idle links; ingests get the admission figures every tick."""
         self.load = 0.5 * self.load + 0.5 * max(0.0, self.dispatcher.realtime_wait(now))
         use = self.dispatcher.realtime_use(now)
         self.busy = 0.5 * self.busy + 0.5 * use.busy
         self._update_stream_share(use)
         self._saved_figures.save(self.figures, now)
-        realtime = sum(s.realtime for s in self.ingests.values())
-        recent = sum(s.recent for s in self.ingests.values())
+        realtime, recent = self._realtime_totals()
         queued = self.dispatcher.queue.counts()
         self.metrics.set("jobs_queued", queued.get(REALTIME, 0), priority="realtime")
         self.metrics.set("jobs_queued", queued.get(BATCH, 0), priority="batch")
@@ -371,11 +374,28 @@ class Broker:
                 dropped = self.dispatcher.drop_ingest(index)
                 log.warning("broker.ingest_lost", ingest=index, ingest_pid=state.pid, dropped=len(dropped))
             else:
-                self._send(self._ingest_sock, ingest_identity(index), [wire.HEARTBEAT, wire.pack({
-                    "load": round(self.load, 3), "busy": round(self.busy, 3), "stream_share": round(self.stream_share, 4),
-                    "realtime_elsewhere": realtime - state.realtime, "recent_elsewhere": recent - state.recent,
-                    "window_s": self.figures_window_s,
-                })])
+                self._send_figures(state, realtime, recent)
+
+    def _send_figures(self, state: IngestState, realtime: int, recent: int) -> None:
+        """The admission figures, as a heartbeat to one ingest; `realtime` and `recent` are the
+        service's totals, of which the ingest is told the other ingests' part."""
+        self._send(self._ingest_sock, ingest_identity(state.index), [wire.HEARTBEAT, wire.pack({
+            "load": round(self.load, 3), "busy": round(self.busy, 3), "stream_share": round(self.stream_share, 4),
+            "realtime_elsewhere": realtime - state.realtime, "recent_elsewhere": recent - state.recent,
+            "window_s": self.figures_window_s,
+        })])
+
+    def _realtime_totals(self) -> tuple[int, int]:
+        """Realtime streams open over the service, and those admitted within the figures' window."""
+        return sum(s.realtime for s in self.ingests.values()), sum(s.recent for s in self.ingests.values())
+
+    def _figures_changed(self, states: Iterable[IngestState] | None = None) -> None:
+        """Workers came or went (the start-up price of a stream changed), or an ingest registered:
+        the ingests hear the figures now, not at the next tick, or a burst opened meanwhile would
+        be admitted at the old ones."""
+        realtime, recent = self._realtime_totals()
+        for state in list(self.ingests.values() if states is None else states):
+            self._send_figures(state, realtime, recent)
 
     @property
     def share_prior(self) -> list[float]:

@@ -497,6 +497,32 @@ def test_an_ingest_that_replaces_its_socket_is_heard_on_the_new_one(cluster: Clu
     sock.close(linger=0)
 
 
+def test_ingests_hear_the_figures_when_a_peer_registers_not_at_the_next_tick(cluster: Cluster) -> None:
+    """An ingest gets the admission figures as soon as it registers, and again when a worker's
+    READY changes the start-up price of a stream: a burst opened before the broker's next tick
+    would otherwise be admitted at the old figures. The broker ticks every 30 s here, so no
+    heartbeat of its tick comes during the test."""
+    cfg = replace(cluster.cfg, broker=replace(cluster.cfg.broker, heartbeat_ms=30_000))
+    cluster.config_file.write_text(settings.dump(cfg))
+    cluster.start_broker()
+    info = {"index": 0, "endpoint": cfg.ingest_endpoint(0), "streams": 0}
+    ingest = _replaced(cfg.broker_ingest_endpoint, b"ingest-0", {**info, "pid": 1})
+    worker = None
+    try:
+        assert ingest.poll(10_000), "no figures when the ingest registered"
+        kind, body = ingest.recv_multipart()
+        assert kind == wire.HEARTBEAT and wire.unpack(body)["stream_share"] == 0  # no worker: nothing to price
+        worker = _replaced(cfg.broker_worker_endpoint, b"worker-9-1", {"capacity": 1, "pid": 1, "model": "null", "cost": [0.05, 0.6]})
+        assert ingest.poll(5000), "no figures when the worker registered"
+        kind, body = ingest.recv_multipart()
+        # one worker: 7 partials of 0.05 s and a final of 0.6 s per 3 s segment
+        assert kind == wire.HEARTBEAT and wire.unpack(body)["stream_share"] == pytest.approx(7 / 3 * 0.05 + 0.6 / 3, abs=1e-4)
+    finally:
+        ingest.close(linger=0)
+        if worker is not None:
+            worker.close(linger=0)
+
+
 def test_failed_job_for_reused_slot(running: Cluster) -> None:
     [stale] = running.jobs(1, generation=running.pool.ring(0).generation - 1)
     [beyond] = running.jobs(1, end=10 * SAMPLES)
