@@ -1,40 +1,53 @@
 """Service configuration: one TOML file, read into frozen dataclasses.
 
 Every process (broker, ingest, worker, CLI) loads the same file so they agree on
-endpoints, the shm namespace and limits without talking to each other first.
+endpoints, the shm namespace and limits without talking to each other first. `load` checks
+every key's type and range: a setting that cannot work is refused by `streamasr serve` with its
+name, instead of every process of the service failing on it at start, over and over.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.toml")
 CONFIG_ENV = "STREAMASR_CONFIG"
 
 
+class ConfigError(ValueError):
+    """Settings that cannot be used: a missing or malformed file, an unknown key, a value of the
+    wrong type or out of its range. The message names the key."""
+
+
+def setting(default: float, lo: float = 0, hi: float | None = None) -> Any:
+    """A number's default and the range `load` holds it to (numbers without one: 0 or more)."""
+    return field(default=default, metadata={"range": (lo, hi)})
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     name: str = "whisper-tiny.en"  # a registered name, "null", or a CTranslate2 model directory
-    backend: str = "onnxruntime"  # "onnxruntime" | "tensorrt" | "null"
-    precision: str = "fp32"  # "fp32" | "int8"
+    backend: Literal["onnxruntime", "tensorrt", "null"] = "onnxruntime"
+    precision: Literal["fp32", "int8"] = "fp32"
     # Graphs for partial decodes: "" = `precision`. int8 partials with fp32 finals: partials (most
     # of the decodes) cost ~0.6x; finals are decoded on their own, so they stay as accurate as fp32
     # (docs/PERFORMANCE.md, "Whisper on the service").
-    partial_precision: str = "int8"
+    partial_precision: Literal["", "fp32", "int8"] = "int8"
     threads: int = 1  # intra-op threads per worker process
     arena: bool = True  # ONNX Runtime CPU memory arena (one per process, shared by its sessions)
     cache_dir: str = ""  # exported graphs; "" = $XDG_CACHE_HOME/streamasr
-    beam_size: int = 1
-    max_batch: int = 1  # dynamic batching: most requests per backend call (1: measured best for Whisper on CPU)
+    beam_size: int = setting(1, lo=1)
+    max_batch: int = setting(1, lo=1)  # dynamic batching: most requests per backend call (1: measured best for Whisper on CPU)
     max_wait_ms: float = 5.0  # dynamic batching: longest wait for a batch to fill
     # "short": partials encode the speech plus 2 s instead of 30 s (~0.4x the cost; first words are
     # dropped more often, which finals put right); "full": the 30 s window
-    partial_window: str = "short"
+    partial_window: Literal["short", "full"] = "short"
     quick_first_partial: bool = True  # a segment's first partial on the short window: text on screen sooner
     null_text: str = "null model"  # text the null backend returns
 
@@ -46,16 +59,16 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ShmConfig:
-    ring_seconds: float = 60.0  # capacity of one stream's ring
-    streams_per_ingest: int = 256  # rings preallocated per ingest process
+    ring_seconds: float = setting(60.0, lo=1)  # capacity of one stream's ring
+    streams_per_ingest: int = setting(256, lo=1)  # rings preallocated per ingest process
 
 
 @dataclass(frozen=True)
 class VadConfig:
-    threshold: float = 0.5
+    threshold: float = setting(0.5, hi=1)
     min_silence_ms: int = 500  # a pause this long ends a segment
     min_speech_ms: int = 150  # shorter bursts are not segments
-    max_segment_s: float = 25.0  # cut a segment that runs this long
+    max_segment_s: float = setting(25.0, lo=1)  # cut a segment that runs this long
     pad_ms: int = 400  # audio kept before speech starts and after it ends: Whisper misreads clipped onsets
 
 
@@ -63,14 +76,14 @@ class VadConfig:
 class IngestConfig:
     address: str = "tcp://127.0.0.1:7700"  # the one address clients know (front door)
     host: str = "127.0.0.1"  # interface the ingest processes bind
-    port_base: int = 7701  # ingest process N binds port_base + N
-    processes: int = 1
-    partial_interval_ms: int = 500  # a partial decode per this much new speech
-    max_frame_bytes: int = 262_144
-    max_message_bytes: int = 1_048_576
-    max_streams_per_client: int = 64
-    max_streams: int = 1000  # total over the service
-    idle_timeout_s: float = 30.0  # a stream silent this long is closed (vanished client)
+    port_base: int = setting(7701, lo=1, hi=65535)  # ingest process N binds port_base + N
+    processes: int = setting(1, lo=1)
+    partial_interval_ms: int = setting(500, lo=1)  # a partial decode per this much new speech
+    max_frame_bytes: int = setting(262_144, lo=1)
+    max_message_bytes: int = setting(1_048_576, lo=1)
+    max_streams_per_client: int = setting(64, lo=1)
+    max_streams: int = setting(1000, lo=1)  # total over the service
+    idle_timeout_s: float = setting(30.0, lo=0.1)  # a stream silent this long is closed (vanished client)
     drain_timeout_s: float = 8.0  # on SIGTERM, time to finish open streams (below supervisord's stopwaitsecs)
     # Admission: a realtime open is refused (`overloaded`) while the broker's load figure — how
     # long realtime streams wait for a model, in seconds, smoothed — is above this. 0 = never.
@@ -80,7 +93,7 @@ class IngestConfig:
     # the workers' time a speaking stream asks for now (measured by the broker), would keep
     # the workers busier than this (0..1): it counts the streams before their jobs queue. Applied
     # while the workers are at least half this busy. 0 = never.
-    admit_max_busy: float = 0.8
+    admit_max_busy: float = setting(0.8, hi=1)
     # ... and refused while this many realtime streams are open over the service (0 = no cap):
     # the largest N `streamasr bench --sweep` kept within the latency bounds on this machine. The
     # two figures above need load to have been seen; the cap does not, so a first burst after a
@@ -94,17 +107,13 @@ class IngestConfig:
     # too: with CURVE on they use this key pair file (a *.key_secret), whose public key must be authorized.
     curve_client_key: str = ""
 
-    def __post_init__(self) -> None:
-        if self.admit_max_realtime_streams < 0:
-            raise ValueError("ingest.admit_max_realtime_streams must be 0 (no cap) or more")
-
 
 @dataclass(frozen=True)
 class BrokerConfig:
-    heartbeat_ms: int = 1000
-    liveness: int = 3  # missed heartbeats before a peer is declared dead
-    partial_deadline_ms: int = 2000  # a queued partial older than this is skipped
-    final_deadline_ms: int = 10000  # finals are never dropped; past this they are logged late
+    heartbeat_ms: int = setting(1000, lo=10)
+    liveness: int = setting(3, lo=1)  # missed heartbeats before a peer is declared dead
+    partial_deadline_ms: int = setting(2000, lo=1)  # a queued partial older than this is skipped
+    final_deadline_ms: int = setting(10000, lo=1)  # finals are never dropped; past this they are logged late
 
 
 @dataclass(frozen=True)
@@ -114,14 +123,14 @@ class WorkerConfig:
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    dashboard_port: int = 7780  # the ops page and /metrics, on localhost
+    dashboard_port: int = setting(7780, hi=65535)  # the ops page and /metrics, on localhost
 
 
 @dataclass(frozen=True)
 class Config:
     instance: str = "default"  # namespaces shm segments and the run directory
     run_dir: str = ""  # ipc sockets, supervisord files, logs; "" = /tmp/streamasr-<instance>
-    log_level: str = "info"
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
     model: ModelConfig = field(default_factory=ModelConfig)
     shm: ShmConfig = field(default_factory=ShmConfig)
     vad: VadConfig = field(default_factory=VadConfig)
@@ -162,18 +171,41 @@ class Config:
 
 
 def _build(cls: type, data: dict[str, Any], where: str) -> Any:
-    """Construct dataclass `cls` from a TOML table, refusing unknown keys (typos)."""
+    """Construct dataclass `cls` from a TOML table, refusing unknown keys (typos) and values
+    that do not fit their field."""
     known = {f.name: f for f in dataclasses.fields(cls)}
+    hints = get_type_hints(cls)
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if key not in known:
-            raise ValueError(f"unknown config key {where}{key}")
-        sub = known[key].default_factory if known[key].default_factory is not dataclasses.MISSING else None
-        if isinstance(value, dict) and sub is not None and dataclasses.is_dataclass(sub):
-            kwargs[key] = _build(sub, value, f"{where}{key}.")
+            raise ConfigError(f"unknown config key {where}{key}")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}{key} must be a table ([{where}{key}])")
+            kwargs[key] = _build(hint, value, f"{where}{key}.")
         else:
-            kwargs[key] = value
+            kwargs[key] = _checked(f"{where}{key}", value, hint, known[key].metadata.get("range", (0, None)))
     return cls(**kwargs)
+
+
+def _checked(key: str, value: Any, hint: Any, bounds: tuple[float, float | None]) -> Any:
+    """`value` if it is of type `hint` (an int where a float is asked for too) and within bounds."""
+    if get_origin(hint) is Literal:
+        if value not in get_args(hint):
+            raise ConfigError(f"{key} must be one of {', '.join(repr(c) for c in get_args(hint))}, not {value!r}")
+        return value
+    if hint is str or hint is bool:
+        if not isinstance(value, hint):
+            raise ConfigError(f"{key} must be {'a string' if hint is str else 'true or false'}, not {value!r}")
+        return value
+    numeric = (int,) if hint is int else (int, float)
+    if isinstance(value, bool) or not isinstance(value, numeric):
+        raise ConfigError(f"{key} must be {'an integer' if hint is int else 'a number'}, not {value!r}")
+    lo, hi = bounds
+    if not lo <= value <= (math.inf if hi is None else hi):  # NaN fails both
+        raise ConfigError(f"{key} must be {f'between {lo} and {hi}' if hi is not None else f'{lo} or more'}, not {value!r}")
+    return value
 
 
 def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -183,12 +215,20 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def read(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A config file's tables as written, before defaults and checks."""
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config file {path}: {exc}") from None
+
+
 def load(path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None) -> Config:
     """Load the default config, then `path` (or $STREAMASR_CONFIG) on top, then `overrides`."""
     data = tomllib.loads(DEFAULT_CONFIG.read_text())
     path = path or os.environ.get(CONFIG_ENV)
     if path:
-        data = merge(data, tomllib.loads(Path(path).read_text()))
+        data = merge(data, read(path))
     if overrides:
         data = merge(data, overrides)
     return _build(Config, data, "")

@@ -37,12 +37,6 @@ class LocalAgreement:
     def committed(self) -> str:
         return " ".join(self._committed)
 
-    def reset(self) -> None:
-        """Start a new segment."""
-        self._committed.clear()
-        self._committed_keys.clear()
-        self._pending = None
-
     def update(self, hypothesis: str) -> tuple[str, str]:
         """Feed the newest full-segment hypothesis; returns (text, stable).
 

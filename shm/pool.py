@@ -80,7 +80,7 @@ class RingPool:
         headers = headers.reshape(slots, SLOT_HEADER_BYTES // 8)
         stride = _slot_stride(capacity) // 4
         data = np.frombuffer(mm, dtype=np.float32, count=slots * stride, offset=_data_offset(slots)).reshape(slots, stride)
-        self._rings = [Ring(i, headers[i], data[i, :capacity], sample_rate) for i in range(slots)]
+        self._rings = [Ring(i, headers[i], data[i, :capacity]) for i in range(slots)]
         self._free = list(range(slots - 1, -1, -1))  # a stack: pop() hands out low slots first
         self._busy = bytearray(slots)
 

@@ -28,13 +28,12 @@ class Ring:
     running jobs still need, and `write` refuses to overwrite it rather than corrupt a job.
     """
 
-    __slots__ = ("slot", "capacity", "protected_from", "sample_rate", "_header", "_data")
+    __slots__ = ("slot", "capacity", "protected_from", "_header", "_data")
 
-    def __init__(self, slot: int, header: np.ndarray, data: np.ndarray, sample_rate: int = SAMPLE_RATE) -> None:
+    def __init__(self, slot: int, header: np.ndarray, data: np.ndarray) -> None:
         self.slot = slot
         self.capacity = len(data)
         self.protected_from = 0
-        self.sample_rate = sample_rate
         self._header = header  # int64[8], one cache line
         self._data = data  # float32[capacity]
 
@@ -125,10 +124,6 @@ class Ring:
         the check afterwards is what proves the audio used was the audio asked for.
         """
         return self.generation == generation and start >= self.written - self.capacity
-
-    def time_of(self, sample: int) -> float:
-        """Seconds from the start of the stream to `sample`."""
-        return sample / self.sample_rate
 
     def _reset(self) -> None:
         """Start a new stream in this slot: new generation first, so stale jobs see it."""

@@ -128,6 +128,3 @@ class CT2Model:
         if arr.dtype in (np.float16, np.float32):
             return arr.astype(np.float32)
         return np.array(arr)
-
-    def dtypes(self) -> dict[str, str]:
-        return {k: str(v.dtype) for k, v in self.raw.items()}

@@ -262,11 +262,6 @@ def _quantize_graphs(src: Path, out: Path, quantize_dynamic, QuantType) -> None:
         )
 
 
-def model_dir_for(cfg: ModelConfig) -> Path:
-    """The CTranslate2 directory (model.bin, tokenizer.json) behind cfg.name."""
-    return resolve_model(cfg).dir
-
-
 def load_backend(cfg: ModelConfig):
     """A loaded, warmed-up backend for cfg.backend / cfg.name."""
     if cfg.backend == "null" or cfg.name == "null":
@@ -280,14 +275,3 @@ def load_backend(cfg: ModelConfig):
     if cfg.backend == "tensorrt":
         raise NotImplementedError("TensorRT backend needs tensorrt+pycuda and an NVIDIA GPU; it is not implemented yet")
     raise ValueError(f"unknown model backend {cfg.backend!r} (onnxruntime, tensorrt or null)")
-
-
-def export_main(model: str = "whisper-tiny.en", precision: str = "fp32", cache_dir: str = "") -> int:
-    """`streamasr export`: build (or find) the cached graphs and print where they are."""
-    try:
-        path = ensure_exported(ModelConfig(name=model, precision=precision, cache_dir=cache_dir))
-    except (ModelError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(path)
-    return 0

@@ -56,7 +56,6 @@ class WhisperTokenizer:
         self.id_to_lang = {v: k for k, v in self.lang_to_id.items()}
         # English-only vocabularies have <|en|> but none of the other language tokens
         self.multilingual = len(self.lang_to_id) > 1 and self.transcribe is not None and self.eot == 50257
-        self.vocab_size = self.tok.get_vocab_size()
 
     @property
     def lang_ids(self) -> list[int]:

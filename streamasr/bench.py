@@ -30,7 +30,6 @@ import sys
 import tempfile
 import threading
 import time
-import tomllib
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -790,7 +789,7 @@ def main(argv: list[str] | None = None) -> int:
             target = Target(args.server)
             model, workers = served(target, args.model)
         else:
-            base = tomllib.loads(Path(args.config).read_text()) if args.config else {}
+            base = settings.read(args.config) if args.config else {}
             model, workers = args.model or base.get("model", {}).get("name", "whisper-tiny.en"), args.workers
             overrides: dict[str, Any] = {"log_level": "debug",  # the workers log each batch's size at debug
                                          "ingest": {"max_streams_per_client": max(64, max(counts))}}
@@ -854,6 +853,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot:
             plot(args.plot, runs)
         return 0
+    except settings.ConfigError as exc:
+        print(f"streamasr bench: error: {exc}", file=sys.stderr)
+        return 2
     finally:
         if target is not None and target.local is not None:
             target.local.stop()

@@ -9,7 +9,8 @@ import sys
 from typing import Any
 
 from config import settings
-from config.settings import Config
+from config.settings import Config, ConfigError
+from speech.loader import ModelError
 
 
 def _config(args: argparse.Namespace) -> Config:
@@ -189,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         code = args.func(args)
         sys.stdout.flush()
         return code
+    except (ConfigError, ModelError) as exc:  # before any process started: the operator's to fix
+        print(f"streamasr {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # the reader went away (`streamasr status | head`): nothing left to tell it
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not raise again
         return 1

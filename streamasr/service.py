@@ -43,9 +43,14 @@ def supervisord_pid(cfg: Config) -> int | None:
 
 
 def prepare(cfg: Config) -> dict[str, str]:
-    """Run directory, config file, shm reclaim and model export; returns supervisord's environment."""
+    """Model export, run directory, config file and shm reclaim; returns supervisord's environment.
+    The model comes first: a name that resolves to nothing leaves nothing behind."""
     if supervisord_pid(cfg) is not None:
         raise SystemExit(f"instance {cfg.instance!r} is already running (run dir {cfg.run_path})")
+    if cfg.model.backend != "null" and cfg.model.name != "null":
+        from speech.loader import ensure_all_exported
+
+        ensure_all_exported(cfg.model)
     run = cfg.run_path
     run.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(run, 0o700)
@@ -56,10 +61,6 @@ def prepare(cfg: Config) -> dict[str, str]:
     config_file.write_text(settings.dump(cfg))
     for name in pool.reclaim(cfg.instance):
         print(f"reclaimed shm segment {name} left by a previous run", file=sys.stderr)
-    if cfg.model.backend != "null" and cfg.model.name != "null":
-        from speech.loader import ensure_all_exported
-
-        ensure_all_exported(cfg.model)
     env = dict(os.environ)
     env.update(
         STREAMASR_CONFIG=str(config_file),

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 from conftest import ROOT
 
 
@@ -18,3 +20,38 @@ def test_a_reader_that_goes_away_ends_the_command_quietly() -> None:
     stderr = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 1
     assert stderr == ""
+
+
+def _streamasr(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "streamasr.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(("setting", "named"), [
+    ('[model]\nmax_batch = "4"\n', "model.max_batch must be an integer, not '4'"),
+    ('[model]\nprecision = "fp16"\n', "model.precision must be one of 'fp32', 'int8', not 'fp16'"),
+    ("[broker]\nliveness = 0\n", "broker.liveness must be 1 or more, not 0"),
+    ('log_level = "verbose"\n', "log_level must be one of"),
+    ("[ingest]\nmax_frame_byte = 100\n", "unknown config key ingest.max_frame_byte"),
+    ("[vad\n", "config file"),
+])
+def test_a_setting_that_cannot_work_is_refused_before_anything_starts(tmp_path: Path, setting: str, named: str) -> None:
+    """Each process of the service reads the same file: one that fails at start is a service
+    whose processes fail over and over. `serve` names the setting and starts nothing."""
+    config = tmp_path / "streamasr.toml"
+    config.write_text(f'run_dir = "{tmp_path / "run"}"\ninstance = "badconfig"\n{setting}')
+    done = _streamasr("serve", "--config", str(config), "--model", "null")
+    assert done.returncode == 2
+    assert named in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_unknown_model_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    config = tmp_path / "streamasr.toml"
+    config.write_text(f'run_dir = "{tmp_path / "run"}"\ninstance = "badmodel"\n')
+    for command in ("serve", "export"):
+        done = _streamasr(command, "--config", str(config), "--model", "whisper-huge.xx")
+        assert done.returncode == 2
+        assert "unknown model 'whisper-huge.xx'" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "run").exists()
+    done = _streamasr("status", "--config", str(tmp_path / "missing.toml"))
+    assert done.returncode == 2 and "missing.toml" in done.stderr and "Traceback" not in done.stderr, done.stderr

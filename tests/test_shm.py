@@ -329,7 +329,7 @@ def test_thousand_stream_pool(instance: str) -> None:
     assert pool.in_use == 1000
     for ring in (rings[0], rings[499], rings[999]):
         np.testing.assert_array_equal(ring.view(0, 320), frame)
-        assert ring.time_of(ring.written) == pytest.approx(0.02)
+        assert ring.written == 320
     # Slot headers and data are cache-line aligned.
     reader = RingPool.attach(pool.name)
     for ring in (reader.ring(0), reader.ring(1), reader.ring(999)):
