@@ -42,11 +42,38 @@ def supervisord_pid(cfg: Config) -> int | None:
         return None
 
 
+def addresses_in_use(cfg: Config) -> list[str]:
+    """The TCP addresses the service binds (front door, ingest processes, dashboard) that
+    something else holds now. Bound the way the service binds them, by ZeroMQ, and let go at
+    once: a process that found its address taken would fail at start over and over under
+    supervisord while `serve` said nothing."""
+    wanted = [cfg.ingest.address, *(cfg.ingest_endpoint(i) for i in range(cfg.ingest.processes))]
+    if cfg.metrics.dashboard_port:  # 0: any free port
+        wanted.append(f"tcp://127.0.0.1:{cfg.metrics.dashboard_port}")
+    ctx = zmq.Context()
+    taken = []
+    try:
+        for address in dict.fromkeys(wanted):
+            sock = ctx.socket(zmq.ROUTER)
+            try:
+                sock.bind(address)
+            except zmq.ZMQError:
+                taken.append(address)
+            finally:
+                sock.close(linger=0)
+    finally:
+        ctx.term()  # returns once every socket is closed: the ports are free again
+    return taken
+
+
 def prepare(cfg: Config) -> dict[str, str]:
     """Model export, run directory, config file and shm reclaim; returns supervisord's environment.
-    The model comes first: a name that resolves to nothing leaves nothing behind."""
+    The addresses and the model come first: what cannot start leaves nothing behind."""
     if supervisord_pid(cfg) is not None:
         raise SystemExit(f"instance {cfg.instance!r} is already running (run dir {cfg.run_path})")
+    if taken := addresses_in_use(cfg):
+        raise SystemExit(f"{', '.join(taken)}: in use by another program or instance; choose other addresses "
+                         "(ingest.address, ingest.port_base, metrics.dashboard_port)")
     if cfg.model.backend != "null" and cfg.model.name != "null":
         from speech.loader import ensure_all_exported
 

@@ -7,7 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import zmq
 from conftest import ROOT
+
+from streamasr.service import free_ports
 
 
 def test_a_reader_that_goes_away_ends_the_command_quietly() -> None:
@@ -55,3 +58,21 @@ def test_an_unknown_model_is_refused_before_anything_starts(tmp_path: Path) -> N
     assert not (tmp_path / "run").exists()
     done = _streamasr("status", "--config", str(tmp_path / "missing.toml"))
     assert done.returncode == 2 and "missing.toml" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_an_address_in_use_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """A process whose port is taken would fail at start over and over under supervisord, with
+    nothing said where `serve` was run: serve names the address instead, and starts nothing."""
+    base = free_ports(3)
+    holder = zmq.Context.instance().socket(zmq.ROUTER)
+    holder.bind(f"tcp://127.0.0.1:{base + 1}")  # the ingest process's
+    try:
+        config = tmp_path / "streamasr.toml"
+        config.write_text(f'run_dir = "{tmp_path / "run"}"\ninstance = "portbusy"\n[ingest]\n'
+                          f'address = "tcp://127.0.0.1:{base}"\nport_base = {base + 1}\n[metrics]\ndashboard_port = {base + 2}\n')
+        done = _streamasr("serve", "--config", str(config), "--model", "null")
+    finally:
+        holder.close(linger=0)
+    assert done.returncode == 1
+    assert f"tcp://127.0.0.1:{base + 1}: in use" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "run").exists()
