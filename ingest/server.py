@@ -25,14 +25,14 @@ import zmq
 from broker import jobs as j
 from broker.jobs import REALTIME
 from config.settings import Config
-from ingest.session import SAMPLE_RATE, Session
+from ingest.session import Session
 from ingest.vad import CHUNK, VadRunner
 from metrics import allocwatch
 from metrics.gcwatch import freeze_and_watch
 from metrics.registry import ProcessMetrics
 from protocol import auth
 from protocol import messages as m
-from shm.pool import PoolExhausted, RingPool
+from shm.pool import PoolExhausted, RingPool, ring_capacity
 
 DRAIN_BATCH = 512  # messages taken from one socket per loop iteration
 # A VAD round starts at most this often. A call costs ~0.1 ms however few chunks it holds, so
@@ -51,7 +51,7 @@ class IngestServer:
         self.limits = m.Limits(cfg.ingest.max_frame_bytes, cfg.ingest.max_message_bytes)
         self.endpoint = cfg.ingest_endpoint(index)
         self.max_streams = min(cfg.shm.streams_per_ingest, math.ceil(cfg.ingest.max_streams / cfg.ingest.processes))
-        self.pool = RingPool.create(cfg.shm_name(index), cfg.shm.streams_per_ingest, int(cfg.shm.ring_seconds * SAMPLE_RATE))
+        self.pool = RingPool.create(cfg.shm_name(index), cfg.shm.streams_per_ingest, ring_capacity(cfg.shm.ring_seconds))
         self.ctx = zmq.Context()
         self.vad = VadRunner(self.ctx, threads=1)
         self.auth = None

@@ -55,8 +55,19 @@ def _data_offset(slots: int) -> int:
     return _align(HEADER_BYTES + slots * SLOT_HEADER_BYTES)
 
 
-def _segment_size(slots: int, capacity: int) -> int:
+def segment_size(slots: int, capacity: int) -> int:
+    """Bytes of /dev/shm a pool of `slots` rings of `capacity` samples takes."""
     return _data_offset(slots) + slots * _slot_stride(capacity)
+
+
+def ring_capacity(seconds: float) -> int:
+    """Samples in a ring that holds `seconds` of audio."""
+    return int(seconds * SAMPLE_RATE)
+
+
+def free_bytes() -> int:
+    vfs = os.statvfs(SHM_DIR)
+    return vfs.f_bavail * vfs.f_frsize
 
 
 def _path(name: str) -> Path:
@@ -93,7 +104,7 @@ class RingPool:
         if slots <= 0 or capacity <= 0:
             raise ValueError(f"slots and capacity must be positive, got {slots}, {capacity}")
         path = _path(name)
-        size = _segment_size(slots, capacity)
+        size = segment_size(slots, capacity)
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
         try:
             fd = os.open(path, flags, 0o600)
@@ -150,7 +161,7 @@ class RingPool:
             problem = f"bad magic {magic!r}: not a streamasr ring pool"
         elif version != VERSION:
             problem = f"layout version {version}, this code reads version {VERSION}"
-        elif st.st_size != _segment_size(slots, capacity):
+        elif st.st_size != segment_size(slots, capacity):
             problem = f"size {st.st_size} does not match {slots} slots x {capacity} samples"
         if problem:
             mm.close()

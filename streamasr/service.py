@@ -67,8 +67,9 @@ def addresses_in_use(cfg: Config) -> list[str]:
 
 
 def prepare(cfg: Config) -> dict[str, str]:
-    """Model export, run directory, config file and shm reclaim; returns supervisord's environment.
-    The addresses and the model come first: what cannot start leaves nothing behind."""
+    """Model export, shm reclaim, run directory and config file; returns supervisord's
+    environment. What cannot start is found first (the addresses, the model, room in /dev/shm)
+    and leaves nothing behind."""
     if supervisord_pid(cfg) is not None:
         raise SystemExit(f"instance {cfg.instance!r} is already running (run dir {cfg.run_path})")
     if taken := addresses_in_use(cfg):
@@ -78,6 +79,14 @@ def prepare(cfg: Config) -> dict[str, str]:
         from speech.loader import ensure_all_exported
 
         ensure_all_exported(cfg.model)
+    for name in pool.reclaim(cfg.instance):
+        print(f"reclaimed shm segment {name} left by a previous run", file=sys.stderr)
+    need = cfg.ingest.processes * pool.segment_size(cfg.shm.streams_per_ingest, pool.ring_capacity(cfg.shm.ring_seconds))
+    if need > (free := pool.free_bytes()):
+        # Each ingest process would fail to allocate its rings at start, over and over.
+        raise SystemExit(f"{pool.SHM_DIR} has {free / 2**20:,.0f} MiB free; {cfg.ingest.processes} ingest process(es) of "
+                         f"{cfg.shm.streams_per_ingest} streams of {cfg.shm.ring_seconds:g} s need {need / 2**20:,.0f} MiB: "
+                         "lower shm.streams_per_ingest or shm.ring_seconds, or give it more room (a container's --shm-size)")
     run = cfg.run_path
     run.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(run, 0o700)
@@ -86,8 +95,6 @@ def prepare(cfg: Config) -> dict[str, str]:
         leftover.unlink()
     config_file = run / "config.toml"
     config_file.write_text(settings.dump(cfg))
-    for name in pool.reclaim(cfg.instance):
-        print(f"reclaimed shm segment {name} left by a previous run", file=sys.stderr)
     env = dict(os.environ)
     env.update(
         STREAMASR_CONFIG=str(config_file),

@@ -10,6 +10,7 @@ import pytest
 import zmq
 from conftest import ROOT
 
+from shm import pool
 from streamasr.service import free_ports
 
 
@@ -76,3 +77,20 @@ def test_an_address_in_use_is_refused_before_anything_starts(tmp_path: Path) -> 
     assert done.returncode == 1
     assert f"tcp://127.0.0.1:{base + 1}: in use" in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_rings_that_do_not_fit_in_shared_memory_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    """Each ingest process allocates all its rings at start (a page that tmpfs could not give
+    later would be SIGBUS mid-stream): rings that /dev/shm has no room for would fail every
+    ingest start under supervisord. 4,000 streams of 10 minutes are 143 GiB of rings."""
+    base = free_ports(3)
+    config = tmp_path / "streamasr.toml"
+    config.write_text(f'run_dir = "{tmp_path / "run"}"\ninstance = "shmfull"\n[shm]\nstreams_per_ingest = 4000\nring_seconds = 600\n'
+                      f'[ingest]\naddress = "tcp://127.0.0.1:{base}"\nport_base = {base + 1}\n[metrics]\ndashboard_port = {base + 2}\n')
+    need = pool.segment_size(4000, pool.ring_capacity(600))
+    if pool.free_bytes() > need:
+        pytest.skip("/dev/shm has room for 143 GiB here")
+    done = _streamasr("serve", "--config", str(config), "--model", "null")
+    assert done.returncode == 1
+    assert "shm.streams_per_ingest" in done.stderr and f"need {need / 2**20:,.0f} MiB" in done.stderr, done.stderr
+    assert not (tmp_path / "run").exists() and not pool.segments("shmfull")
