@@ -81,3 +81,16 @@ def curve_settings(secret_key_file: str, authorized_dir: str) -> bool:
     if bool(secret_key_file) != bool(authorized_dir):
         raise ValueError("ingest.curve_secret_key and ingest.curve_authorized_keys must be set together")
     return bool(secret_key_file)
+
+
+def check_server_keys(secret_key_file: str, authorized_dir: str) -> None:
+    """Raise ValueError, naming the file, unless the server's keys are usable as configured:
+    checked before the service starts, since the broker and each ingest read them at start."""
+    if not curve_settings(secret_key_file, authorized_dir):
+        return
+    try:
+        read_key_pair(secret_key_file)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"ingest.curve_secret_key: {exc}") from None
+    if not os.path.isdir(authorized_dir):
+        raise ValueError(f"ingest.curve_authorized_keys: {authorized_dir} is not a directory")

@@ -72,6 +72,10 @@ def prepare(cfg: Config) -> dict[str, str]:
     and leaves nothing behind."""
     if supervisord_pid(cfg) is not None:
         raise SystemExit(f"instance {cfg.instance!r} is already running (run dir {cfg.run_path})")
+    try:
+        auth.check_server_keys(cfg.ingest.curve_secret_key, cfg.ingest.curve_authorized_keys)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     if taken := addresses_in_use(cfg):
         raise SystemExit(f"{', '.join(taken)}: in use by another program or instance; choose other addresses "
                          "(ingest.address, ingest.port_base, metrics.dashboard_port)")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+import zmq.auth
 from conftest import ROOT
 
 from shm import pool
@@ -94,3 +95,27 @@ def test_rings_that_do_not_fit_in_shared_memory_are_refused_before_anything_star
     assert done.returncode == 1
     assert "shm.streams_per_ingest" in done.stderr and f"need {need / 2**20:,.0f} MiB" in done.stderr, done.stderr
     assert not (tmp_path / "run").exists() and not pool.segments("shmfull")
+
+
+@pytest.mark.parametrize(("secret", "authorized", "named"), [
+    ("missing.key_secret", "clients", "ingest.curve_secret_key: Invalid certificate file"),
+    ("server.key", "clients", "ingest.curve_secret_key: "),  # the public half only
+    ("server.key_secret", "no-such-dir", "is not a directory"),
+    ("server.key_secret", "", "must be set together"),
+])
+def test_curve_keys_that_cannot_be_used_are_refused_before_anything_starts(tmp_path: Path, secret: str, authorized: str,
+                                                                            named: str) -> None:
+    """The broker and the ingest read the server's keys at start: a key file that is not there
+    would stop both, over and over, with the front door unanswered."""
+    (tmp_path / "clients").mkdir()
+    zmq.auth.create_certificates(str(tmp_path), "server")
+    base = free_ports(3)
+    config = tmp_path / "streamasr.toml"
+    config.write_text(f'run_dir = "{tmp_path / "run"}"\ninstance = "badkeys"\n[ingest]\naddress = "tcp://127.0.0.1:{base}"\n'
+                      f'port_base = {base + 1}\ncurve_secret_key = "{tmp_path / secret}"\n'
+                      f'curve_authorized_keys = "{tmp_path / authorized if authorized else ""}"\n'
+                      f"[metrics]\ndashboard_port = {base + 2}\n")
+    done = _streamasr("serve", "--config", str(config), "--model", "null")
+    assert done.returncode == 1
+    assert named in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "run").exists()
