@@ -42,11 +42,12 @@ def supervisord_pid(cfg: Config) -> int | None:
         return None
 
 
-def addresses_in_use(cfg: Config) -> list[str]:
-    """The TCP addresses the service binds (front door, ingest processes, dashboard) that
-    something else holds now. Bound the way the service binds them, by ZeroMQ, and let go at
-    once: a process that found its address taken would fail at start over and over under
-    supervisord while `serve` said nothing."""
+def unbindable_addresses(cfg: Config) -> list[str]:
+    """The TCP addresses the service binds (front door, ingest processes, dashboard) that it
+    could not bind now, each with why: another program or instance holds it, or no interface of
+    this machine has its host. Bound the way the service binds them, by ZeroMQ, and let go at
+    once: a process that could not bind would fail at start over and over under supervisord
+    while `serve` said nothing."""
     wanted = [cfg.ingest.address, *(cfg.ingest_endpoint(i) for i in range(cfg.ingest.processes))]
     if cfg.metrics.dashboard_port:  # 0: any free port
         wanted.append(f"tcp://127.0.0.1:{cfg.metrics.dashboard_port}")
@@ -57,8 +58,8 @@ def addresses_in_use(cfg: Config) -> list[str]:
             sock = ctx.socket(zmq.ROUTER)
             try:
                 sock.bind(address)
-            except zmq.ZMQError:
-                taken.append(address)
+            except zmq.ZMQError as exc:
+                taken.append(f"{address} ({os.strerror(exc.errno)})")
             finally:
                 sock.close(linger=0)
     finally:
@@ -76,9 +77,9 @@ def prepare(cfg: Config) -> dict[str, str]:
         auth.check_server_keys(cfg.ingest.curve_secret_key, cfg.ingest.curve_authorized_keys)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-    if taken := addresses_in_use(cfg):
-        raise SystemExit(f"{', '.join(taken)}: in use by another program or instance; choose other addresses "
-                         "(ingest.address, ingest.port_base, metrics.dashboard_port)")
+    if taken := unbindable_addresses(cfg):
+        raise SystemExit(f"cannot bind {', '.join(taken)}: choose other addresses (ingest.address, ingest.host, "
+                         "ingest.port_base, metrics.dashboard_port)")
     if cfg.model.backend != "null" and cfg.model.name != "null":
         from speech.loader import ensure_all_exported
 

@@ -76,7 +76,7 @@ def test_an_address_in_use_is_refused_before_anything_starts(tmp_path: Path) -> 
     finally:
         holder.close(linger=0)
     assert done.returncode == 1
-    assert f"tcp://127.0.0.1:{base + 1}: in use" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert f"cannot bind tcp://127.0.0.1:{base + 1} (Address already in use)" in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not (tmp_path / "run").exists()
 
 
