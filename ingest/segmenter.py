@@ -61,6 +61,18 @@ class Segmenter:
         origin = self._speech_start if self._triggered else self._pos
         return max(origin - self.pad, self._prev_end, 0)
 
+    def may_decide(self, pending: int) -> bool:
+        """Whether the probabilities of the next `pending` samples could open or close a segment,
+        whatever they are. A start is due a partial and an end its final, so the ingest has such
+        chunks classified at once instead of gathering them with other streams' (`push` emits no
+        event for chunks of which this said False)."""
+        horizon = self._pos + pending
+        if self.in_speech:
+            assert self.segment_start is not None
+            pause_from = self._pos if self._silence_from is None else self._silence_from
+            return horizon - pause_from >= self.min_silence or horizon - self.segment_start >= self.max_segment
+        return horizon - (self._speech_start if self._triggered else self._pos) >= self.min_speech
+
     def push(self, prob: float, chunk_end: int) -> list[SegmentEvent]:
         """Feed the probability of the chunk ending at absolute sample `chunk_end`."""
         chunk_start, self._pos = self._pos, chunk_end

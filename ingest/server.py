@@ -37,8 +37,8 @@ from shm.pool import PoolExhausted, RingPool, ring_capacity
 DRAIN_BATCH = 512  # messages taken from one socket per loop iteration
 # A VAD round starts at most this often. A call costs ~0.1 ms however few chunks it holds, so
 # rounds started on every frame (2,000 a second at 200 streams) were mostly that fixed cost;
-# gathered over 10 ms they are ~60 chunks each. Segments then end up to 10 ms later: against
-# the 500 ms of silence that ends one, nothing a client sees.
+# gathered over 10 ms they are ~60 chunks each. A chunk that could start or end a segment does
+# not wait for the gathering: a segment's first partial, or its final, is due on its verdict.
 VAD_ROUND_S = 0.010
 
 
@@ -77,6 +77,7 @@ class IngestServer:
         self.dirty: set[str] = set()  # streams to step this iteration
         self.vad_due: set[str] = set()  # streams that may have a full chunk the VAD has not seen
         self.vad_round_at = 0.0  # when the last VAD round started
+        self.vad_urgent: set[str] = set()  # those of vad_due whose chunks could start or end a segment
         self.hb_interval = cfg.broker.heartbeat_ms / 1000
         self.broker_seen = time.monotonic()
         self.hb_sent = 0.0
@@ -282,6 +283,8 @@ class IngestServer:
         """The stream took audio, ended or moved its VAD: step it this iteration, and look for chunks to classify."""
         self.dirty.add(key)
         self.vad_due.add(key)
+        if self.sessions[key].vad_decisive(CHUNK):
+            self.vad_urgent.add(key)
 
     def _on_vad(self) -> None:
         """A VAD round finished: its chunks move their streams' segments."""
@@ -296,10 +299,13 @@ class IngestServer:
         """Seconds until a VAD round may start, if audio waits for one."""
         if not self.vad_due or self.vad.busy:
             return None
-        return max(0.0, self.vad_round_at + VAD_ROUND_S - now)
+        return 0.0 if self.vad_urgent else max(0.0, self.vad_round_at + VAD_ROUND_S - now)
 
     def _start_vad(self, now: float) -> None:
-        """Hand the VAD thread every full chunk not yet classified, of every stream, in one round.
+        """Hand the VAD thread every full chunk not yet classified, of every stream, in one round
+        once VAD_ROUND_S has gathered them; before that, those of the streams whose chunks could
+        start or end a segment, in a round of their own, so that a big gathered round never holds
+        them either. A stream's chunks always go in one round together, in order.
 
         Only between rounds, so each stream's `vad_pos` is current: no chunk is sent twice. At
         most one chunk of a stream wraps around its ring (a ring holds far more than one round),
@@ -307,17 +313,23 @@ class IngestServer:
         """
         if self._vad_wait(now) != 0.0:
             return
+        gathered = now >= self.vad_round_at + VAD_ROUND_S
         keys: list[str] = []
         chunks: list[np.ndarray] = []
-        for key in self.vad_due:
+        for key in self.vad_due if gathered else self.vad_urgent:
             s = self.sessions[key]
             for pos in range(s.vad_pos, s.ring.written - CHUNK + 1, CHUNK):
                 keys.append(key)
                 chunks.append(s.ring.view(pos, pos + CHUNK, out=self.scratch[key]))
-        self.vad_due.clear()
+        if gathered:
+            self.vad_due.clear()
+        else:
+            self.vad_due -= self.vad_urgent
+        self.vad_urgent.clear()
         if keys:
             self.vad.submit(keys, chunks)
-            self.vad_round_at = now
+            if gathered:
+                self.vad_round_at = now
 
     def _flush(self) -> None:
         jobs_out: list[j.Job] = []
@@ -344,6 +356,7 @@ class IngestServer:
         del self.sessions[s.key]
         del self.scratch[s.key]
         self.vad_due.discard(s.key)
+        self.vad_urgent.discard(s.key)
         self.vad.remove(s.key)
         self.pool.release(s.ring)
         left = self.per_client.get(s.client, 1) - 1

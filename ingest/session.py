@@ -169,6 +169,11 @@ class Session:
     def vad_chunk_due(self, chunk: int) -> bool:
         return self.ring.written - self.vad_pos >= chunk
 
+    def vad_decisive(self, chunk: int) -> bool:
+        """The whole chunks waiting for the VAD could start or end a segment (see Segmenter.may_decide)."""
+        pending = (self.ring.written - self.vad_pos) // chunk * chunk
+        return pending > 0 and self.segmenter.may_decide(pending)
+
     def on_vad(self, prob: float, chunk: int) -> None:
         self.vad_pos += chunk
         for ev in self.segmenter.push(prob, self.vad_pos):

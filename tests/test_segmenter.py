@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -193,3 +195,40 @@ def test_real_recordings_separated_by_a_pause() -> None:
     assert first[0][0] <= 8000 + 3200 and first[-1][1] >= 8000 + len(a) - 3200
     assert second[0][0] <= b_start + 3200 and second[-1][1] >= b_start + len(b) - 3200
     assert not seg.in_speech
+
+
+def test_only_the_chunks_that_decide_are_flagged() -> None:
+    """The ingest has a stream's chunks classified at once when `may_decide` says they could
+    start or end a segment; the others wait to be gathered with other streams'. One chunk ahead,
+    it flags the chunk that completes the speech a start needs and the one that completes the
+    pause an end needs, and nothing else."""
+    def flagged_and_emitted(probs: list[float], cfg: VadConfig) -> tuple[list[int], list[int]]:
+        seg = Segmenter(cfg)
+        flagged, emitted = [], []
+        for i, p in enumerate(probs):
+            if seg.may_decide(CHUNK):
+                flagged.append(i)
+            if seg.push(p, (i + 1) * CHUNK):
+                emitted.append(i)
+        return flagged, emitted
+
+    assert flagged_and_emitted([0.05] * 20 + [0.9] * 50 + [0.05] * 40, CFG) == ([24, 85], [24, 85])
+    # a segment cut at max_segment_s (31.25 chunks from its start) ends, and the next starts, in the chunk that reaches it
+    assert flagged_and_emitted([0.9] * 80, VadConfig(pad_ms=200, max_segment_s=1.0)) == ([4, 31, 62], [4, 31, 62])
+
+
+FUTURES = [0.02, 0.4, 0.9]  # silence, the hysteresis band, speech
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(FUTURES), min_size=40, max_size=150), st.integers(1, 3))
+def test_chunks_not_flagged_never_start_or_end_a_segment(probs: list[float], ahead: int) -> None:
+    """Whatever the next `ahead` chunks turn out to be, `push` emits nothing for them where
+    `may_decide` said it could not: no start or end is ever held back by the gathering."""
+    seg = Segmenter(VadConfig(pad_ms=200, max_segment_s=1.0))  # forced cuts within reach
+    for i, p in enumerate(probs):
+        if not seg.may_decide(ahead * CHUNK):
+            for future in itertools.product(FUTURES, repeat=ahead):
+                trial = copy.deepcopy(seg)
+                assert not [e for k, q in enumerate(future) for e in trial.push(q, (i + 1 + k) * CHUNK)], (i, future)
+        seg.push(p, (i + 1) * CHUNK)
