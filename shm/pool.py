@@ -66,6 +66,7 @@ def ring_capacity(seconds: float) -> int:
 
 
 def free_bytes() -> int:
+    """Bytes /dev/shm can still give this process."""
     vfs = os.statvfs(SHM_DIR)
     return vfs.f_bavail * vfs.f_frsize
 

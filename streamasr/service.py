@@ -1,8 +1,10 @@
 """Start, inspect and stop a service instance under supervisord.
 
-`serve` writes the effective config into the instance's run directory so that every process
-supervisord starts reads exactly the same settings, reclaims shm left by a crashed instance,
-exports the model once (rather than in every worker at once), then hands over to supervisord.
+`serve` first refuses what would make the service's processes fail at start over and over
+(unusable keys, addresses it cannot bind, an unknown model, no room in /dev/shm), exports the
+model once (rather than in every worker at once), reclaims shm left by a crashed instance,
+writes the effective config into the instance's run directory so that every process
+supervisord starts reads exactly the same settings, then hands over to supervisord.
 """
 
 from __future__ import annotations
@@ -69,8 +71,8 @@ def unbindable_addresses(cfg: Config) -> list[str]:
 
 def prepare(cfg: Config) -> dict[str, str]:
     """Model export, shm reclaim, run directory and config file; returns supervisord's
-    environment. What cannot start is found first (the addresses, the model, room in /dev/shm)
-    and leaves nothing behind."""
+    environment. What cannot start is found first (the CURVE keys, the addresses, the model,
+    room in /dev/shm) and leaves nothing behind."""
     if supervisord_pid(cfg) is not None:
         raise SystemExit(f"instance {cfg.instance!r} is already running (run dir {cfg.run_path})")
     try:
