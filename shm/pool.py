@@ -118,8 +118,7 @@ class RingPool:
             # Every page allocated now: tmpfs otherwise allocates a page at its first write, and
             # running out then (another segment, another tenant of /dev/shm) is SIGBUS in the
             # middle of a stream, not an error at start.
-            vfs = os.fstatvfs(fd)
-            free = vfs.f_bavail * vfs.f_frsize
+            free = free_bytes()
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as exc:
