@@ -15,6 +15,10 @@ ENCODINGS = ("pcm_s16le", "f32le")
 
 _DTYPES = {"pcm_s16le": np.dtype("<i2"), "f32le": np.dtype("<f4")}
 S16_SCALE = np.float32(1 / 32768)
+# Largest f32le sample magnitude taken. Full scale is ±1; the bound leaves room for overshoot
+# and rules out overflow in the channel mix-down and the resampler, which a merely finite
+# check does not (two samples near float32's max sum to infinity). NaN fails the comparison too.
+F32_LIMIT = 16.0
 
 
 class AudioFormatError(ValueError):
@@ -45,9 +49,11 @@ def decode_pcm(payload: bytes | memoryview, encoding: str, channels: int, out: n
     if nbytes % (dtype.itemsize * channels):
         raise AudioFormatError(f"{nbytes} bytes is not a whole number of {channels}-channel {encoding} frames")
     raw = np.frombuffer(payload, dtype=dtype)
-    # min and max carry any NaN or infinity, without the per-sample mask np.isfinite would allocate
-    if encoding == "f32le" and raw.size and not (np.isfinite(raw.min()) and np.isfinite(raw.max())):
-        raise AudioFormatError("f32le audio contains NaN or infinity")
+    # min and max carry any NaN or out-of-range sample, without the per-sample mask a check of
+    # every sample would allocate
+    if encoding == "f32le" and raw.size and not (raw.min() >= -F32_LIMIT and raw.max() <= F32_LIMIT):
+        raise AudioFormatError(f"f32le samples must lie within ±{F32_LIMIT:g} (full scale is ±1); "
+                               "this frame holds NaN, infinity or a value beyond that")
     if channels == 1 and encoding == "f32le":
         return raw.astype(np.float32, copy=False)
     frames = len(raw) // channels

@@ -30,6 +30,8 @@ PROMPT_CHARS = 200  # previous final text carried into the next decode as Whispe
 NO_SPEECH_PROB = 0.6
 LOGPROB_FLOOR = -1.0
 FINAL_RETRIES = 2
+ROOM_MARGIN = 64  # ring samples an accepted frame leaves free beyond its own and the resampler's
+WINDOW_HEADROOM = 1024  # ring samples the window keeps in hand: more than ROOM_MARGIN + 3 (see window)
 _job_ids = itertools.count(time.time_ns())  # unique per ingest process, across its restarts too
 
 
@@ -73,7 +75,7 @@ class Session:
         mono = opened.channels == 1
         self.direct_s16 = mono and opened.encoding == "pcm_s16le" and opened.rate == SAMPLE_RATE
         self.pcm: np.ndarray | None = None if self.direct_s16 or (mono and opened.encoding == "f32le") else np.empty(0, np.float32)
-        self.log = structlog.get_logger().bind(stream=opened.stream, key=key)
+        self.log = structlog.get_logger().bind(ingest=ingest_index, stream=opened.stream, key=key)
         self.next_seq = 0
         self.in_frames = 0  # input frames (per channel) accepted
         self.vad_pos = 0  # 16 kHz samples already classified by VAD
@@ -89,6 +91,7 @@ class Session:
         self.opened_at = self.last_activity
         self.acked_frames = 0
         self.acked_window = 0
+        self.resent = False  # a resend of accepted audio came in: the next due_ack answers it
         self.stats = {"partials": 0, "finals": 0, "refused": 0, "errors": 0}
         self.refused_from: int | None = None  # seq of the first refused frame the client has not resent yet
         self.outbox: list[m.ServerMessage] = []  # events for the client
@@ -98,10 +101,37 @@ class Session:
 
     # ------------------------------------------------------------------ audio in
 
+    def _resampled(self, frames: int) -> int:
+        """16 kHz samples that `frames` input frames make, rounded up."""
+        return -(-frames * SAMPLE_RATE // self.rate)
+
+    def held(self) -> int:
+        """16 kHz samples the resampler still owes for audio already accepted.
+
+        The resampler's output never runs ahead of its input, rounded up, so this is never
+        negative, and no call (the final flush included) returns more than its own frames'
+        share, rounded up, plus this. soxr releases output in blocks (~1660 samples at 8 kHz),
+        so a room check that counted only the frame's share would let a block overrun the ring
+        after the resampler had consumed the frame.
+        """
+        return self._resampled(self.in_frames) - self.ring.written
+
+    def _room(self, frames: int) -> int:
+        """Ring samples a frame needs free: the most the resampler can return for it, and margin.
+
+        Every accepted frame so leaves room for what the resampler still holds: end()'s flush fits.
+        """
+        return self._resampled(frames) + self.held() + 1 + ROOM_MARGIN  # 1: slack for the rounding
+
     def window(self) -> int:
-        """Input frame index the client may send up to: what still fits in the ring."""
-        free_out = self.ring.free_space() - 1024  # headroom for the resampler's flush
-        return self.offset + self.in_frames + max(0, int(free_out * self.rate / SAMPLE_RATE))
+        """Input frame index the client may send up to: what still fits in the ring.
+
+        Frames sent within it, in messages of any size, all pass `_room`: what the messages
+        before the last took from the room, plus the last one's check, comes to at most the
+        frames' share plus 3 samples of rounding and ROOM_MARGIN, which WINDOW_HEADROOM exceeds.
+        """
+        free_out = self.ring.free_space() - self.held() - WINDOW_HEADROOM
+        return self.offset + self.in_frames + max(0, free_out * self.rate // SAMPLE_RATE)
 
     def accept_audio(self, msg: m.Audio) -> bool:
         """Take one audio frame; False means it was refused (an error is in the outbox)."""
@@ -109,15 +139,16 @@ class Session:
         if self.ending:
             return self._refuse(m.BAD_MESSAGE, "audio after end", msg.seq)
         if msg.seq < self.next_seq:
-            return True  # a resend of audio already accepted: acknowledge, do not store twice
+            self.resent = True  # a resend of audio already accepted: acknowledge, do not store twice
+            return True
         if msg.seq > self.next_seq:
             return self._refuse(m.OUT_OF_ORDER, f"expected seq {self.next_seq}, got {msg.seq}", msg.seq)
         nbytes = len(msg.data)
         if nbytes % self.bytes_per_frame:
             return self._refuse(m.BAD_FORMAT, f"{nbytes} bytes is not a whole number of {self.bytes_per_frame}-byte frames", msg.seq)
         frames = nbytes // self.bytes_per_frame
-        needed = int(np.ceil(frames * SAMPLE_RATE / self.rate)) + 64
-        if needed > self.ring.free_space():
+        # checked before the resampler sees the frame: once it has, the frame must be accepted
+        if self._room(frames) > self.ring.free_space():
             self.stats["refused"] += 1
             return self._refuse(m.OVERLOADED, "stream buffer full: the service is behind; resend this frame after the next ack", msg.seq)
         if self.direct_s16:
@@ -161,8 +192,17 @@ class Session:
         self.ending = True
         self.close_reason = reason
         tail = self.resampler.process(np.zeros(0, np.float32), last=True)
-        if len(tail) and len(tail) <= self.ring.free_space():
-            self.ring.write(tail)
+        if len(tail) <= self.ring.free_space():
+            if len(tail):
+                self.ring.write(tail)
+            return
+        # accept_audio keeps room for the flush, so this should not happen: never drop it silently
+        self.stats["errors"] += 1
+        self.metrics.inc("errors_total", code=m.INTERNAL)
+        self.log.error("ingest.tail_lost", samples=len(tail), free=self.ring.free_space())
+        self.outbox.append(m.ErrorMsg(code=m.INTERNAL, stream=self.opened.stream,
+                                      message=f"the last {len(tail) / SAMPLE_RATE:.3f} s of audio of stream "
+                                              f"{self.opened.stream!r} did not fit its buffer and was lost"))
 
     # ------------------------------------------------------------------ VAD
 
@@ -281,8 +321,9 @@ class Session:
             self.stats["errors"] += 1
             self.outbox.append(m.ErrorMsg(code=m.INTERNAL, stream=self.opened.stream,
                                           message=f"segment {seg.index} could not be transcribed: {res.error}"))
-            seg.result = m.Final(stream=self.opened.stream, seg=seg.index, text="", start=self._time(seg.start),
-                                 end=self._time(job.end))
+            # what two partial decodes agreed on is the best transcript left: a caption keeps it
+            seg.result = m.Final(stream=self.opened.stream, seg=seg.index, text=seg.stabilizer.committed,
+                                 start=self._time(seg.start), end=self._time(job.end))
         else:
             text, revised = seg.stabilizer.finalize(self._clean(res))
             if revised:
@@ -294,11 +335,12 @@ class Session:
         while self.next_final in self.segments and self.segments[self.next_final].result is not None:
             done = self.segments.pop(self.next_final)
             self.next_final += 1
+            # one final per segment, even empty (noise, or a failed decode): it voids the segment's partials
             if done.result.text:
-                self.previous_text = done.result.text
-                self.stats["finals"] += 1
-                done.result.durable = self.durable()  # after the pop: this segment no longer holds it back
-                self.outbox.append(done.result)
+                self.previous_text = done.result.text  # an empty final leaves the prompt as it was
+            self.stats["finals"] += 1
+            done.result.durable = self.durable()  # after the pop: this segment no longer holds it back
+            self.outbox.append(done.result)
         self._submit_due_finals()
 
     def _submit_due_finals(self) -> None:
@@ -352,9 +394,10 @@ class Session:
     def due_ack(self) -> m.Ack | None:
         """An ack when enough audio arrived or the window moved; few messages, but never a stalled batch client."""
         window = self.window()
-        if self.in_frames - self.acked_frames >= self.rate // 10 or window - self.acked_window >= self.rate // 2 or (
+        if self.resent or self.in_frames - self.acked_frames >= self.rate // 10 or window - self.acked_window >= self.rate // 2 or (
             self.in_frames > self.acked_frames and window <= self.offset + self.in_frames + self.rate // 10
         ):
+            self.resent = False
             self.acked_frames = self.in_frames
             self.acked_window = window
             return m.Ack(stream=self.opened.stream, seq=self.next_seq - 1, samples=self.offset + self.in_frames, window=window,

@@ -159,7 +159,7 @@ class StreamClient:
 
     def _stream(self, sock: zmq.Socket, monitor: zmq.Socket, deadline: float) -> None:
         start = self.durable  # everything before it is final and delivered: never sent again
-        last = self.result.finals[-1].text if self.result.finals else None
+        last = next((f.text for f in reversed(self.result.finals) if f.text), None)  # an empty final prompts nothing
         sock.send_multipart(m.encode(m.Open(stream=self.stream, partials=self.partials, priority=self.priority, offset=start,
                                             resume_text=last)))
         window = -1

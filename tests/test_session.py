@@ -1,0 +1,324 @@
+"""One stream's Session over a real shm ring, driven by hand: no server, broker or workers."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from structlog.testing import capture_logs
+
+from broker.jobs import FAILED, OK, JobResult
+from config import settings
+from ingest.audio import F32_LIMIT, Resampler, decode_pcm
+from ingest.session import SAMPLE_RATE, Session
+from ingest.vad import CHUNK
+from metrics.registry import ProcessMetrics
+from protocol import messages as m
+from shm import RingPool, reclaim
+
+CAPACITY = SAMPLE_RATE  # a 1 s ring: a few seconds of audio cycle through it
+
+
+def rings(capacity: int) -> Iterator[RingPool]:
+    instance = f"test{uuid.uuid4().hex[:12]}"
+    p = RingPool.create(f"streamasr.{instance}.ingest0", slots=2, capacity=capacity)
+    p.unlink()  # the mapping stays
+    yield p
+    p.close()
+    reclaim(instance)
+
+
+@pytest.fixture
+def pool() -> Iterator[RingPool]:
+    yield from rings(CAPACITY)
+
+
+@pytest.fixture
+def long_pool() -> Iterator[RingPool]:
+    """Rings that hold a few segments without a broker to release them."""
+    yield from rings(10 * SAMPLE_RATE)
+
+
+CFG = settings.load(None)
+METRICS = ProcessMetrics(CFG, "ingest")
+
+
+def session(pool: RingPool, **opened: Any) -> Session:
+    return Session("c/s", b"c", m.Open(stream="s", **opened), pool.acquire(), CFG, 0, pool.name, METRICS)
+
+
+def tone(frames: int, rate: int, start: int = 0) -> bytes:
+    """16-bit mono audio, continuous from frame to frame when `start` follows on."""
+    t = np.arange(start, start + frames) / rate
+    return (8000 * np.sin(2 * np.pi * 220 * t) + 2000 * np.sin(2 * np.pi * 1330 * t)).astype("<i2").tobytes()
+
+
+def errors(s: Session) -> list[m.ErrorMsg]:
+    return [msg for msg in s.outbox if isinstance(msg, m.ErrorMsg)]
+
+
+def owed(s: Session) -> int:
+    """16 kHz samples the resampler still holds for the audio accepted (output lags, never leads)."""
+    return -(-s.in_frames * SAMPLE_RATE // s.rate) - s.ring.written
+
+
+def resampled(rate: int, frames: list[bytes]) -> np.ndarray:
+    """What the ring must hold for these accepted frames: the same chunks through a fresh resampler."""
+    r = Resampler(rate)
+    parts = [r.process(decode_pcm(f, "pcm_s16le", 1)) for f in frames]
+    parts.append(r.process(np.zeros(0, np.float32), last=True))
+    return np.concatenate(parts)
+
+
+# ------------------------------------------------------------------ resampled audio and the ring
+
+
+@pytest.mark.parametrize("frame_ms", [10, 20])
+@pytest.mark.parametrize("rate", [8000, 44100])
+def test_a_realtime_stream_filling_its_ring_is_refused_overloaded_and_loses_nothing(pool: RingPool, rate: int,
+                                                                                   frame_ms: int) -> None:
+    """soxr releases its output in blocks: the room check counts what it still holds, so a full
+    ring refuses the frame (`overloaded`, its seq) before the resampler takes it, never overruns."""
+    s = session(pool, rate=rate)
+    n = rate * frame_ms // 1000
+    accepted: list[bytes] = []
+    seq = 0
+    while True:
+        frame = tone(n, rate, start=seq * n)
+        if not s.accept_audio(m.Audio(stream="s", seq=seq, data=frame)):
+            break
+        accepted.append(frame)
+        assert s.ring.free_space() >= owed(s)  # room left for what the resampler owes
+        seq += 1
+    [err] = errors(s)
+    assert (err.code, err.stream, err.seq) == (m.OVERLOADED, "s", seq)
+    assert s.next_seq == seq and s.in_frames == seq * n
+    assert s.ring.written > CAPACITY // 2  # the ring was filled, not refused early
+    s.end()
+    assert errors(s) == [err]  # nothing more: the whole remainder fit
+    expected = resampled(rate, accepted)
+    assert s.ring.written == len(expected)
+    np.testing.assert_array_equal(s.ring.view(0, s.ring.written), expected)
+
+
+@pytest.mark.parametrize("frame_ms", [10, 20])
+@pytest.mark.parametrize("rate", [8000, 44100])
+def test_a_realtime_stream_resending_after_refusals_keeps_every_sample(pool: RingPool, rate: int, frame_ms: int) -> None:
+    """Several seconds through a 1 s ring: each refused frame is resent once room frees up, and
+    the ring ends up holding the resampled audio of exactly the frames accepted, once each."""
+    s = session(pool, rate=rate)
+    n = rate * frame_ms // 1000
+    accepted: list[bytes] = []
+    seq = refusals = 0
+    while seq * n < 4 * rate:
+        frame = tone(n, rate, start=seq * n)
+        if s.accept_audio(m.Audio(stream="s", seq=seq, data=frame)):
+            accepted.append(frame)
+            assert s.ring.free_space() >= owed(s)
+            seq += 1
+            continue
+        err = s.outbox.pop()
+        assert (err.code, err.stream, err.seq) == (m.OVERLOADED, "s", seq), err
+        refusals += 1
+        s.ring.protected_from = s.ring.written - CAPACITY // 4  # the service catches up on all but 250 ms
+    assert refusals >= 3 and errors(s) == []
+    s.end()
+    assert errors(s) == []
+    expected = resampled(rate, accepted)
+    assert s.ring.written == len(expected)
+    np.testing.assert_array_equal(s.ring.view(s.ring.written - CAPACITY // 2, s.ring.written), expected[-CAPACITY // 2:])
+
+
+@pytest.mark.parametrize("frame_ms", [10, 20, 100])
+@pytest.mark.parametrize("rate", [8000, 44100])
+def test_a_batch_stream_inside_its_window_is_never_refused(pool: RingPool, rate: int, frame_ms: int) -> None:
+    """A batch client sends up to the window and no further (shortening the message that would
+    cross it), then waits for the window to move: none of its messages may be refused. The
+    service frees the ring a few VAD chunks at a time, so the client meets the window at many
+    different points of the resampler's blocks."""
+    rng = np.random.default_rng(rate + frame_ms)
+    s = session(pool, rate=rate, priority="batch")
+    n = rate * frame_ms // 1000
+    accepted: list[bytes] = []
+    window, sent, seq, waits = s.window(), 0, 0, 0
+    while sent < 10 * rate:
+        k = min(n, window - sent)
+        if k <= 0:  # at the window: the service consumes some of the ring, the window moves
+            waits += 1
+            s.ring.protected_from = min(s.ring.written, s.ring.protected_from + int(rng.integers(1, 16)) * CHUNK)
+            window = max(window, s.window())
+            continue
+        frame = tone(k, rate, start=sent)
+        assert s.accept_audio(m.Audio(stream="s", seq=seq, data=frame)), errors(s)
+        accepted.append(frame)
+        sent, seq = sent + k, seq + 1
+    assert waits >= 10 and errors(s) == []
+    s.end()
+    assert errors(s) == [] and s.ring.written == len(resampled(rate, accepted))
+
+
+def test_end_writes_the_whole_remainder_of_a_full_ring(pool: RingPool) -> None:
+    """A ring filled to refusal with 100 ms frames, then with smaller ones: the resampler still
+    holds a block, and end() writes all of it."""
+    rate = 8000
+    s = session(pool, rate=rate)
+    accepted: list[bytes] = []
+    seq = 0
+    for n in (800, 160, 40):
+        while s.accept_audio(m.Audio(stream="s", seq=seq, data=(frame := tone(n, rate, start=s.in_frames)))):
+            accepted.append(frame)
+            seq += 1
+        s.outbox.clear()
+        s.refused_from = None  # the client gives up on that message and sends smaller ones
+    assert owed(s) > 0
+    s.end()
+    assert errors(s) == []
+    expected = resampled(rate, accepted)
+    assert s.ring.written == len(expected) == -(-s.in_frames * SAMPLE_RATE // rate)
+    np.testing.assert_array_equal(s.ring.view(0, s.ring.written), expected)
+
+
+def test_a_remainder_that_cannot_fit_is_reported_not_dropped(pool: RingPool) -> None:
+    """accept_audio keeps room for the resampler's remainder; should the ring ever lack it
+    anyway, end() says so to the client and in the log."""
+    s = session(pool, rate=8000)
+    for seq in range(3):
+        assert s.accept_audio(m.Audio(stream="s", seq=seq, data=tone(160, 8000, start=160 * seq)))
+    held = owed(s)
+    assert held > 0
+    s.ring.protected_from = s.ring.written - s.ring.capacity + held // 2  # room for half of it
+    with capture_logs() as logs:
+        s.end()
+    [err] = errors(s)
+    assert (err.code, err.stream) == (m.INTERNAL, "s") and "'s'" in err.message
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == ["ingest.tail_lost"]
+
+
+def test_a_frame_refused_for_room_is_not_fed_to_the_resampler(pool: RingPool) -> None:
+    """The refused frame, resent, goes through the resampler once: its audio appears once."""
+    s = session(pool, rate=8000)
+    frames = [tone(160, 8000, start=160 * i) for i in range(100)]
+    seq = 0
+    while s.accept_audio(m.Audio(stream="s", seq=seq, data=frames[seq])):
+        seq += 1
+    s.outbox.clear()
+    s.ring.protected_from = s.ring.written  # all consumed
+    assert s.accept_audio(m.Audio(stream="s", seq=seq, data=frames[seq]))
+    s.end()
+    assert s.ring.written == len(resampled(8000, frames[: seq + 1]))
+
+
+# ------------------------------------------------------------------ f32le bounds
+
+
+def test_stereo_f32_that_would_mix_down_to_infinity_is_refused(pool: RingPool) -> None:
+    s = session(pool, encoding="f32le", channels=2)
+    for value in (3e38, -3e38):
+        assert not s.accept_audio(m.Audio(stream="s", seq=0, data=np.full((CHUNK, 2), value, "<f4").tobytes()))
+        [err] = errors(s)
+        assert (err.code, err.seq) == (m.BAD_FORMAT, 0) and f"{F32_LIMIT:g}" in err.message
+        s.outbox.clear()
+    assert s.ring.written == 0 and s.in_frames == 0
+
+
+def test_huge_f32_at_44k_is_refused_before_the_resampler(pool: RingPool) -> None:
+    s = session(pool, encoding="f32le", rate=44100)
+    x = np.full(4410, 3e38, "<f4")
+    x[::2] *= -1
+    assert not s.accept_audio(m.Audio(stream="s", seq=0, data=x.tobytes()))
+    [err] = errors(s)
+    assert (err.code, err.seq) == (m.BAD_FORMAT, 0)
+    s.outbox.clear()
+    # overshoot past full scale is audio all the same
+    loud = np.full(4410, 2.5, "<f4")
+    loud[::2] *= -1
+    for seq in range(4):
+        assert s.accept_audio(m.Audio(stream="s", seq=seq, data=loud.tobytes()))
+    s.end()
+    audio = s.ring.view(0, s.ring.written)
+    assert errors(s) == [] and np.isfinite(audio).all() and np.abs(audio).max() < 2 * F32_LIMIT
+
+
+# ------------------------------------------------------------------ finals
+
+
+def feed(s: Session, probs: list[float]) -> None:
+    """16 kHz silence, with the VAD verdicts given for its chunks."""
+    for p in probs:
+        assert s.accept_audio(m.Audio(stream="s", seq=s.next_seq, data=bytes(2 * CHUNK)))
+        s.on_vad(p, CHUNK)
+        s.step()
+
+
+def answer(s: Session, final: bool, status: int = OK, text: str = "", **fields: Any) -> None:
+    job = next(j for j in s.jobs_out if j.final == final and j.job_id in s.inflight)
+    s.jobs_out.remove(job)
+    s.on_result(JobResult(job_id=job.job_id, ingest=0, status=status, text=text, **fields))
+
+
+def finals(s: Session) -> list[m.Final]:
+    return [msg for msg in s.outbox if isinstance(msg, m.Final)]
+
+
+def test_a_segment_of_noise_gets_an_empty_final_in_order(long_pool: RingPool) -> None:
+    """Noise the cleaning blanks still ends its segment with a final, so the client knows its
+    partials are void; the next segment is prompted with the last final that had words."""
+    s = session(long_pool, resume_text="earlier words")
+    feed(s, [0.0] * 5 + [0.9] * 20)
+    answer(s, final=False, text="turn left")
+    feed(s, [0.0] * 20)
+    answer(s, final=True, text="turn left", no_speech_prob=0.9, avg_logprob=-1.5)  # probably silence
+    feed(s, [0.9] * 20 + [0.0] * 20)
+    assert [j.prompt for j in s.jobs_out if j.final and j.job_id in s.inflight] == ["earlier words"]
+    answer(s, final=True, text="go forward ten meters")
+    assert [(f.seg, f.text) for f in finals(s)] == [(0, ""), (1, "go forward ten meters")]
+    assert finals(s)[0].durable > 0  # it counts as delivered
+    assert s.previous_text == "go forward ten meters"
+    while any(j.job_id in s.inflight for j in s.jobs_out):  # partials still out: late now
+        answer(s, final=False)
+    s.end()
+    s.step()
+    closed = [msg for msg in s.outbox if isinstance(msg, m.Closed)]
+    assert len(closed) == 1 and closed[0].segments == 2
+
+
+@pytest.mark.parametrize("heard", [[], ["turn left now", "turn left now please"]], ids=["no partials", "partials"])
+def test_a_final_that_failed_for_good_is_sent_after_its_error(long_pool: RingPool, heard: list[str]) -> None:
+    """A segment whose final cannot be decoded still gets its final, after an error naming it,
+    holding the words its partials had marked stable (none, if none were)."""
+    s = session(long_pool)
+    feed(s, [0.0] * 5 + [0.9] * 20)
+    for text in heard:
+        answer(s, final=False, text=text)
+        feed(s, [0.9] * 10)
+    stable = [msg.stable for msg in s.outbox if isinstance(msg, m.Partial)][-1] if heard else ""
+    assert bool(stable) == bool(heard)
+    feed(s, [0.0] * 20)
+    s.jobs_out[:] = [j for j in s.jobs_out if j.final]
+    for _ in range(3):  # the first try and its retries
+        answer(s, final=True, status=FAILED, error="worker lost")
+    [err] = errors(s)
+    assert err.code == m.INTERNAL and "segment 0" in err.message
+    assert [(f.seg, f.text, f.revised) for f in finals(s)] == [(0, stable, False)]
+    assert s.outbox.index(err) < s.outbox.index(finals(s)[0])
+    assert s.previous_text == stable and s.stats["finals"] == 1
+
+
+# ------------------------------------------------------------------ acks
+
+
+def test_a_resend_of_accepted_audio_is_acked(pool: RingPool) -> None:
+    s = session(pool)
+    assert s.accept_audio(m.Audio(stream="s", seq=0, data=bytes(3200)))  # 100 ms: acked
+    assert s.due_ack() is not None
+    assert s.accept_audio(m.Audio(stream="s", seq=1, data=bytes(640)))  # 20 ms: below the ack step
+    assert s.due_ack() is None
+    for _ in range(3):
+        assert s.accept_audio(m.Audio(stream="s", seq=1, data=bytes(640)))  # resends: dropped
+    ack = s.due_ack()
+    assert ack is not None and (ack.seq, ack.samples) == (1, 1920)
+    assert s.due_ack() is None  # once
+    assert s.in_frames == 1920 and s.ring.written == 1920
