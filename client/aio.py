@@ -224,7 +224,12 @@ class AsyncClient:
         self._sock = sock
 
     def _disconnect(self, linger: int) -> None:
-        if self._sock is not None and self._monitor is not None:
+        """Close the ingest socket and its monitor; again does nothing (a failed resume already closed them).
+
+        They are not set to None: `_check` takes that for a client not started, and one that is
+        resuming still takes audio.
+        """
+        if self._sock is not None and self._monitor is not None and not self._sock.closed:
             self._sock.disable_monitor()
             self._monitor.close(linger=0)
             self._sock.close(linger)
@@ -254,8 +259,10 @@ class AsyncClient:
         poller.register(self._monitor, zmq.POLLIN)
         while True:
             deadline = self._liveness.deadline(self._streams, time.monotonic())
-            wait_ms = None if deadline is None else max(int((deadline - time.monotonic()) * 1000) + 1, 0)
-            ready = dict(await poller.poll(wait_ms))
+            # owing nothing, look again within the interval anyway: audio sent meanwhile does not
+            # wake this task, and the deadline it owes (from `_flush`) must be armed before it passes
+            wait = self._liveness.interval if deadline is None else deadline - time.monotonic()
+            ready = dict(await poller.poll(max(int(wait * 1000) + 1, 0)))
             if self._sock in ready:  # what arrived counts before a disconnect: `closed`, then exit, is no loss
                 while True:
                     try:
@@ -322,6 +329,7 @@ class AsyncClient:
         if self._reconnecting or self._closed:
             return
         now = time.monotonic()
+        self._liveness.deadline(self._streams, now)  # owing nothing before these sends, the clock starts now
         moved = False
         for entry in self._streams.values():
             if entry.core.reopen_at is not None and now >= entry.core.reopen_at:

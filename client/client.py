@@ -81,6 +81,9 @@ def ingest_socket(ctx: zmq.Context, endpoint: str) -> tuple[zmq.Socket, zmq.Sock
 
 
 def close_ingest_socket(sock: zmq.Socket, monitor: zmq.Socket, linger: int | None = None) -> None:
+    """Close the ingest DEALER and its monitor; again does nothing (a failed resume already closed them)."""
+    if sock.closed:
+        return
     sock.disable_monitor()
     monitor.close(linger=0)
     sock.close(linger)

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import threading
 import time
+from array import array
 from collections import deque
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -46,6 +48,8 @@ RESUME_TIMEOUT_S = 60.0  # how long to keep trying to reach the service again be
 REOPEN_CODES = (OVERLOADED, NOT_READY, TOO_MANY_STREAMS)  # a refused resume worth retrying: the service is busy
 RETRY_S = 0.25  # resend refused audio after this long even if no ack moves the window...
 MAX_RETRY_S = 2.0  # ...doubling up to this, so a server that acks only on receipt cannot stall us
+KEEP_S = 60.0  # send times of durable audio are kept this long, for results still waiting to be read
+COMPACT_AT = 1024  # forgotten send times are dropped from memory in batches of at least this many
 
 
 class ServerError(Exception):
@@ -137,44 +141,78 @@ class OutFrame:
     data: memoryview
 
 
-@dataclass
 class SendLog:
     """When each sample left the client, for latency: appended by the IO side, read by anyone.
 
-    `ends[i]` is the input frame index just past message i, `times[i]` its first send time
+    Entry i holds the input frame index just past a message and its first send time
     (time.monotonic()); a resent message keeps its first time, so stalls count as latency.
+    Entries are forgotten once their audio is durable and they are KEEP_S old, so a long stream
+    keeps a bounded log while a result read late from a stream's queue (a final's own `durable`
+    is applied before its reader asks) still finds its send time.
     """
 
-    rate: int
-    ends: list[int] = field(default_factory=list)
-    times: list[float] = field(default_factory=list)
-    end_sent: float | None = None  # when `end` was first sent
+    def __init__(self, rate: int) -> None:
+        self.rate = rate
+        self.end_sent: float | None = None  # when `end` was first sent
+        self._ends = array("q")
+        self._times = array("d")
+        self._head = 0  # entries before it are forgotten; dropped from the arrays once they are half of them
+        self._lock = threading.Lock()  # forgetting moves the entries a reader may be searching
+
+    def __len__(self) -> int:
+        return len(self._ends) - self._head
 
     def record(self, end: int, now: float) -> None:
-        self.times.append(now)  # time first: a reader sizes by `ends`, so both are there for it
-        self.ends.append(end)
+        """A message ending at input frame `end` went out; audio re-cut after a resume keeps its first time."""
+        with self._lock:
+            if not self._ends or end > self._ends[-1]:
+                self._times.append(now)
+                self._ends.append(end)
+
+    def forget(self, durable: int) -> None:
+        """Drop entries for audio before `durable` sent over KEEP_S before the newest one.
+
+        The newest of those stays: it answers, as the latest time it can have been, for any
+        earlier sample still asked about.
+        """
+        with self._lock:
+            n = len(self._ends)
+            if n - self._head < 2:
+                return
+            old = bisect.bisect_left(self._times, self._times[n - 1] - KEEP_S, self._head, n)
+            done = bisect.bisect_right(self._ends, durable, self._head, n)
+            head = min(old, done) - 1
+            if head <= self._head:
+                return
+            self._head = head
+            if head >= COMPACT_AT and head * 2 >= n:  # amortised: each entry is moved at most once on average
+                del self._ends[:head]
+                del self._times[:head]
+                self._head = 0
 
     def sent_at(self, seconds: float) -> float:
         """When the sample at `seconds` (a partial's or final's `end`) was sent, or `end` if earlier.
 
         A segment's `end` may lie past the last sample (padding); then `end` is what let the
-        server finish it.
+        server finish it. A sample forgotten long ago (see `forget`) gets the newest forgotten time.
         """
-        n = len(self.ends)
         sample = max(round(seconds * self.rate), 1)
-        i = bisect.bisect_left(self.ends, sample, 0, n)
-        frame = self.times[i] if i < n else float("inf")
-        end = self.end_sent if self.end_sent is not None else float("inf")
-        at = min(frame, end)
-        if at == float("inf"):
-            if not n:
-                raise LookupError("nothing sent yet")
-            return self.times[n - 1]
-        return at
+        with self._lock:
+            n = len(self._ends)
+            i = bisect.bisect_left(self._ends, sample, self._head, n)
+            frame = self._times[i] if i < n else float("inf")
+            end = self.end_sent if self.end_sent is not None else float("inf")
+            at = min(frame, end)
+            if at == float("inf"):
+                if n == self._head:
+                    raise LookupError("nothing sent yet")
+                return self._times[n - 1]
+            return at
 
     def pairs(self) -> list[tuple[int, float]]:
-        n = len(self.ends)
-        return list(zip(self.ends[:n], self.times[:n]))
+        """(end, first send time) of every entry not forgotten, in send order."""
+        with self._lock:
+            return list(zip(self._ends[self._head :], self._times[self._head :]))
 
 
 class StreamCore:
@@ -186,7 +224,9 @@ class StreamCore:
     until an ack moves the window (or a retry timer fires), then everything from the refused
     seq is resent in order. The server refuses audio after `end`, so `end` goes out only when
     nothing is waiting to be (re)sent and, on a realtime stream, when everything is acked or
-    no refusal came for RETRY_S after the last send.
+    no refusal came for RETRY_S after the last send. A refusal that still arrives after `end`
+    (a slow round trip) is handled like any other: the server refuses that `end` too and keeps
+    the stream open, so the audio is resent and `end` sent again.
 
     For resuming on a new connection it also keeps every message cut since the last `durable`
     point (`kept`): `rewind` turns that back into queued audio with seqs from 0, and `seg_base`
@@ -213,9 +253,10 @@ class StreamCore:
         self.retry_at: float | None = None
         self.retry_s = RETRY_S
         self.end_out = False  # `end` sent on the current connection
+        self.end_refused: int | None = None  # seq the server is about to refuse our last `end` with
         self.durable = 0  # input frame: audio before it is never needed again, even to resume
         self.kept: deque[OutFrame] = deque()  # messages cut since `durable` (seq unused), oldest first
-        self.last_text: str | None = None  # the last final's text: prompts a resumed stream
+        self.last_text: str | None = None  # the last non-empty final's text: prompts a resumed stream
         self.finals = 0  # finals delivered, over all connections
         self.seg_base = 0  # added to the current connection's segment numbers
         self.offset = 0  # input frame the current connection started at
@@ -256,6 +297,7 @@ class StreamCore:
         if durable <= self.durable:
             return
         self.durable = durable
+        self.log.forget(durable)
         while self.kept and self.kept[0].end <= durable:
             self.kept.popleft()
         if self.kept:
@@ -269,7 +311,8 @@ class StreamCore:
         msg.seg += self.seg_base
         if isinstance(msg, Final):
             self.finals = msg.seg + 1
-            self.last_text = msg.text
+            if msg.text:  # the server prompts with the last final that had words, and so does a resume
+                self.last_text = msg.text
             self.on_durable(msg.durable)
 
     def on_closed(self, msg: Closed) -> None:
@@ -287,10 +330,11 @@ class StreamCore:
         self.kept.clear()
         self.retained.clear()
         self.cut = self.offset = self.durable
+        self.accepted = self.durable  # the new connection has acked nothing: the resent audio is owed an ack
         self.next_seq = 0
         self.ready = False
         self.end_out = False
-        self.stalled_window = self.refused = self.retry_at = self.reopen_at = None
+        self.stalled_window = self.refused = self.end_refused = self.retry_at = self.reopen_at = None
         self.retry_s = RETRY_S
         self.seg_base = self.finals
         self.resumes.append(self.durable)
@@ -299,6 +343,9 @@ class StreamCore:
         """Apply a stream error; False for a refusal that only echoes an earlier one (not news)."""
         if err.seq is None or err.code not in (OVERLOADED, OUT_OF_ORDER):
             return True
+        if err.code == OVERLOADED and err.seq == self.end_refused:
+            self.end_refused = None
+            return False  # the server refusing the `end` that crossed the refusal of this seq: already handled
         if err.seq >= self.next_seq:
             return False  # a message sent before we rewound: its resend is already planned
         if err.code == OUT_OF_ORDER and self.refused is not None and err.seq > self.refused:
@@ -306,7 +353,10 @@ class StreamCore:
         if err.code == OUT_OF_ORDER or not self.retained or err.seq < self.retained[0].seq:
             return True  # nothing we hold can fix it
         if self.end_out:
-            return True  # the server has ended the stream: audio after `end` is refused, so this is lost
+            # `end` crossed this refusal: the server refuses that `end` too, with this seq, and
+            # keeps the stream open for the resend; `end` goes out again after it
+            self.end_out = False
+            self.end_refused = err.seq
         self.next_seq = self.refused = err.seq
         self.stalled_window = self.window
         self.retry_at = now + self.retry_s
@@ -348,8 +398,7 @@ class StreamCore:
             frame = OutFrame(self.next_seq, self.cut, data)
             self.retained.append(frame)
             self.kept.append(OutFrame(0, self.cut, data))
-            if not self.log.ends or self.cut > self.log.ends[-1]:  # a resend after a resume keeps its first time
-                self.log.record(self.cut, now)
+            self.log.record(self.cut, now)
             out.append(Audio(self.stream, frame.seq, data))
             self.next_seq += 1
             self.last_send = now

