@@ -24,7 +24,7 @@ import zmq
 
 from broker import jobs as wire
 from broker.figures import Figures, SavedFigures, prior_share
-from broker.jobs import BATCH, EXPIRED, FAILED, OK, REALTIME, JobResult
+from broker.jobs import BATCH, EXPIRED, FAILED, OK, REALTIME, BadJob, Job, JobResult
 from broker.queue import Dispatcher, JobKey, JobQueue, RealtimeUse, job_key
 from broker.signals import StopSignal
 from config.settings import Config
@@ -94,6 +94,7 @@ class Broker:
             final_deadline_s=cfg.broker.final_deadline_ms / 1000,
         ))
         self.ingests: dict[int, IngestState] = {}
+        self._register_asked: dict[int, float] = {}  # ingest index -> when it was last told to register again
         # Admission figure sent to every ingest each tick: how long realtime jobs wait for a model,
         # smoothed over ticks. It is the delay queueing adds for admitted streams right now.
         self.load = 0.0
@@ -288,12 +289,16 @@ class Broker:
         try:
             if index is None:
                 raise ValueError("identity is not ingest-<index>")
+            if state is None and kind != wire.READY:
+                self._ask_to_register(index, kind, now)
             if kind == wire.READY:
                 self._register_ingest(index, wire.unpack(body[0]), now)
             elif kind == wire.JOBS:
                 # Accepted from an ingest not (yet) registered too: after a broker restart its
                 # jobs arrive before its new READY and would otherwise be lost.
-                self._answer(self.dispatcher.submit(wire.unpack_jobs(body[0]), now))
+                jobs, bad = wire.unpack_jobs_checked(body[0])
+                self._reject(index, bad, [job for job in jobs if job.ingest != index])
+                self._answer(self.dispatcher.submit([job for job in jobs if job.ingest == index], now))
             elif kind == wire.CANCEL:
                 self.dispatcher.cancel(index, [str(s) for s in wire.unpack(body[0])])
             elif kind == wire.HEARTBEAT:
@@ -309,7 +314,31 @@ class Broker:
             self.metrics.inc("errors_total", code=m.INTERNAL)
             log.warning("broker.bad_ingest_message", ingest=ident.decode(errors="replace"), error=repr(exc))
 
+    def _reject(self, index: int, bad: list[BadJob], foreign: list[Job]) -> None:
+        """Malformed jobs from ingest `index`, and jobs naming another ingest as their owner (their
+        answers would go there, and their ids could clash with its own): never queued, each
+        logged and answered FAILED where it names a job id, so the ingest does not wait for them."""
+        bad = bad + [BadJob(job.job_id, "ingest", f"ingest-{index} sent a job of ingest {job.ingest}") for job in foreign]
+        for job in bad:
+            self.metrics.inc("errors_total", code=m.INTERNAL)
+            log.warning("broker.bad_job", ingest=index, job=job.job_id, field=job.field, error=job.error)
+        self._answer([JobResult(job_id=job.job_id, ingest=index, status=FAILED, error=f"refused by the broker: {job.error}")
+                      for job in bad if job.job_id is not None])
+
+    def _ask_to_register(self, index: int, kind: bytes, now: float) -> None:
+        """Tell an ingest this broker has not registered (given up on as silent, or heard first
+        after a restart) to register again and re-send what it waits for: its other messages
+        (heartbeats, expired answers to its jobs) keep it taking the broker for alive, so it
+        would not reconnect by itself. At most once per heartbeat interval: what the ingest
+        sent before its READY arrives needs no answer of its own."""
+        if now - self._register_asked.get(index, -math.inf) < self._interval_s:
+            return
+        self._register_asked[index] = now
+        log.info("broker.ingest_unregistered", ingest=index, kind=kind[:16].decode(errors="replace"))
+        self._send(self._ingest_sock, ingest_identity(index), [wire.REGISTER])
+
     def _register_ingest(self, index: int, info: dict[str, Any], now: float) -> None:
+        self._register_asked.pop(index, None)
         pid = int(info.get("pid", 0))
         old = self.ingests.get(index)
         if old is not None and old.pid != pid:

@@ -14,6 +14,7 @@ the workers to themselves counts at no less than that price.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -69,19 +70,26 @@ class SavedFigures:
         """The last run's figures, if it served the same model settings."""
         try:
             data = json.loads(self._path.read_text())
+            if not isinstance(data, dict):  # valid JSON of another shape is as unreadable as a torn file
+                raise ValueError(f"a JSON {type(data).__name__}, not an object")
             if data.get("model") != self._model:
                 return None
             figures = Figures(*([float(x) for x in data[key]] for key in ("share", "decode_cost", "loaded_cost")))
+            saved = float(data.get("saved", 0))
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("broker.admission_figures_unreadable", path=str(self._path), error=repr(exc))
             return None
-        if figures.stream_share <= 0 or any(len(x) != 2 for x in (figures.share, figures.decode_cost, figures.loaded_cost)):
+        parts = (figures.share, figures.decode_cost, figures.loaded_cost)
+        if not all(math.isfinite(x) for part in parts for x in part):  # JSON may hold NaN and Infinity
+            log.warning("broker.admission_figures_unreadable", path=str(self._path), error="figures not finite")
+            return None
+        if figures.stream_share <= 0 or any(len(x) != 2 for x in parts):
             return None
         self._saved = figures
         log.info("broker.admission_figures_restored", stream_share=round(figures.stream_share, 4),
-                 age_s=round(time.time() - float(data.get("saved", 0)), 1))
+                 age_s=round(time.time() - saved, 1))
         return figures
 
     def save(self, figures: Figures, now: float, at_once: bool = False) -> None:

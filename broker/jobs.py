@@ -6,7 +6,9 @@ Socket frames are `[kind, body]` after the ROUTER identity; kinds are the consta
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import math
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field, fields
 from operator import attrgetter
 from typing import Any
 
@@ -20,6 +22,10 @@ DONE = b"DONE"  # worker -> broker: the jobs it answered, for credit and decode 
 CANCEL = b"CANCEL"  # ingest -> broker: drop queued jobs of these stream keys
 LEAVING = b"BYE"  # worker -> broker, last on its job socket: it stops; what it holds unanswered goes back to the queue
 HEARTBEAT = b"HB"
+# broker -> ingest, answering any message but READY from an ingest it has not registered (it gave
+# up on a silent one, dropping its queued jobs, or it restarted): send READY and every job still
+# waited for. Without it such an ingest, hearing the broker's answers, would never register again.
+REGISTER = b"REGISTER"
 HEARTBEAT_SUFFIX = b"+hb"  # a worker's heartbeat socket is its job socket's identity plus this
 
 
@@ -107,6 +113,82 @@ def pack_jobs(jobs: list[Job]) -> bytes:
 
 def unpack_jobs(data: bytes) -> list[Job]:
     return [Job.from_wire(row) for row in unpack(data)]
+
+
+@dataclass(slots=True)
+class BadJob:
+    """A row of a JOBS message that is not a well-formed job."""
+
+    job_id: int | None  # when the row names one: its sender can be answered
+    field: str  # the first field found wrong ("row": not a list of the right length)
+    error: str
+
+
+def _int(value: Any) -> bool:
+    return type(value) is int  # not bool: msgpack keeps them apart, and a bool here is a mix-up
+
+
+def _number(value: Any) -> bool:
+    return type(value) in (int, float) and not math.isnan(value)  # NaN would break the queue's order
+
+
+def _opt_str(value: Any) -> bool:
+    return value is None or type(value) is str
+
+
+# What each field must be as it comes off the wire. Checked once, where the broker takes jobs
+# from an ingest: the queue orders, indexes and sums by these, so a job with a wrongly typed
+# field would otherwise fail later, far from the peer that sent it, and take others with it.
+_JOB_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "job_id": (_int, "an int"),
+    "ingest": (_int, "an int"),
+    "stream": (lambda v: type(v) is str, "a str"),
+    "shm": (lambda v: type(v) is str, "a str"),
+    "slot": (_int, "an int"),
+    "generation": (_int, "an int"),
+    "start": (_int, "an int"),
+    "end": (_int, "an int"),
+    "final": (lambda v: type(v) is bool, "a bool"),
+    "priority": (lambda v: _int(v) and v in (REALTIME, BATCH), f"REALTIME ({REALTIME}) or BATCH ({BATCH})"),
+    "deadline": (_number, "a number"),
+    "seg": (_int, "an int"),
+    "language": (_opt_str, "a str or nil"),
+    "prompt": (_opt_str, "a str or nil"),
+    "prefix": (_opt_str, "a str or nil"),
+    "created": (_number, "a number"),
+    "first": (lambda v: type(v) is bool, "a bool"),
+}
+_JOB_FIELDS = tuple(f.name for f in fields(Job))
+_JOB_REQUIRED = sum(f.default is MISSING and f.default_factory is MISSING for f in fields(Job))
+assert set(_JOB_CHECKS) == set(_JOB_FIELDS), "a field added to Job needs its check here"
+
+
+def check_job(row: Any) -> Job | BadJob:
+    """The job a wire row describes, or what is wrong with it."""
+    job_id = row[0] if isinstance(row, list) and row and _int(row[0]) else None
+    if not isinstance(row, list) or not _JOB_REQUIRED <= len(row) <= len(_JOB_FIELDS):
+        return BadJob(job_id, "row", f"not a list of {_JOB_REQUIRED} to {len(_JOB_FIELDS)} fields: {str(row)[:80]}")
+    for name, value in zip(_JOB_FIELDS, row):
+        valid, wanted = _JOB_CHECKS[name]
+        if not valid(value):
+            return BadJob(job_id, name, f"{name} must be {wanted}, got {str(value)[:40]!r} ({type(value).__name__})")
+    return Job.from_wire(row)
+
+
+def unpack_jobs_checked(data: bytes) -> tuple[list[Job], list[BadJob]]:
+    """A JOBS message from a peer: its well-formed jobs, and what is wrong with the other rows."""
+    rows = unpack(data)
+    if not isinstance(rows, list):
+        raise ValueError(f"JOBS body is a {type(rows).__name__}, not a list")
+    jobs: list[Job] = []
+    bad: list[BadJob] = []
+    for row in rows:
+        checked = check_job(row)
+        if isinstance(checked, Job):
+            jobs.append(checked)
+        else:
+            bad.append(checked)
+    return jobs, bad
 
 
 def pack_results(results: list[JobResult]) -> bytes:

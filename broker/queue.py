@@ -80,15 +80,18 @@ class JobQueue:
         order = (job.priority, 0 if front else 1, 0 if job.final else 1, job.deadline, next(self._seq))
         since = job.created or now
         stream = (job.ingest, job.stream)
+        key = job_key(job)
+        count = self._counts.get(job.priority, 0) + 1
+        superseded: Queued | None = None
         queued = self._partials.get(stream)
         if queued is not None:
             old = queued.job
             if job.final and old.seg <= job.seg:
-                self._discard(queued)
+                superseded = queued
                 answers.append(expired(old, "superseded by the segment's final"))
                 since = min(since, queued.since)
             elif not job.final and old.end <= job.end:
-                self._discard(queued)
+                superseded = queued
                 answers.append(expired(old, "superseded by a newer partial"))
                 # the stream keeps its place in line: a stream whose partials keep being replaced
                 # would otherwise always hold the latest deadline and never be served
@@ -97,10 +100,19 @@ class JobQueue:
             elif not job.final:  # a re-queued partial older than the one waiting
                 answers.append(expired(job, "superseded by a newer partial"))
                 return answers
+        # Nothing changes before the push succeeds. One that fails part way (a job whose fields
+        # do not compare with those queued; the wire checks keep such out) leaves the entry,
+        # or a copy of its parent, in the heap; dead, it is skipped when it comes up.
         entry = Queued(job, order, since)
-        heapq.heappush(self._heap, (order, entry))
-        self._entries[job_key(job)] = entry
-        self._counts[job.priority] = self._counts.get(job.priority, 0) + 1
+        try:
+            heapq.heappush(self._heap, (order, entry))
+        except Exception:
+            entry.alive = False
+            raise
+        self._entries[key] = entry
+        self._counts[job.priority] = count
+        if superseded is not None:
+            self._discard(superseded)  # after the new entry is in: the last one out clears the heap
         if not job.final:
             self._partials[stream] = entry
         return answers
@@ -276,8 +288,12 @@ class Dispatcher:
             return []
         answers: list[JobResult] = []
         for key, job in worker.inflight.items():
-            self._requeued.add(key)
             self._since.pop(key, None)
+            if key in self._answered:
+                # Another copy (a worker given up on that answered late, or an EXPIRED) answered
+                # it already: running it again would answer the ingest twice.
+                continue
+            self._requeued.add(key)
             answers += self.queue.push(job, now, front=True)
         return self._answer(answers)
 
@@ -323,6 +339,9 @@ class Dispatcher:
                     self._use.decode_s[job.final] += seconds
                     self._use.decoded[job.final] += 1
             if key in self._answered:
+                # A duplicate: no copy of the job may stay queued or remembered as due an answer.
+                self._requeued.discard(key)
+                self.queue.remove(key)
                 continue
             if key in self._requeued:
                 # Still queued for another try, or held by another worker whose credit returns

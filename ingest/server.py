@@ -102,6 +102,11 @@ class IngestServer:
         self.broker.setsockopt(zmq.IDENTITY, f"ingest-{self.index}".encode())
         self.broker.setsockopt(zmq.LINGER, 0)
         self.broker.connect(self.cfg.broker_ingest_endpoint)
+        self._register()
+
+    def _register(self) -> None:
+        """READY, then every job still in flight: the broker is new, or gave up on this ingest
+        and dropped what it had queued."""
         self.broker.send_multipart([j.READY, j.pack({"index": self.index, "endpoint": self.endpoint, "pid": os.getpid(),
                                                      "streams": len(self.sessions)})])
         pending = [job for s in self.sessions.values() for job in s.inflight.values()]
@@ -123,6 +128,11 @@ class IngestServer:
             self.figures_window_s = float(figures.get("window_s", 0.0))
         elif kind == j.RESULTS:
             self._on_results(frames[1])
+        elif kind == j.REGISTER:
+            # The broker does not know this ingest (it found it silent, or restarted) though it
+            # answers: register on this socket, which keeps what the broker already sent on it.
+            self.log.warning("ingest.broker_asks_to_register")
+            self._register()
 
     def _on_results(self, body: bytes) -> None:
         """Results of this ingest's jobs, from the workers (or the broker: partials it expired).
@@ -188,10 +198,7 @@ class IngestServer:
             if session is not None:
                 session.client_end()
                 self._changed(session.key)  # the resampler's tail may complete a chunk
-        elif isinstance(msg, m.Hello):
-            self._send(ident, m.Welcome(ingest=self.endpoint, limits={"max_frame_bytes": self.limits.max_frame_bytes,
-                                                                      "max_message_bytes": self.limits.max_message_bytes}))
-        else:
+        else:  # hello and status: the front door names the ingest and its limits, for the whole service
             self.metrics.inc("refusals_total", code=m.BAD_MESSAGE)
             self._send(ident, m.ErrorMsg(code=m.BAD_MESSAGE, message=f"{msg.type} is answered by the front door only"))
 

@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -27,6 +27,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
+import structlog
 import zmq
 
 from broker import jobs as wire
@@ -542,3 +543,108 @@ def test_sigterm_stops_cleanly(running: Cluster) -> None:
         assert time.monotonic() - started < (1.0 if name == "broker" else 3.0)
     assert any(e["event"] == "broker.stopped" for e in running.log_events("broker"))
     assert any(e["event"] == "worker.stopped" for e in running.log_events("worker0"))
+
+
+def test_a_malformed_job_is_refused_and_the_broker_keeps_serving(running: Cluster) -> None:
+    """A job with a wrongly typed field (here a priority sent as a string) is refused on its
+    own, logged naming the ingest and the field and answered FAILED; the jobs around it and after
+    it are served as ever, and the broker lives on."""
+    [bad] = running.jobs(1, priority="0")
+    first = running.jobs(3)
+    running.ingest.submit([*first, bad])
+    later = running.jobs(3)
+    for j in later:  # one message each, as ingest loop turns would send them
+        running.ingest.submit([j])
+    by_job = running.wait_answers([*first, bad, *later])
+    assert [r.status for r in by_job.pop(bad.job_id)] == [wire.FAILED]
+    assert_exactly_once(by_job, first + later)
+    assert {r[0].status for r in by_job.values()} == {OK}
+    [refused] = [e for e in running.log_events("broker") if e["event"] == "broker.bad_job"]
+    assert (refused["ingest"], refused["job"], refused["field"]) == (0, bad.job_id, "priority")
+    assert running.procs["broker"].poll() is None and running.status()["queued"] == {"realtime": 0, "batch": 0}
+
+
+class _Session:
+    """What the ingest's broker link reads of a session: the jobs it still waits for."""
+
+    def __init__(self, jobs: list[Job]) -> None:
+        self.inflight = {j.job_id: j for j in jobs}
+        self.priority = REALTIME
+        self.answers: list[JobResult] = []
+
+    def on_result(self, result: JobResult) -> None:
+        if self.inflight.pop(result.job_id, None) is not None:
+            self.answers.append(result)
+
+
+class _PoolInUse:
+    in_use = 1
+
+
+def _ingest_link(cfg: Config, sessions: dict[str, _Session]) -> Any:
+    """The real ingest's broker link and result handling (IngestServer's own methods), without
+    its clients, VAD or shm."""
+    from ingest.server import IngestServer
+
+    ingest = IngestServer.__new__(IngestServer)
+    ingest.cfg, ingest.index, ingest.endpoint = cfg, 0, cfg.ingest_endpoint(0)
+    ingest.ctx = zmq.Context.instance()
+    ingest.log = structlog.get_logger()
+    ingest.broker, ingest.hb_interval, ingest.hb_sent = None, HEARTBEAT_MS / 1000, 0.0
+    ingest.owner = {job_id: key for key, s in sessions.items() for job_id in s.inflight}
+    ingest.sessions, ingest.dirty, ingest.admitted, ingest.figures_window_s = sessions, set(), deque(), 5.0
+    ingest.pool = _PoolInUse()
+    ingest._connect_broker()
+    return ingest
+
+
+def test_an_ingest_given_up_on_registers_again_and_gets_its_final(cluster: Cluster) -> None:
+    """An ingest whose loop stalled past the broker's patience is dropped with its queued jobs
+    (a final among them). The broker still answers it (expired partials of another stream), so
+    it never falls silent for the ingest; but it tells it to register, and the ingest does:
+    READY and every job it waits for, once, and the final is decoded after all."""
+    cluster.start_broker()
+    wait_for(lambda: cluster.try_front(msgpack.packb({"type": "status"})), 10, "the broker")
+    [final] = cluster.jobs(1)
+    session = _Session([final])
+    ingest = _ingest_link(cluster.cfg, {"a": session})
+    results = zmq.Context.instance().socket(zmq.PULL)
+    results.setsockopt(zmq.LINGER, 0)
+    cluster.cfg.run_path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    results.bind(cluster.cfg.ingest_results_endpoint(0))
+
+    def serve(seconds: float, partials: bool = False, until: Callable[[], bool] = lambda: False) -> None:
+        """The ingest's loop, as far as the broker sees it; with `partials`, another stream's,
+        each superseding the last one queued (no worker yet takes them)."""
+        end = time.monotonic() + seconds
+        next_partial = time.monotonic()
+        while time.monotonic() < end and not until():
+            while ingest.broker.poll(0):
+                ingest._on_broker(ingest.broker.recv_multipart())
+            while results.poll(0):
+                ingest._on_worker(results.recv_multipart())
+            if partials and time.monotonic() >= next_partial:
+                ingest.broker.send_multipart([wire.JOBS, wire.pack_jobs([replace(cluster.jobs(1, final=False)[0], stream="b")])])
+                next_partial = time.monotonic() + 2 * HEARTBEAT_MS / 1000
+            ingest._heartbeat(time.monotonic())
+            time.sleep(0.01)
+
+    try:
+        serve(0.5)
+        assert [i["index"] for i in cluster.status()["ingests"]] == [0] and cluster.status()["queued"]["realtime"] == 1
+        time.sleep(8 * HEARTBEAT_MS / 1000)  # the loop stalls: the broker gives up on it and drops the final
+        wait_for(lambda: not cluster.status()["ingests"] and not cluster.status()["queued"]["realtime"], 5, "the ingest dropped")
+        serve(1.0, partials=True)
+        status = cluster.status()
+        assert [i["index"] for i in status["ingests"]] == [0], "the ingest never registered again"
+        assert status["queued"]["realtime"] == 2 and status["expired"] > 0  # the final again, and the last partial
+        cluster.start_worker(0)
+        serve(20, until=lambda: bool(session.answers))
+        assert [(r.job_id, r.status) for r in session.answers] == [(final.job_id, OK)]
+    finally:
+        results.close()
+        ingest.broker.close(linger=0)
+    events = cluster.log_events("broker")
+    assert sum(e["event"] == "broker.ingest_lost" for e in events) == 1
+    asked = sum(e["event"] == "broker.ingest_unregistered" for e in events)
+    assert asked >= 1 and sum(e["event"] == "broker.ingest_ready" for e in events) == 1 + asked

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import itertools
+import json
 import random
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 from structlog.testing import capture_logs
 
+from broker import jobs as wire
 from broker.figures import FILE, SAVE_EVERY_S, Figures, SavedFigures
 from broker.jobs import BATCH, EXPIRED, OK, REALTIME, Job, JobResult
 from broker.broker import Broker, _decode_cost
@@ -260,6 +263,163 @@ def test_worker_ready_again_requeues_what_it_held() -> None:
     assert len(d.queue) == 1
 
 
+def test_job_answered_late_is_not_requeued_when_its_other_worker_goes() -> None:
+    """A job re-queued off a worker given up on, answered late by that worker while a second one
+    holds it: when the second one goes (or registers again) the job is answered already and
+    must not run a third time, nor stay remembered as due an answer."""
+    d = Dispatcher(queue())
+    d.add_worker(b"a", capacity=1, now=NOW)
+    j = job("s", final=True)
+    d.submit([j], NOW)
+    d.dispatch(NOW)
+    d.remove_worker(b"a", NOW)  # silent: given up on, the job re-queued
+    d.add_worker(b"b", capacity=1, now=NOW)
+    assert [x.job_id for x in d.dispatch(NOW)[0][b"b"]] == [j.job_id]
+    assert len(d.complete(b"a", [done(j)])) == 1  # alive after all: the ingest has its answer
+    assert d.add_worker(b"b", capacity=1, now=NOW) == []  # b reconnected: what it held goes back, except this
+    assert job_key(j) not in d.queue and d.dispatch(NOW) == ({}, [])
+    assert d.complete(b"b", [done(j)]) == []  # its old copy answers: a duplicate
+    assert (len(d.queue), d.inflight, d._requeued, d._since) == (0, 0, set(), {})
+    assert d.jobs_done == 1
+
+
+def test_late_duplicate_answer_clears_a_queued_copy() -> None:
+    """However an answered job came to be queued or remembered again, its next duplicate answer
+    leaves nothing of it behind."""
+    d = Dispatcher(queue())
+    d.add_worker(b"a", capacity=1, now=NOW)
+    j = job("s", final=True)
+    d.submit([j], NOW)
+    d.dispatch(NOW)
+    d.remove_worker(b"a", NOW)
+    assert len(d.complete(b"a", [done(j)])) == 1
+    d.queue.push(j, NOW, front=True)
+    d._requeued.add(job_key(j))
+    assert d.complete(b"a", [done(j)]) == []
+    assert (len(d.queue), d._requeued) == (0, set())
+
+
+def _simulate(seed: int) -> None:
+    """One random run of an ingest and workers that die, register again, lose what their old
+    socket held and answer after they were given up on; then everything is served to the end."""
+    rng = random.Random(seed)
+    d = Dispatcher(queue())
+    now = NOW
+    waiting: dict[tuple[int, int], Job] = {}  # what the ingest still waits for
+    counted: dict[tuple[int, int], int] = {}  # answers the broker counts (forwarded EXPIRED or first result)
+    submitted: set[tuple[int, int]] = set()
+    ends: dict[str, int] = {}
+    segs: dict[str, int] = {}
+    held: dict[bytes, list[Job]] = {}  # what each worker process really holds, given up on or not
+    alive: set[bytes] = set()
+
+    def count(results: list[JobResult]) -> None:
+        for r in results:
+            counted[job_key(r)] = counted.get(job_key(r), 0) + 1
+            waiting.pop(job_key(r), None)
+
+    def new_job(stream: str) -> Job:
+        final = rng.random() < 0.25
+        ends[stream] = ends.get(stream, 0) + 8000
+        seg = segs.get(stream, 0)
+        if final:
+            segs[stream] = seg + 1
+        return job(stream, final=final, priority=rng.choice([REALTIME, BATCH]), deadline=now + rng.choice([0.5, 5, 50]),
+                   end=ends[stream], seg=seg, created=now)
+
+    def answer(ident: bytes, j: Job) -> None:
+        result = JobResult(job_id=j.job_id, ingest=j.ingest, status=OK, started=now, finished=now + 0.1, batch_size=1)
+        waiting.pop(job_key(j), None)  # results go straight to the ingest, which keeps the first
+        count(d.complete(ident, [result]))
+
+    def dispatch() -> bool:
+        sent, expired = d.dispatch(now)
+        count(expired)
+        for ident, jobs in sent.items():
+            held.setdefault(ident, []).extend(jobs)
+            assert len(d.workers[ident].inflight) <= d.workers[ident].capacity
+        return bool(sent or expired)
+
+    for _ in range(300):
+        now += rng.random() * 0.3
+        op = rng.random()
+        if op < 0.3:
+            jobs = [new_job(f"s{rng.randrange(6)}") for _ in range(rng.randrange(1, 4))]
+            for j in jobs:
+                waiting[job_key(j)] = j
+                submitted.add(job_key(j))
+            count(d.submit(jobs, now))
+        elif op < 0.35:  # the ingest reconnected: it re-sends all it waits for
+            count(d.submit([Job.from_wire(list(j.to_wire())) for j in waiting.values()], now))
+        elif op < 0.45:  # READY: a new worker, or one that reconnected and may have lost what its old socket held
+            ident = f"w{rng.randrange(4)}".encode()
+            count(d.add_worker(ident, rng.randrange(1, 4), now))
+            alive.add(ident)
+            held[ident] = [j for j in held.get(ident, []) if rng.random() < 0.5]
+        elif op < 0.5 and alive:  # given up on, though it may still answer
+            ident = rng.choice(sorted(alive))
+            count(d.remove_worker(ident, now))
+            alive.discard(ident)
+        elif op < 0.75:
+            dispatch()
+        elif busy := [ident for ident, jobs in held.items() if jobs]:
+            ident = rng.choice(busy)
+            answer(ident, held[ident].pop(rng.randrange(len(held[ident]))))
+
+    count(d.add_worker(b"last", 4, now))
+    for _ in range(10_000):
+        now += 0.01
+        progressed = dispatch()
+        for ident, jobs in held.items():
+            while jobs:
+                answer(ident, jobs.pop())
+                progressed = True
+        if not progressed and not len(d.queue):
+            break
+    assert not waiting, f"seed {seed}: never answered {sorted(waiting)}"
+    assert all(counted.get(key) == 1 for key in submitted), \
+        f"seed {seed}: answered other than once {sorted((k, n) for k, n in counted.items() if n != 1)}"
+    assert (len(d.queue), d.inflight, d._since, d._requeued) == (0, 0, {}, set()), f"seed {seed}"
+
+
+def test_dispatcher_property_workers_dying_reconnecting_and_answering_late() -> None:
+    for seed in range(150):
+        _simulate(seed)
+
+
+def test_job_rows_with_badly_typed_fields_are_refused_one_by_one() -> None:
+    good = job("a", final=True)
+    rows = [list(good.to_wire()) for _ in range(6)]
+    rows[1][9] = "0"  # priority
+    rows[2][8] = 1  # final
+    rows[3][10] = None  # deadline
+    rows[4] = rows[4][:5]
+    rows[5][2] = b"a"  # stream
+    jobs, bad = wire.unpack_jobs_checked(wire.pack([*rows, "x"]))
+    assert jobs == [good]
+    assert [(b.job_id, b.field) for b in bad] == [(good.job_id, "priority"), (good.job_id, "final"), (good.job_id, "deadline"),
+                                                  (good.job_id, "row"), (good.job_id, "stream"), (None, "row")]
+    with pytest.raises(ValueError):
+        wire.unpack_jobs_checked(wire.pack({"jobs": rows}))
+
+
+def test_a_push_that_fails_leaves_the_queue_as_it_was() -> None:
+    """A job that does not compare with those queued (the wire checks keep such out) fails its
+    own push only: the queue still serves what it held and what comes after."""
+    d = Dispatcher(queue())
+    first, later = job("a", final=True), job("c", final=True)
+    partial = job("b")
+    d.submit([first, partial], NOW)
+    with pytest.raises(TypeError):
+        d.queue.push(job("b", priority="0", end=32_000), NOW)  # type: ignore[arg-type]
+    d.submit([later], NOW)
+    assert len(d.queue) == 3 and job_key(partial) in d.queue  # not superseded by the job that failed
+    d.add_worker(b"w", capacity=8, now=NOW)
+    sent, expired_ = d.dispatch(NOW)
+    assert sorted(j.job_id for j in sent[b"w"]) == sorted(j.job_id for j in (first, partial, later)) and expired_ == []
+    assert (len(d.queue), d.queue.counts()) == (0, {REALTIME: 0, BATCH: 0})
+
+
 def test_superseding_partial_keeps_the_streams_place_in_line() -> None:
     """A stream whose partials keep being replaced must not be starved by streams that wait quietly."""
     q = queue()
@@ -361,6 +521,21 @@ def test_saved_figures_come_back_for_the_same_model_only(tmp_path: Path) -> None
         assert broker.stream_share == 0.0
     finally:
         broker.close()
+
+
+@pytest.mark.parametrize("content", [
+    "[]", "null", "3", '"figures"',
+    '{"model": MODEL, "share": [0.1, 0.1], "decode_cost": [0.1, 0.1], "loaded_cost": [0, 0], "saved": "yesterday"}',
+    '{"model": MODEL, "share": [NaN, 0.1], "decode_cost": [0.1, 0.1], "loaded_cost": [0, 0], "saved": 0}',
+])
+def test_admission_figures_of_another_shape_are_unreadable_not_fatal(tmp_path: Path, content: str) -> None:
+    """Valid JSON that is not the figures' object (a hand edit, another tool's file) is skipped
+    with a warning like a torn file: the broker starts with no saved figures."""
+    cfg = settings.load(None, {"run_dir": str(tmp_path)})
+    (tmp_path / FILE).write_text(content.replace("MODEL", json.dumps(asdict(cfg.model))))
+    with capture_logs() as logs:
+        assert SavedFigures(cfg).load() is None
+    assert [e["event"] for e in logs] == ["broker.admission_figures_unreadable"]
 
 
 def _speaking(streams: set[str], partials_each: int = 2, seconds: float = 1.0, partial_s: float = 0.1,

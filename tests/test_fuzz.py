@@ -77,13 +77,11 @@ def expect_ingest(frames: list[bytes], limits: m.Limits) -> str | None:
         msg = m.decode_client(frames, limits)
     except m.ProtocolError as exc:
         return exc.code
-    if isinstance(msg, m.Hello):
-        return "welcome"
     if isinstance(msg, m.Open):
         return None  # a valid open opens a stream: not hostile, and it would change the expectations
     if isinstance(msg, (m.Audio, m.End)):
         return m.UNKNOWN_STREAM
-    return m.BAD_MESSAGE  # status belongs to the front door
+    return m.BAD_MESSAGE  # hello and status belong to the front door
 
 
 def expect_front(frames: list[bytes], limits: m.Limits) -> str:

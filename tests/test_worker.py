@@ -19,6 +19,7 @@ from broker import jobs as wire
 from broker.jobs import FAILED, OK, REALTIME, Job, JobResult
 from config import settings
 from shm import RingPool, reclaim
+from shm.ring import Ring
 from speech.backend import Backend, DecodeRequest, DecodeResult
 from speech.null_backend import NullBackend
 from workers.worker import Worker, _ResultLinks
@@ -130,18 +131,22 @@ def test_audio_overwritten_during_decode_fails(pool: RingPool, worker: Worker) -
     assert result.status == FAILED and "overwritten" in (result.error or "")
 
 
+def segment_with_audio(name: str) -> tuple[RingPool, Ring]:
+    """An ingest's segment (new, or recreated after a restart) with 100 samples in its one ring."""
+    pool = RingPool.create(name, slots=1, capacity=1000)
+    ring = pool.acquire()
+    ring.write(np.zeros(100, dtype=np.float32))
+    return pool, ring
+
+
 def test_recreated_segment_is_reattached(worker: Worker) -> None:
     instance = f"test{uuid.uuid4().hex[:12]}"
     name = f"streamasr.{instance}.ingest0"
     try:
-        first = RingPool.create(name, slots=1, capacity=1000)
-        ring = first.acquire()
-        ring.write(np.zeros(100, dtype=np.float32))
+        first, ring = segment_with_audio(name)
         assert worker.process([job(first, 0, ring.generation, 0, 100)])[0].status == OK
         first.close()
-        second = RingPool.create(name, slots=1, capacity=1000)  # the ingest restarted
-        ring = second.acquire()
-        ring.write(np.zeros(100, dtype=np.float32))
+        second, ring = segment_with_audio(name)  # the ingest restarted
         assert worker.process([job(second, 0, ring.generation, 0, 100)])[0].status == OK
         second.close()
     finally:
@@ -176,3 +181,22 @@ def test_results_go_to_their_own_ingest_and_a_gone_one_is_reported() -> None:
         ingest1.close(linger=0)
         ctx.term()
         shutil.rmtree(run, ignore_errors=True)
+
+
+def test_failed_reattach_is_retried_on_the_next_job(worker: Worker) -> None:
+    instance = f"test{uuid.uuid4().hex[:12]}"
+    name = f"streamasr.{instance}.ingest0"
+    try:
+        first, ring = segment_with_audio(name)
+        assert worker.process([job(first, 0, ring.generation, 0, 100)])[0].status == OK
+        gone = ring.generation
+        first.close()
+        first.unlink()  # the ingest stopped: the re-attach for the next job fails
+        [missing] = worker.process([job(first, 0, gone + 5, 0, 100, 2)])
+        assert missing.status == FAILED and "audio unavailable" in (missing.error or "")
+        second, ring = segment_with_audio(name)  # the ingest is back
+        results = worker.process([job(second, 0, ring.generation, 0, 100, 3 + i) for i in range(2)])
+        assert [r.status for r in results] == [OK, OK], [r.error for r in results]
+        second.close()
+    finally:
+        reclaim(instance)

@@ -419,8 +419,12 @@ class Worker:
         pool = self._pools.get(job.shm)
         if pool is None or (not _holds(pool, job) and not pool.is_current()):
             if pool is not None:
+                # Uncached before the attach: one that fails (the segment is gone or half made)
+                # must not leave the closed pool to fail every later job of the segment.
+                del self._pools[job.shm]
                 pool.close()
-            pool = self._pools[job.shm] = RingPool.attach(job.shm)
+            pool = RingPool.attach(job.shm)
+            self._pools[job.shm] = pool
         if not 0 <= job.slot < pool.slots:
             raise AudioUnavailable(f"slot {job.slot} outside pool {job.shm} of {pool.slots} slots")
         ring = pool.ring(job.slot)
