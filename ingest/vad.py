@@ -1,9 +1,10 @@
 """Silero VAD v5 over many streams at once, with onnxruntime.
 
-The graph (Silero's 16 kHz branch, rewritten for batches in `vad_graph`) takes `input`
-(B, 64 + 512): each 32 ms chunk behind the last 64 samples of the stream's previous chunk, and
-`state` (2, B, 128); it returns `output` (B, 1), the speech probability, and `stateN`. Running
-every stream's chunk in one call keeps per-call overhead from scaling with the number of streams.
+The graph (Silero's 16 kHz branch, rewritten in `vad_graph`) classifies every waiting chunk of
+every stream in one call: each 32 ms chunk behind the last 64 samples before it, the model
+state of each stream, and which chunks are whose (see `vad_graph.batched_graph`). Per-call
+overhead then scales neither with the number of streams nor with how many chunks each has
+waiting (three for a 100 ms frame).
 """
 
 from __future__ import annotations
@@ -42,40 +43,48 @@ def vad_session(graph: bytes | str, threads: int = 1) -> ort.InferenceSession:
 
 
 class VadBank:
-    """Silero VAD state for many streams; one onnxruntime call per tick for every stream with
-    a full chunk (batching keeps VAD from eating the model's cores)."""
+    """Silero VAD state for many streams; one onnxruntime call for every chunk waiting, of every
+    stream (batching keeps VAD from eating the model's cores).
 
-    def __init__(self, threads: int = 1, model: Path = MODEL_PATH) -> None:
-        try:
-            graph: bytes | str = batched_graph(model, SAMPLE_RATE, CONTEXT + CHUNK, STATE)
-        except UnexpectedGraph as exc:  # a Silero release laid out otherwise: slower, but the ingest runs
-            log.warning("ingest.vad_graph_not_rewritten", model=str(model), reason=str(exc))
-            graph = str(model)
+    `rewrite=False` runs Silero's graph as it ships, a call per chunk of a stream, which is what
+    a Silero release the rewrite does not recognise gets; scripts/vad_cost.py compares the two.
+    """
+
+    def __init__(self, threads: int = 1, model: Path = MODEL_PATH, rewrite: bool = True) -> None:
+        graph: bytes | str = str(model)
+        if rewrite:
+            try:
+                graph = batched_graph(model, SAMPLE_RATE, CONTEXT + CHUNK, STATE)
+            except UnexpectedGraph as exc:  # a Silero release laid out otherwise: slower, but the ingest runs
+                log.warning("ingest.vad_graph_not_rewritten", model=str(model), reason=str(exc))
         self._session = vad_session(graph, threads)
         # the shipped graph takes the rate as an input; the rewritten one is for 16 kHz only
         inputs = {i.name for i in self._session.get_inputs()}
         self._rate = {"sr": np.array(SAMPLE_RATE, np.int64)} if "sr" in inputs else {}
+        self._sequences = "lengths" in inputs  # the rewrite takes a stream's chunks together; Silero's own graph one at a time
         self._rows: dict[str, int] = {}  # stream key -> row in the per-stream arrays
         self._state = np.zeros((8, 2, STATE), dtype=np.float32)
         self._context = np.zeros((8, CONTEXT), dtype=np.float32)
-        self._seen = np.zeros(8, dtype=np.int64)  # last call a row took part in: catches duplicates
         self._free = list(range(7, -1, -1))
-        self._tick = 0
         self._grow_batch(8)
 
     def _grow_streams(self) -> None:
         old = len(self._state)
         state = np.zeros((2 * old, 2, STATE), dtype=np.float32)
         context = np.zeros((2 * old, CONTEXT), dtype=np.float32)
-        seen = np.zeros(2 * old, dtype=np.int64)
-        state[:old], context[:old], seen[:old] = self._state, self._context, self._seen
-        self._state, self._context, self._seen = state, context, seen
+        state[:old], context[:old] = self._state, self._context
+        self._state, self._context = state, context
         self._free.extend(range(2 * old - 1, old - 1, -1))
 
     def _grow_batch(self, capacity: int) -> None:
         self._input = np.zeros((capacity, CONTEXT + CHUNK), dtype=np.float32)
         self._state_in = np.zeros(2 * capacity * STATE, dtype=np.float32)
-        self._index = np.zeros(capacity, dtype=np.intp)
+        self._index = np.zeros(capacity, dtype=np.intp)  # per stream of a call: its row in the per-stream arrays
+        self._first = np.zeros(capacity, dtype=np.intp)  # per stream of a call: its first chunk's place in the batch
+        self._lengths = np.zeros(capacity, dtype=np.int32)  # per stream of a call: its chunks
+        self._order = np.zeros(capacity, dtype=np.intp)  # the call's chunks, each stream's together
+        self._identity = np.arange(capacity, dtype=np.int64)
+        self._ones = np.ones(capacity, dtype=np.int32)  # the lengths of a call of one chunk per stream
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -98,8 +107,8 @@ class VadBank:
         self._free.append(self._rows.pop(key))
 
     def process(self, keys: Sequence[str], chunks: Sequence[np.ndarray]) -> np.ndarray:
-        """Speech probability of each stream's chunk of CHUNK samples (`keys[i]`'s is `chunks[i]`),
-        advancing each stream's state."""
+        """Speech probability of each chunk of CHUNK samples (`keys[i]`'s is `chunks[i]`),
+        advancing each stream's state; a stream may have several chunks, taken in the order given."""
         n = len(chunks)
         if len(keys) != n:
             raise ValueError(f"{len(keys)} keys for {n} chunks")
@@ -107,25 +116,58 @@ class VadBank:
             return np.zeros(0, dtype=np.float32)
         if n > len(self._input):
             self._grow_batch(max(n, 2 * len(self._input)))
-        self._tick += 1
-        index = self._index[:n]
+        places: dict[str, list[int]] = {}
         for i, key in enumerate(keys):
-            chunk = chunks[i]
-            if len(chunk) != CHUNK:
-                raise ValueError(f"stream {key!r}: chunk of {len(chunk)} samples, expected {CHUNK}")
-            row = self._rows[key]
-            if self._seen[row] == self._tick:
-                raise ValueError(f"stream {key!r} appears twice in one VAD call")
-            self._seen[row] = self._tick
-            index[i] = row
-        batch = self._input[:n]
-        np.stack(chunks, out=batch[:, CONTEXT:], casting="same_kind")
-        np.take(self._context, index, axis=0, out=batch[:, :CONTEXT], mode="clip")
-        state = self._state_in[: 2 * n * STATE].reshape(2, n, STATE)
+            if len(chunks[i]) != CHUNK:
+                raise ValueError(f"stream {key!r}: chunk of {len(chunks[i])} samples, expected {CHUNK}")
+            places.setdefault(key, []).append(i)
+        b = len(places)
+        index = self._index[:b]
+        batch = self._input[:n]  # a stream's chunks in consecutive rows, each behind the stream's samples before it
+        if b == n:  # one chunk per stream, as in most rounds: already in batch order
+            for j, key in enumerate(keys):
+                index[j] = self._rows[key]
+            np.stack(chunks, out=batch[:, CONTEXT:], casting="same_kind")
+            np.take(self._context, index, axis=0, out=batch[:, :CONTEXT], mode="clip")
+            probs = self._run(batch, index, self._ones[:n], self._identity[:n], self._identity[:n])
+            self._context[index] = batch[:, -CONTEXT:]
+            return probs
+        first, lengths, order = self._first[:b], self._lengths[:b], self._order[:n]
+        at = 0
+        for j, (key, mine) in enumerate(places.items()):
+            index[j], first[j], lengths[j] = self._rows[key], at, len(mine)
+            order[at : at + len(mine)] = mine
+            at += len(mine)
+        np.stack([chunks[i] for i in order], out=batch[:, CONTEXT:], casting="same_kind")
+        batch[1:, :CONTEXT] = batch[:-1, -CONTEXT:]
+        batch[first, :CONTEXT] = self._context[index]
+        probs = np.empty(n, dtype=np.float32)
+        if self._sequences:
+            steps = int(lengths.max())
+            slots = (first[:, None] + np.minimum(np.arange(steps), lengths[:, None] - 1)).ravel()
+            rows = np.repeat(np.arange(b) * steps - first, lengths) + self._identity[:n]
+            probs[order] = self._run(batch, index, lengths, slots, rows)
+        else:  # Silero's graph: one call per step, each stream's k-th chunks together
+            for k in range(int(lengths.max())):
+                going = lengths > k
+                probs[order[first[going] + k]] = self._run(batch[first[going] + k], index[going])
+        self._context[index] = batch[first + lengths - 1, -CONTEXT:]
+        return probs
+
+    def _run(self, batch: np.ndarray, index: np.ndarray, lengths: np.ndarray | None = None,
+             slots: np.ndarray | None = None, rows: np.ndarray | None = None) -> np.ndarray:
+        """One graph call for the streams in rows `index` of the per-stream arrays, whose chunks
+        are `batch` (for the rewritten graph several per stream: `lengths`, `slots` and `rows` as
+        in `vad_graph.batched_graph`); their states are advanced and the chunks' probabilities
+        returned."""
+        b = len(index)
+        state = self._state_in[: 2 * b * STATE].reshape(2, b, STATE)
         np.take(self._state, index, axis=0, out=state.transpose(1, 0, 2), mode="clip")
-        prob, state_out = self._session.run(None, {"input": batch, "state": state, **self._rate})
+        feed = {"input": batch, "state": state, **self._rate}
+        if self._sequences:
+            feed |= {"lengths": lengths, "slots": slots, "rows": rows}
+        prob, state_out = self._session.run(None, feed)
         self._state[index] = state_out.transpose(1, 0, 2)
-        self._context[index] = batch[:, -CONTEXT:]
         return prob[:, 0]
 
 
@@ -137,9 +179,8 @@ class VadRunner:
     frames, sending jobs and answering results, instead of holding all of them behind it.
 
     One round in flight at a time, holding every chunk due: a stream may have several, in order,
-    and the thread classifies them in layers (the first chunk of each stream in one batched call,
-    then the second...), since a chunk's state depends on the previous one. So however few rounds
-    a busy loop starts, each catches the VAD up. The loop `submit`s a round, polls `signal` and
+    and the bank classifies them all in one call. So however few rounds a busy loop starts, each
+    catches the VAD up. The loop `submit`s a round, polls `signal` and
     `take`s the probabilities when it is readable. Streams are added and removed only between
     rounds: the bank's arrays are the thread's while a round runs.
 
@@ -210,25 +251,11 @@ class VadRunner:
     def _serve(self) -> None:
         while (round_ := self._rounds.get()) is not None:
             try:
-                self._probs = self._classify(*round_)
+                self._probs = self._bank.process(*round_)
             except BaseException as exc:  # handed to the loop, which owns error handling
                 self._probs = exc
             self._done.send(b"")
         self._done.close(linger=0)
-
-    def _classify(self, keys: list[str], chunks: list[np.ndarray]) -> np.ndarray:
-        """Probabilities in the order of `chunks`, one batched call per layer."""
-        layers: list[list[int]] = []  # layer -> positions in the round
-        depth: dict[str, int] = {}
-        for i, key in enumerate(keys):
-            d = depth[key] = depth.get(key, -1) + 1
-            if d == len(layers):
-                layers.append([])
-            layers[d].append(i)
-        probs = np.empty(len(chunks), dtype=np.float32)
-        for layer in layers:
-            probs[layer] = self._bank.process([keys[i] for i in layer], [chunks[i] for i in layer])
-        return probs
 
     def close(self) -> None:
         self._rounds.put(None)

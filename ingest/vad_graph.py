@@ -6,13 +6,22 @@ small matrix product per batch row, with as many columns as frames, so a batch o
 cost as much per chunk as a batch of 8. Here the 16 kHz branch becomes the graph, and each
 convolution becomes one matrix product over the whole batch: the time slices its taps read are
 concatenated into rows of (batch × frames) and multiplied by the kernel laid out as a matrix.
-The `If`s inside, on shapes a chunk fixes, are replaced by the branches they take. The weights
-and every other node are Silero's; outputs agree with the shipped graph's to float rounding
-(tests/test_vad.py).
+The `If`s inside, on shapes a chunk fixes, are replaced by the branches they take.
+
+The graph also takes several consecutive chunks of a stream in one call. Silero runs each chunk
+through a convolutional front end and then one step of an LSTM; only the LSTM carries anything
+from one chunk to the next. So every chunk of a call goes through the front end as one batch,
+the LSTM runs each stream's chunks as a sequence (its `sequence_lens` are the streams' chunk
+counts), and the decoder reads every step's output. A stream that sends 100 ms frames has three
+chunks to classify per frame: one call instead of three calls one after another.
+
+The weights and every other node are Silero's; outputs agree with the shipped graph's, run a
+chunk at a time, to float rounding (tests/test_vad.py).
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +35,15 @@ class UnexpectedGraph(RuntimeError):
 
 
 def batched_graph(path: Path, rate: int, frame: int, state: int) -> bytes:
-    """The serialized graph for `rate` with convolutions as batch-wide matrix products.
+    """The serialized graph for `rate` with convolutions as batch-wide matrix products, over
+    sequences of chunks.
 
-    Inputs `input` (B, frame) and `state` (2, B, state); outputs `output` (B, 1) and `stateN`.
+    Inputs: `input` (N, frame), the N chunks of a call, each stream's together and in order, each
+    behind the samples of the stream before it; `state` (2, B, state) of the call's B streams;
+    `lengths` (B,) int32, their chunk counts; with L the largest, `slots` (B * L,) int64, the
+    chunk at each stream's step (any chunk where a stream has fewer), and `rows` (N,) int64, each
+    chunk's place in those steps. Outputs `output` (N, 1) and `stateN` (2, B, state), each
+    stream's state after its last chunk.
     """
     model = _inline_fixed_branches(_one_rate(onnx.load(str(path)), rate), frame, state)
     lengths = _conv_input_lengths(model, frame, state)
@@ -41,8 +56,111 @@ def batched_graph(path: Path, rate: int, frame: int, state: int) -> bytes:
             nodes.append(node)
     del model.graph.node[:]
     model.graph.node.extend(_without_unused_constants(nodes, [o.name for o in model.graph.output]))
+    _over_sequences(model)
     onnx.checker.check_model(model)
     return model.SerializeToString()
+
+
+def _over_sequences(model: onnx.ModelProto) -> None:
+    """Feed the LSTM every stream's chunks as one sequence, and the decoder every step's output.
+
+    Before: the front end's features (B, H) -> Unsqueeze -> LSTM (one step) -> last hidden state
+    -> decoder, and -> `stateN`. After: features (N, H) -> Gather `slots` -> (B, L, H) -> (L, B, H)
+    -> LSTM over `lengths` steps; its output (L, 1, B, H) -> (B * L, H) -> Gather `rows` -> (N, H)
+    -> decoder. The last hidden and cell states still make `stateN`.
+    """
+    graph = model.graph
+    lstms = [node for node in graph.node if node.op_type == "LSTM"]
+    if len(lstms) != 1:
+        raise UnexpectedGraph(f"expected one LSTM, found {len(lstms)}")
+    lstm = lstms[0]
+    attrs = {a.name: helper.get_attribute_value(a) for a in lstm.attribute}
+    if attrs.get("direction", b"forward") not in (b"forward", "forward") or attrs.get("layout", 0) != 0 \
+            or len(lstm.input) < 7 or lstm.input[4] or len(lstm.output) < 2:
+        raise UnexpectedGraph("expected a forward LSTM, sequence first, with initial states and no sequence lengths")
+    hidden = int(attrs["hidden_size"])
+    producer = {out: node for node in graph.node for out in node.output}
+    readers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+    for node in graph.node:
+        for name in _reads(node):
+            readers[name].append(node)
+    step = producer.get(lstm.input[0])
+    if step is None or step.op_type != "Unsqueeze" or len(readers[step.output[0]]) != 1:
+        raise UnexpectedGraph("expected the LSTM's input to be the features with a time axis added")
+    decoder, hidden_in = _decoder_entry(lstm.output[1], readers, [o.name for o in graph.output])
+
+    made: list[onnx.NodeProto] = []
+
+    def const(name: str, value: list[int]) -> str:
+        made.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.asarray(value, np.int64), name)))
+        return name
+
+    def add(op: str, inputs: list[str], output: str, **kw: object) -> str:
+        made.append(helper.make_node(op, inputs, [output], **kw))
+        return output
+
+    streams = add("Slice", [add("Shape", ["state"], "seq/state_shape"), const("seq/one", [1]), const("seq/two", [2])], "seq/streams")
+    by_stream = add("Concat", [streams, const("seq/steps_hidden", [-1, hidden])], "seq/by_stream", axis=0)
+    steps = add("Gather", [step.input[0], "slots"], "seq/steps", axis=0)  # (B * L, H)
+    sequences = add("Transpose", [add("Reshape", [steps, by_stream], "seq/per_stream")], "seq/time_first", perm=[1, 0, 2])
+    outputs = add("Transpose", [add("Squeeze", [lstm.output[0], const("seq/direction", [1])], "seq/outputs")], "seq/stream_first",
+                  perm=[1, 0, 2])  # (B, L, H)
+    flat = add("Reshape", [outputs, const("seq/rows_hidden", [-1, hidden])], "seq/flat")
+    per_chunk = add("Gather", [flat, "rows"], "seq/per_chunk", axis=0)  # (N, H), as the features were
+    decoder.input[list(decoder.input).index(hidden_in)] = per_chunk
+    lstm.input[0], lstm.input[4] = sequences, "lengths"
+    nodes = [node for node in graph.node if node is not step]
+    del graph.node[:]
+    graph.node.extend(_topological(_without_unused_constants(made + nodes, [o.name for o in graph.output])))
+    int64 = onnx.TensorProto.INT64
+    graph.input.extend([helper.make_tensor_value_info("lengths", onnx.TensorProto.INT32, ["streams"]),
+                        helper.make_tensor_value_info("slots", int64, ["steps"]),
+                        helper.make_tensor_value_info("rows", int64, ["chunks"])])
+
+
+def _decoder_entry(hidden: str, readers: dict[str, list[onnx.NodeProto]], outputs: list[str]) -> tuple[onnx.NodeProto, str]:
+    """The node where the LSTM's last hidden state enters the decoder, and the name it reads it
+    by: past the Squeeze and Identity nodes that pass it on, the one reader from which `output`
+    is reached but not `stateN`."""
+    name = hidden
+    while len(readers[name]) == 1 and readers[name][0].op_type in ("Squeeze", "Identity"):
+        name = readers[name][0].output[0]
+    reach = {node.name or id(node): _reaches(node, readers) for node in readers[name]}
+    entries = [node for node in readers[name] if reach[node.name or id(node)] & set(outputs) == {"output"}]
+    if len(entries) != 1 or not any("stateN" in r for r in reach.values()):
+        raise UnexpectedGraph("expected the LSTM's hidden state to feed the decoder and stateN apart")
+    return entries[0], name
+
+
+def _reaches(node: onnx.NodeProto, readers: dict[str, list[onnx.NodeProto]]) -> set[str]:
+    """Every tensor name downstream of `node`."""
+    seen: set[str] = set()
+    todo = list(node.output)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for reader in readers[name]:
+            todo.extend(reader.output)
+    return seen
+
+
+def _topological(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """`nodes` ordered so that each comes after what it reads (ONNX requires it)."""
+    made = {out for node in nodes for out in node.output}
+    done: set[str] = set()
+    ordered: list[onnx.NodeProto] = []
+    waiting = list(nodes)
+    while waiting:
+        ready = [node for node in waiting if all(name in done or name not in made for name in _reads(node))]
+        if not ready:
+            raise UnexpectedGraph("the rewritten graph has a cycle")
+        ids = {id(node) for node in ready}
+        waiting = [node for node in waiting if id(node) not in ids]
+        ordered.extend(ready)
+        done.update(out for node in ready for out in node.output)
+    return ordered
 
 
 def _one_rate(model: onnx.ModelProto, rate: int) -> onnx.ModelProto:

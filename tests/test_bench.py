@@ -51,6 +51,8 @@ def test_realtime_report_is_well_formed(tmp_path: Path) -> None:
     assert s["partials"] > 0 and s["finals"] >= 2
     assert s["finals_revised"] == 0  # the null model's finals say what its partials said
     check_latency(s["partial_latency_ms"])
+    check_latency(s["first_partial_latency_ms"])  # one per segment that had a partial, each with its final
+    assert s["first_partial_latency_ms"]["count"] <= min(s["partials"], s["finals"])
     check_latency(s["final_latency_ms"])
     check_latency(s["generator"]["send_lag_ms"])
     assert s["throughput"]["audio_s"] >= 2 * 5 and s["throughput"]["audio_s_per_s"] > 0
