@@ -1,4 +1,4 @@
-"""Reader for CTranslate2 `model.bin` files (binary format versions 3 to 6).
+"""Reader for CTranslate2 `model.bin` files (binary format versions 1 to 6).
 
 Layout (little endian), as written by ctranslate2.specs.model_spec.ModelSpec._serialize:
 
