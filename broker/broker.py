@@ -241,7 +241,9 @@ class Broker:
                 self._count(self.dispatcher.complete(ident, results), finals)
             elif kind == wire.LEAVING:
                 if link is not None:
-                    log.info("broker.worker_left", worker=ident.decode(errors="replace"), requeued=self._forget_worker(ident, now))
+                    # not a loss: what it hands back it never started, so those jobs did not harm it
+                    log.info("broker.worker_left", worker=ident.decode(errors="replace"),
+                             requeued=self._forget_worker(ident, now, lost=False))
             elif kind != wire.HEARTBEAT:
                 raise ValueError(f"unknown kind {kind[:16]!r}")
         except Exception as exc:
@@ -251,13 +253,15 @@ class Broker:
     def _lose_worker(self, ident: bytes, why: str, now: float) -> None:
         log.warning("broker.worker_lost", worker=ident.decode(errors="replace"), why=why, requeued=self._forget_worker(ident, now))
 
-    def _forget_worker(self, ident: bytes, now: float) -> int:
-        """Drop a worker that died or said goodbye; the jobs it held go back to the queue. Returns their number."""
+    def _forget_worker(self, ident: bytes, now: float, lost: bool = True) -> int:
+        """Drop a worker that died (`lost`) or said goodbye; the jobs it held go back to the queue
+        (but see Dispatcher.remove_worker: a job lost workers held too often is answered FAILED).
+        Returns how many it held."""
         worker = self.dispatcher.workers.get(ident)
         held = len(worker.inflight) if worker else 0
         self.worker_links.pop(ident, None)
         self._heartbeat_heard.discard(ident)
-        self._answer(self.dispatcher.remove_worker(ident, now))
+        self._answer(self.dispatcher.remove_worker(ident, now, lost=lost))
         self._figures_changed()
         return held
 

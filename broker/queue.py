@@ -1,8 +1,8 @@
 """The broker's dispatch logic, kept free of sockets so every rule can be tested directly.
 
 `JobQueue` orders waiting jobs; `Dispatcher` adds the workers: credit (how many jobs each may
-hold), in-flight tracking, re-queueing when a worker dies and de-duplication of the results that
-re-queueing can produce.
+hold), in-flight tracking, re-queueing when a worker dies (up to a limit per job) and
+de-duplication of the results that re-queueing can produce.
 """
 
 from __future__ import annotations
@@ -13,11 +13,19 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from broker.jobs import BATCH, EXPIRED, REALTIME, Job, JobResult
+import structlog
+
+from broker.jobs import BATCH, EXPIRED, FAILED, REALTIME, Job, JobResult
 from shm import SAMPLE_RATE
+
+log = structlog.get_logger()
 
 JobKey = tuple[int, int]  # (ingest, job_id): job ids are unique only within one ingest
 StreamKey = tuple[int, str]  # (ingest, stream)
+# Workers lost while holding one job before it is answered FAILED instead of re-queued: a job
+# whose audio crashes or hangs the model would otherwise take down every worker in turn. Two,
+# so one unrelated crash (or a batch shared with such a job) does not fail a job by itself.
+MAX_WORKER_LOSSES = 2
 
 
 def job_key(job: Job | JobResult) -> JobKey:
@@ -215,6 +223,8 @@ class Dispatcher:
     result returns one credit. Jobs of a worker that dies go back to the front of the queue. The
     first worker may still answer after all, so for re-queued jobs the broker remembers which
     were answered and counts one answer per job (the ingest likewise keeps the first result).
+    A job held by MAX_WORKER_LOSSES workers that were lost is answered FAILED instead: it may be
+    what kills them. Workers that leave cleanly or register again are not counted.
     """
 
     def __init__(self, queue: JobQueue, remember: int = 65_536) -> None:
@@ -223,6 +233,7 @@ class Dispatcher:
         self.jobs_done = 0
         self.expired = 0
         self._requeued: set[JobKey] = set()  # jobs that may be answered twice
+        self._losses: dict[JobKey, int] = {}  # unanswered jobs: workers lost while holding each
         self._answered: OrderedDict[JobKey, None] = OrderedDict()  # answered re-queued jobs
         self._remember = remember
         self._waited = 0.0  # longest queue wait of a realtime job answered since realtime_wait()
@@ -277,25 +288,47 @@ class Dispatcher:
                    cost: tuple[float, float] | None = None) -> list[JobResult]:
         """Register a (re)connected worker; whatever it held before is re-queued because a READY
         means it started afresh or its socket was replaced and queued messages may be lost."""
-        answers = self.remove_worker(ident, now) if ident in self.workers else []
+        # Not a loss: the same process (the identity holds its pid) replaced its socket, it did not die.
+        answers = self.remove_worker(ident, now, lost=False) if ident in self.workers else []
         self.workers[ident] = WorkerState(ident=ident, capacity=max(1, capacity), pid=pid, model=model, cost=cost)
         return answers
 
-    def remove_worker(self, ident: bytes, now: float) -> list[JobResult]:
-        """Forget a dead worker; its in-flight jobs go back to the front of the queue."""
+    def remove_worker(self, ident: bytes, now: float, lost: bool = True) -> list[JobResult]:
+        """Forget a worker; its in-flight jobs go back to the front of the queue.
+
+        `lost`: it died or stopped answering (silent, unreachable), rather than leaving cleanly
+        (BYE: it hands back jobs it never started) or registering again. Each job a lost worker
+        held counts one loss; a job at MAX_WORKER_LOSSES is answered FAILED, not re-queued.
+        """
         worker = self.workers.pop(ident, None)
         if worker is None:
             return []
         answers: list[JobResult] = []
+        failed: list[JobResult] = []
         for key, job in worker.inflight.items():
             self._since.pop(key, None)
             if key in self._answered:
                 # Another copy (a worker given up on that answered late, or an EXPIRED) answered
                 # it already: running it again would answer the ingest twice.
                 continue
+            if lost:
+                losses = self._losses[key] = self._losses.get(key, 0) + 1
+                if losses >= MAX_WORKER_LOSSES:
+                    failed.append(self._give_up(job, losses, ident))
+                    continue
             self._requeued.add(key)
             answers += self.queue.push(job, now, front=True)
-        return self._answer(answers)
+        return self._answer(answers) + failed
+
+    def _give_up(self, job: Job, losses: int, ident: bytes) -> JobResult:
+        """FAILED for a job that went down with `losses` workers; a copy still running elsewhere
+        (a worker given up on may answer late) is then a duplicate."""
+        key = job_key(job)
+        log.warning("broker.job_given_up", job=job.job_id, ingest=job.ingest, stream=job.stream, final=job.final,
+                    workers_lost=losses, worker=ident.decode(errors="replace"))
+        self._mark_answered(key)
+        return JobResult(job_id=job.job_id, ingest=job.ingest, status=FAILED,
+                         error=f"held by {losses} workers that were lost while decoding it (it may crash or hang the model)")
 
     def dispatch(self, now: float) -> tuple[dict[bytes, list[Job]], list[JobResult]]:
         """Hand queued jobs to workers, each job to the worker with the most free credit.
@@ -341,6 +374,7 @@ class Dispatcher:
             if key in self._answered:
                 # A duplicate: no copy of the job may stay queued or remembered as due an answer.
                 self._requeued.discard(key)
+                self._losses.pop(key, None)
                 self.queue.remove(key)
                 continue
             if key in self._requeued:
@@ -348,6 +382,7 @@ class Dispatcher:
                 # when it answers.
                 self.queue.remove(key)
                 self._mark_answered(key)
+            self._losses.pop(key, None)
             first.append(result)
         self.jobs_done += len(first)
         return first
@@ -361,6 +396,7 @@ class Dispatcher:
     def _forget(self, jobs: list[Job]) -> list[Job]:
         for job in jobs:
             self._requeued.discard(job_key(job))
+            self._losses.pop(job_key(job), None)
         return jobs
 
     def _answer(self, answers: list[JobResult]) -> list[JobResult]:
@@ -369,11 +405,13 @@ class Dispatcher:
             key = job_key(result)
             if key in self._requeued:
                 self._mark_answered(key)
+            self._losses.pop(key, None)
         self.expired += len(answers)
         return answers
 
     def _mark_answered(self, key: JobKey) -> None:
         self._requeued.discard(key)
+        self._losses.pop(key, None)
         self._answered[key] = None
         if len(self._answered) > self._remember:
             self._answered.popitem(last=False)

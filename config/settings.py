@@ -119,6 +119,10 @@ class BrokerConfig:
 @dataclass(frozen=True)
 class WorkerConfig:
     processes: int = 0  # 0 = one per CPU core
+    # A backend call running this long is taken as hung (a native deadlock, a GPU hang): the
+    # worker logs `worker.stuck` and exits, so its jobs go to another worker and supervisord
+    # starts a new one. Far above any real batch (a tiny.en final takes ~0.35 s on CPU); 0 = never.
+    stuck_after_s: float = setting(60.0)
 
 
 @dataclass(frozen=True)

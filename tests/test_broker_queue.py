@@ -13,9 +13,9 @@ from structlog.testing import capture_logs
 
 from broker import jobs as wire
 from broker.figures import FILE, SAVE_EVERY_S, Figures, SavedFigures
-from broker.jobs import BATCH, EXPIRED, OK, REALTIME, Job, JobResult
+from broker.jobs import BATCH, EXPIRED, FAILED, OK, REALTIME, Job, JobResult
 from broker.broker import Broker, _decode_cost
-from broker.queue import Dispatcher, JobQueue, RealtimeUse, job_key
+from broker.queue import MAX_WORKER_LOSSES, Dispatcher, JobQueue, RealtimeUse, job_key
 from config import settings
 
 NOW = 1000.0
@@ -299,9 +299,101 @@ def test_late_duplicate_answer_clears_a_queued_copy() -> None:
     assert (len(d.queue), d._requeued) == (0, set())
 
 
+def _held_by_new_worker(d: Dispatcher, ident: bytes, j: Job) -> None:
+    d.add_worker(ident, capacity=1, now=NOW)
+    assert [x.job_id for x in d.dispatch(NOW)[0][ident]] == [j.job_id]
+
+
+def test_a_job_whose_workers_keep_being_lost_is_failed_not_requeued() -> None:
+    """A job whose audio crashes or hangs the model would take every worker down in turn: after
+    MAX_WORKER_LOSSES workers lost while holding it, it is answered FAILED and runs no more."""
+    assert MAX_WORKER_LOSSES == 2
+    d = Dispatcher(queue())
+    poison, other = job("p", final=True), job("q", final=True)
+    d.submit([poison], NOW)
+    _held_by_new_worker(d, b"a", poison)
+    assert d.remove_worker(b"a", NOW) == []  # the first loss: re-queued, as for any dead worker
+    assert job_key(poison) in d.queue
+    _held_by_new_worker(d, b"b", poison)
+    with capture_logs() as logs:
+        [failed] = d.remove_worker(b"b", NOW)
+    assert (failed.job_id, failed.ingest, failed.status) == (poison.job_id, poison.ingest, FAILED)
+    assert failed.error == "held by 2 workers that were lost while decoding it (it may crash or hang the model)"
+    assert [(e["event"], e["log_level"], e["job"], e["workers_lost"]) for e in logs] == \
+        [("broker.job_given_up", "warning", poison.job_id, 2)]
+    assert len(d.queue) == 0 and d.expired == 0  # not counted as expired: it was tried, and failed
+    # A worker given up on answers after all: the ingest has its answer already, this is a duplicate.
+    assert d.complete(b"a", [done(poison)]) == []
+    assert (d._losses, d._requeued) == ({}, set())
+    # Other jobs are unaffected: a job's count is its own.
+    d.submit([other], NOW)
+    _held_by_new_worker(d, b"c", other)
+    assert d.remove_worker(b"c", NOW) == [] and job_key(other) in d.queue
+
+
+def test_a_clean_leave_or_a_new_socket_is_not_a_loss() -> None:
+    """A worker that says BYE hands back jobs it never started, and one that registers again
+    replaced its socket, not its process: neither says anything about the jobs it held."""
+    d = Dispatcher(queue())
+    j = job("s", final=True)
+    d.submit([j], NOW)
+    _held_by_new_worker(d, b"a", j)
+    assert d.remove_worker(b"a", NOW, lost=False) == []  # BYE
+    _held_by_new_worker(d, b"b", j)
+    assert d.add_worker(b"b", capacity=1, now=NOW) == []  # READY again on a new socket
+    assert d._losses == {} and job_key(j) in d.queue
+    assert [x.job_id for x in d.dispatch(NOW)[0][b"b"]] == [j.job_id]
+    assert d.remove_worker(b"b", NOW) == []  # the first real loss: re-queued
+    _held_by_new_worker(d, b"c", j)
+    assert d.remove_worker(b"c", NOW, lost=False) == []
+    _held_by_new_worker(d, b"d", j)
+    assert [(r.job_id, r.status) for r in d.remove_worker(b"d", NOW)] == [(j.job_id, FAILED)]  # the second
+
+
+def test_a_jobs_losses_are_forgotten_once_it_is_answered() -> None:
+    """Counts last until the job is answered, however: a result, an EXPIRED, a cancel. A job
+    asked for again afterwards starts from none, and nothing is left remembered."""
+    d = Dispatcher(queue())
+    j = job("s", final=True)
+    d.submit([j], NOW)
+    _held_by_new_worker(d, b"a", j)
+    d.remove_worker(b"a", NOW)
+    assert d._losses == {job_key(j): 1}
+    _held_by_new_worker(d, b"b", j)
+    assert len(d.complete(b"b", [done(j)])) == 1  # answered
+    assert d._losses == {}
+    d.remove_worker(b"b", NOW, lost=False)
+    d.submit([Job.from_wire(list(j.to_wire()))], NOW)  # asked again (its result was lost on the way)
+    _held_by_new_worker(d, b"c", j)
+    assert d.remove_worker(b"c", NOW) == []  # one loss since it was asked again: re-queued
+    assert job_key(j) in d.queue
+
+    # a re-queued partial superseded while it waits is answered EXPIRED: its count goes with it
+    d = Dispatcher(queue())
+    old = job("t", end=16_000)
+    d.submit([old], NOW)
+    _held_by_new_worker(d, b"a", old)
+    d.remove_worker(b"a", NOW)
+    assert d._losses == {job_key(old): 1}
+    assert [(a.job_id, a.status) for a in d.submit([job("t", end=32_000)], NOW)] == [(old.job_id, EXPIRED)]
+    assert d._losses == {}
+
+    # a cancelled stream's re-queued jobs are forgotten with their counts
+    d = Dispatcher(queue())
+    j = job("u", final=True)
+    d.submit([j], NOW)
+    _held_by_new_worker(d, b"a", j)
+    d.remove_worker(b"a", NOW)
+    assert d._losses == {job_key(j): 1}
+    assert d.cancel(j.ingest, [j.stream]) == [j]
+    assert (d._losses, d._requeued) == ({}, set())
+
+
 def _simulate(seed: int) -> None:
     """One random run of an ingest and workers that die, register again, lose what their old
-    socket held and answer after they were given up on; then everything is served to the end."""
+    socket held and answer after they were given up on, or leave cleanly; then everything is
+    served to the end. A job is answered FAILED exactly when the MAX_WORKER_LOSSES-th worker lost
+    while holding it goes."""
     rng = random.Random(seed)
     d = Dispatcher(queue())
     now = NOW
@@ -312,6 +404,7 @@ def _simulate(seed: int) -> None:
     segs: dict[str, int] = {}
     held: dict[bytes, list[Job]] = {}  # what each worker process really holds, given up on or not
     alive: set[bytes] = set()
+    losses: dict[tuple[int, int], int] = {}  # workers lost while holding each job not answered yet
 
     def count(results: list[JobResult]) -> None:
         for r in results:
@@ -356,9 +449,16 @@ def _simulate(seed: int) -> None:
             count(d.add_worker(ident, rng.randrange(1, 4), now))
             alive.add(ident)
             held[ident] = [j for j in held.get(ident, []) if rng.random() < 0.5]
-        elif op < 0.5 and alive:  # given up on, though it may still answer
+        elif op < 0.5 and alive:  # given up on, though it may still answer; or it says BYE
             ident = rng.choice(sorted(alive))
-            count(d.remove_worker(ident, now))
+            lost = op < 0.48
+            due = {key for key in d.workers[ident].inflight if key not in counted} if lost else set()
+            for key in due:
+                losses[key] = losses.get(key, 0) + 1
+            answers = d.remove_worker(ident, now, lost=lost)
+            assert {job_key(r) for r in answers if r.status == FAILED} == \
+                {key for key in due if losses[key] == MAX_WORKER_LOSSES}, f"seed {seed}"
+            count(answers)
             alive.discard(ident)
         elif op < 0.75:
             dispatch()
@@ -379,7 +479,7 @@ def _simulate(seed: int) -> None:
     assert not waiting, f"seed {seed}: never answered {sorted(waiting)}"
     assert all(counted.get(key) == 1 for key in submitted), \
         f"seed {seed}: answered other than once {sorted((k, n) for k, n in counted.items() if n != 1)}"
-    assert (len(d.queue), d.inflight, d._since, d._requeued) == (0, 0, {}, set()), f"seed {seed}"
+    assert (len(d.queue), d.inflight, d._since, d._requeued, d._losses) == (0, 0, {}, set(), {}), f"seed {seed}"
 
 
 def test_dispatcher_property_workers_dying_reconnecting_and_answering_late() -> None:

@@ -30,6 +30,7 @@ def test_the_embedded_default_and_its_file_agree() -> None:
     ({"ingest": {"admit_max_busy": 1.5}}, "ingest.admit_max_busy must be between 0 and 1, not 1.5"),
     ({"ingest": {"admit_max_realtime_streams": -1}}, "ingest.admit_max_realtime_streams must be 0 or more, not -1"),
     ({"vad": {"threshold": math.nan}}, "vad.threshold must be between 0 and 1, not nan"),
+    ({"workers": {"stuck_after_s": -1}}, "workers.stuck_after_s must be 0 or more, not -1"),
     ({"shm": 60}, "shm must be a table ([shm])"),
     ({"run_dir": 3}, "run_dir must be a string, not 3"),
     ({"ingest": {"adress": "tcp://127.0.0.1:7700"}}, "unknown config key ingest.adress"),
@@ -43,10 +44,11 @@ def test_a_value_that_cannot_work_names_its_key(overrides: dict[str, Any], messa
 def test_values_within_their_ranges_load_as_written(tmp_path: Path) -> None:
     path = tmp_path / "streamasr.toml"
     path.write_text('[model]\nmax_wait_ms = 2\nprecision = "int8"\npartial_precision = ""\n'
-                    "[vad]\nthreshold = 1.0\n[ingest]\nadmit_max_busy = 0\n[workers]\nprocesses = 0\n")
+                    "[vad]\nthreshold = 1.0\n[ingest]\nadmit_max_busy = 0\n[workers]\nprocesses = 0\nstuck_after_s = 0\n")
     cfg = settings.load(path)
     assert cfg.model.max_wait_ms == 2 and cfg.model.partials_precision == "int8"  # an integer where a number is asked
     assert (cfg.vad.threshold, cfg.ingest.admit_max_busy, cfg.workers.processes) == (1.0, 0, 0)
+    assert cfg.workers.stuck_after_s == 0 and Config().workers.stuck_after_s == 60.0  # 0: the watchdog is off
 
 
 def test_a_dumped_config_loads_back_the_same() -> None:

@@ -1,10 +1,14 @@
 """A worker's compute side in-process: audio from a real shm pool, the null backend, failures;
-and its result sockets to the ingests."""
+its result sockets to the ingests; and the watchdog that ends a worker stuck in its model."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +26,9 @@ from shm import RingPool, reclaim
 from shm.ring import Ring
 from speech.backend import Backend, DecodeRequest, DecodeResult
 from speech.null_backend import NullBackend
-from workers.worker import Worker, _ResultLinks
+from workers.worker import _PIPE, STOP, STUCK_EXIT_STATUS, Heartbeats, Watchdog, Worker, _ResultLinks
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -200,3 +206,150 @@ def test_failed_reattach_is_retried_on_the_next_job(worker: Worker) -> None:
         second.close()
     finally:
         reclaim(instance)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Exits:
+    """Stands in for os._exit: records the statuses the watchdog ends the process with."""
+
+    def __init__(self) -> None:
+        self.statuses: list[int] = []
+        self.at: list[float] = []  # time.monotonic() of each
+
+    def __call__(self, status: int) -> None:
+        self.statuses.append(status)
+        self.at.append(time.monotonic())
+
+
+def test_watchdog_fires_past_the_limit_for_a_call_that_runs_on(pool: RingPool) -> None:
+    clock, exits = Clock(), Exits()
+    dog = Watchdog(120.0, exit_process=exits, clock=clock)
+    jobs = [job(pool, 0, 1, 0, 100, 7), job(pool, 0, 1, 0, 100, 8)]
+    dog.begin(clock.now, jobs)
+    clock.now = 119.9
+    assert not dog.check() and exits.statuses == []  # long, but not past the limit
+    clock.now = 120.0
+    with capture_logs() as logs:
+        assert dog.check()
+    assert exits.statuses == [STUCK_EXIT_STATUS] and STUCK_EXIT_STATUS not in (0, 1)
+    assert [(e["event"], e["log_level"], e["seconds"], e["batch"], e["jobs"]) for e in logs] == \
+        [("worker.stuck", "error", 120.0, 2, [7, 8])]
+
+
+def test_watchdog_never_fires_for_calls_that_end_nor_when_off(pool: RingPool) -> None:
+    clock, exits = Clock(), Exits()
+    dog = Watchdog(120.0, exit_process=exits, clock=clock)
+    for _ in range(5):  # many batches, each well within the limit, back to back and apart
+        dog.begin(clock.now, [job(pool, 0, 1, 0, 100)])
+        clock.now += 100.0
+        assert not dog.check()
+        dog.end()
+        clock.now += 1000.0
+        assert not dog.check()
+    off = Watchdog(0.0, exit_process=exits, clock=clock)
+    off.begin(clock.now, [job(pool, 0, 1, 0, 100)])
+    clock.now += 1e9
+    assert not off.check()
+    assert exits.statuses == []
+
+
+def test_process_is_watched_for_the_length_of_its_backend_call(pool: RingPool, worker: Worker) -> None:
+    """Worker.process stamps the call it makes and clears the stamp however the call ends, so the
+    watchdog sees the decode and only the decode: one that returns or raises leaves it idle."""
+    ring = pool.acquire()
+    ring.write(np.zeros(1000, dtype=np.float32))
+    clock, exits = Clock(), Exits()  # process() stamps with time.monotonic(): the clock runs ahead of it
+    worker.watchdog = Watchdog(120.0, exit_process=exits, clock=clock)
+
+    class Hangs(Backend):
+        def transcribe_batch(self, requests: Sequence[DecodeRequest]) -> list[DecodeResult]:
+            clock.now = time.monotonic() + 121.0  # the IO thread ticks while the call is inside
+            worker.watchdog.check()
+            return [DecodeResult(text="late") for _ in requests]
+
+    class Quick(Backend):
+        def transcribe_batch(self, requests: Sequence[DecodeRequest]) -> list[DecodeResult]:
+            clock.now = time.monotonic() + 1.0
+            assert not worker.watchdog.check()
+            return [DecodeResult(text="x") for _ in requests]
+
+    for backend in (Quick(), Broken()):
+        worker.backend = backend
+        worker.process([job(pool, ring.slot, ring.generation, 0, 100)])
+        clock.now = time.monotonic() + 1000.0
+        assert not worker.watchdog.check()
+    assert exits.statuses == []
+    worker.backend = Hangs()
+    with capture_logs() as logs:
+        worker.process([job(pool, ring.slot, ring.generation, 0, 100, 41), job(pool, ring.slot, ring.generation, 0, 50, 42)])
+    assert exits.statuses == [STUCK_EXIT_STATUS]
+    assert [(e["batch"], e["jobs"]) for e in logs if e["event"] == "worker.stuck"] == [(2, [41, 42])]
+
+
+def test_the_io_thread_ends_a_worker_stuck_in_its_model(pool: RingPool, worker: Worker) -> None:
+    """The real IO thread runs the watchdog on its ticks while the main thread is inside a call:
+    decodes shorter than the limit pass, one that runs past it ends the process."""
+    ring = pool.acquire()
+    ring.write(np.zeros(1000, dtype=np.float32))
+    run = Path(tempfile.mkdtemp(prefix="sasr-"))  # short: ipc paths are limited to about 100 bytes
+    cfg = settings.load(None, {"run_dir": str(run), "instance": f"t{uuid.uuid4().hex[:8]}",
+                               "broker": {"heartbeat_ms": 40}, "workers": {"stuck_after_s": 0.5}})
+    exits = Exits()
+    worker.watchdog = Watchdog(cfg.workers.stuck_after_s, exit_process=exits)
+    ctx = zmq.Context()
+    pipe = ctx.socket(zmq.PAIR)
+    pipe.bind(_PIPE)
+    heartbeats = Heartbeats(ctx, cfg, b"worker-test", worker.watchdog)
+
+    class Sleeps(Backend):
+        def __init__(self, seconds: float) -> None:
+            self.seconds = seconds
+
+        def transcribe_batch(self, requests: Sequence[DecodeRequest]) -> list[DecodeResult]:
+            time.sleep(self.seconds)  # releases the GIL, as a native call does
+            return [DecodeResult(text="x") for _ in requests]
+
+    try:
+        heartbeats.start()
+        worker.backend = Sleeps(0.05)
+        for _ in range(5):
+            worker.process([job(pool, ring.slot, ring.generation, 0, 100)])
+        time.sleep(0.7)  # idle past the limit: nothing runs, nothing to watch
+        assert exits.statuses == []
+        worker.backend = Sleeps(1.5)
+        started = time.monotonic()
+        worker.process([job(pool, ring.slot, ring.generation, 0, 100, 99)])
+        assert exits.statuses[:1] == [STUCK_EXIT_STATUS]
+        assert 0.5 <= exits.at[0] - started < 1.5  # on a tick past the limit, while the call was inside
+    finally:
+        pipe.send(STOP)
+        heartbeats.join(5)
+        pipe.close(linger=0)
+        ctx.term()
+        shutil.rmtree(run, ignore_errors=True)
+    assert heartbeats.failed is None
+
+
+def test_a_stuck_worker_exits_at_once_with_its_own_status() -> None:
+    """The default exit: os._exit from the watching thread, whatever the main thread is doing,
+    with a status supervisord's log tells apart from a crash; the log line is out first."""
+    script = (
+        "import threading, time\n"
+        "from workers.worker import Watchdog\n"
+        "dog = Watchdog(5.0, clock=lambda: 10.0)\n"
+        "dog.begin(0.0, [])\n"
+        "threading.Thread(target=dog.check).start()\n"
+        "time.sleep(60)\n"  # the main thread, 'stuck'
+        "raise SystemExit(0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == STUCK_EXIT_STATUS, done.stderr
+    assert "worker.stuck" in done.stdout + done.stderr

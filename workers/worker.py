@@ -8,16 +8,20 @@ socket), with no hand-off between threads on a job's path and no detour through 
 IO thread owns a second socket, for heartbeats only (its identity is the job socket's plus
 `+hb`), so heartbeats keep flowing while a batch is inside the model (a call may take a second,
 longer than the broker's patience). When the broker falls silent the IO thread reconnects
-Paranoid-Pirate style and tells the main thread to register again.
+Paranoid-Pirate style and tells the main thread to register again. The IO thread is also the
+main thread's watchdog: heartbeats that outlive a hung backend call would keep its jobs held
+forever, so past `[workers] stuck_after_s` it ends the process (see Watchdog).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import structlog
@@ -45,6 +49,9 @@ REGISTER = b"REGISTER"  # IO -> main thread: the broker was silent and is back, 
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 2.0
 FLUSH_S = 1.0  # at shutdown, how long results may wait for the broker and the ingests
+# Exit status of a worker the watchdog ended: not 1 (crashed, or its IO thread failed), so
+# supervisord's log tells a hung model call from the other failures.
+STUCK_EXIT_STATUS = 3
 
 
 class AudioUnavailable(Exception):
@@ -60,15 +67,74 @@ def _dealer(ctx: zmq.Context, endpoint: str, identity: bytes) -> zmq.Socket:
     return sock
 
 
+def _exit_now(status: int) -> None:
+    """End the process without unwinding: a thread hung in native code cannot be joined, and
+    nothing it holds needs cleaning up (the broker re-queues its jobs, the shm is the ingests')."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed or broken stream must not keep the process alive
+            pass
+    os._exit(status)
+
+
+class Watchdog:
+    """Ends a worker whose backend call has run longer than `stuck_after_s` (0: never).
+
+    A hung native call (a deadlock in the runtime, a GPU hang) cannot be interrupted, and the IO
+    thread keeps heartbeating meanwhile: the broker would take the worker for alive and its jobs
+    would never be answered, stalling their streams. The main thread stamps each call's start
+    (`begin`) and clears it (`end`); the IO thread calls `check` on every tick and, past the
+    limit, logs `worker.stuck` and exits. Heartbeats stop with the process, so the broker
+    re-queues the jobs, and supervisord starts a new worker.
+    """
+
+    def __init__(self, stuck_after_s: float, exit_process: Callable[[int], object] = _exit_now,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.stuck_after_s = stuck_after_s
+        self._exit = exit_process
+        self._clock = clock
+        self._jobs: Sequence[Job] = ()
+        self._started: float | None = None  # start of the call in progress (None: none)
+
+    def begin(self, started: float, jobs: Sequence[Job]) -> None:
+        """Main thread, before a backend call (`started` on the watchdog's clock): two stores,
+        all the hot path pays. The jobs go first, so an IO thread that sees this start sees them too."""
+        self._jobs = jobs
+        self._started = started
+
+    def end(self) -> None:
+        """Main thread, after the call, however it ended."""
+        self._started = None
+
+    def check(self) -> bool:
+        """IO thread: fire if the call in progress has run past the limit. Returns whether it
+        fired (the exit function returns only in tests)."""
+        started = self._started
+        if started is None or self.stuck_after_s <= 0:
+            return False
+        seconds = self._clock() - started
+        if seconds < self.stuck_after_s:
+            return False
+        jobs = self._jobs
+        if self._started is not started:
+            return False  # the call returned meanwhile; `jobs` may be the next batch's
+        log.error("worker.stuck", seconds=round(seconds, 3), stuck_after_s=self.stuck_after_s, batch=len(jobs),
+                  jobs=[job.job_id for job in jobs], streams=[job.stream for job in jobs])
+        self._exit(STUCK_EXIT_STATUS)
+        return True
+
+
 class Heartbeats(threading.Thread):
     """The IO thread: heartbeats to and from the broker on a socket of their own, and reconnection.
 
     A broker that stays silent past its patience is gone or restarted (a new broker does not
     know this worker and sends it nothing): the socket is replaced, with backoff, and the main
-    thread told to send READY again on its job socket.
+    thread told to send READY again on its job socket. Every tick also runs the main thread's
+    watchdog, if given.
     """
 
-    def __init__(self, ctx: zmq.Context, cfg: Config, identity: bytes) -> None:
+    def __init__(self, ctx: zmq.Context, cfg: Config, identity: bytes, watchdog: Watchdog | None = None) -> None:
         super().__init__(name="broker-heartbeats", daemon=True)
         self._ctx = ctx
         self._endpoint = cfg.broker_worker_endpoint
@@ -77,6 +143,7 @@ class Heartbeats(threading.Thread):
         self._patience_s = self._interval_s * cfg.broker.liveness
         self._pipe = ctx.socket(zmq.PAIR)
         self._pipe.connect(_PIPE)
+        self._watchdog = watchdog
         self.failed: BaseException | None = None
 
     def run(self) -> None:
@@ -104,6 +171,8 @@ class Heartbeats(threading.Thread):
         while True:
             events = dict(poller.poll(self._interval_s / 2 * 1000))
             now = time.monotonic()
+            if self._watchdog is not None:
+                self._watchdog.check()  # first: the broker's state does not matter to a hung call
             if self._pipe in events and self._pipe.recv() == STOP:
                 if sock is not None:
                     sock.close(linger=0)
@@ -246,6 +315,7 @@ class Worker:
         self.decode_cost = [0.0, 0.0]  # seconds per partial, per final, measured by load()
         # Created here, published from run(): process() records into it when driven directly too.
         self.metrics = ProcessMetrics(cfg, f"worker-{index}")
+        self.watchdog = Watchdog(cfg.workers.stuck_after_s)
 
     def load(self) -> None:
         """Load and warm the model before announcing READY: the broker never waits on a load."""
@@ -293,7 +363,7 @@ class Worker:
         ctx = zmq.Context()
         pipe = ctx.socket(zmq.PAIR)
         pipe.bind(_PIPE)
-        heartbeats = Heartbeats(ctx, self.cfg, self.identity.encode())
+        heartbeats = Heartbeats(ctx, self.cfg, self.identity.encode(), self.watchdog)
         with StopSignal() as stop:
             heartbeats.start()
             log.info("worker.started", worker=self.identity, capacity=self.capacity)
@@ -379,6 +449,7 @@ class Worker:
         if not requests:
             return results
         started = time.monotonic()
+        self.watchdog.begin(started, [job for job, _ in taken])
         try:
             decoded = self.backend.transcribe_batch(requests)
             if len(decoded) != len(requests):
@@ -387,6 +458,8 @@ class Worker:
             self.metrics.inc("errors_total", len(taken), code=INTERNAL)
             log.exception("worker.batch_failed", batch=len(requests))
             return results + [_answer(job, FAILED, self.identity, f"backend error: {exc!r}") for job, _ in taken]
+        finally:
+            self.watchdog.end()
         finished = time.monotonic()
         self._record(taken, finished - started)
         for (job, ring), out in zip(taken, decoded):
