@@ -364,9 +364,10 @@ class Broker:
 
     def _count(self, results: list[JobResult], finals: AbstractSet[JobKey] = frozenset()) -> None:
         """Count answered jobs. `finals` names the final jobs among a worker's (looked up in its
-        credit); every other answer is a partial, since the queue never expires a final. A late
-        answer from a worker already declared lost is not in its credit any more and counts as a
-        partial: rare, and only the `kind` label is off.
+        credit); every other answer is a partial, since the queue never expires a final. Three
+        rare answers count as partials whatever they are, only their `kind` label off: a late
+        answer from a worker already declared lost (no longer in its credit), a job row the
+        broker refused, and a job it gave up on after losing its workers.
         """
         for result in results:
             kind = "final" if job_key(result) in finals else "partial"
