@@ -48,6 +48,22 @@ def done(j: Job, status: int = OK) -> JobResult:
     return JobResult(job_id=j.job_id, ingest=j.ingest, status=status, text="x")
 
 
+def _held_by_new_worker(d: Dispatcher, ident: bytes, j: Job) -> None:
+    d.add_worker(ident, capacity=1, now=NOW)
+    assert [x.job_id for x in d.dispatch(NOW)[0][ident]] == [j.job_id]
+
+
+def requeued_final(worker: bytes) -> tuple[Dispatcher, Job]:
+    """A dispatcher whose one job, a final, went to `worker`, which was then declared lost while
+    it still computed: the job is queued again."""
+    d = Dispatcher(queue())
+    j = job("s", final=True)
+    d.submit([j], NOW)
+    _held_by_new_worker(d, worker, j)
+    d.remove_worker(worker, NOW)
+    return d, j
+
+
 def test_order_realtime_then_finals_then_deadline_then_fifo() -> None:
     q = queue()
     batch_final = job("a", final=True, priority=BATCH, deadline=NOW + 1)
@@ -202,12 +218,7 @@ def test_dead_worker_jobs_requeued_at_front_of_their_priority() -> None:
 
 
 def test_redispatched_job_is_answered_once() -> None:
-    d = Dispatcher(queue())
-    d.add_worker(b"w1", capacity=1, now=NOW)
-    j = job("a", final=True)
-    d.submit([j], NOW)
-    d.dispatch(NOW)
-    d.remove_worker(b"w1", NOW)  # declared dead while still computing
+    d, j = requeued_final(b"w1")
     d.add_worker(b"w2", capacity=1, now=NOW)
     sent, _ = d.dispatch(NOW)
     assert sent[b"w2"][0].job_id == j.job_id
@@ -219,12 +230,7 @@ def test_redispatched_job_is_answered_once() -> None:
 
 
 def test_answer_while_requeued_removes_it_from_queue() -> None:
-    d = Dispatcher(queue())
-    d.add_worker(b"w1", capacity=1, now=NOW)
-    j = job("a", final=True)
-    d.submit([j], NOW)
-    d.dispatch(NOW)
-    d.remove_worker(b"w1", NOW)
+    d, j = requeued_final(b"w1")
     assert job_key(j) in d.queue
     assert len(d.complete(b"w1", [done(j)])) == 1
     assert len(d.queue) == 0
@@ -267,12 +273,7 @@ def test_job_answered_late_is_not_requeued_when_its_other_worker_goes() -> None:
     """A job re-queued off a worker given up on, answered late by that worker while a second one
     holds it: when the second one goes (or registers again) the job is answered already and
     must not run a third time, nor stay remembered as due an answer."""
-    d = Dispatcher(queue())
-    d.add_worker(b"a", capacity=1, now=NOW)
-    j = job("s", final=True)
-    d.submit([j], NOW)
-    d.dispatch(NOW)
-    d.remove_worker(b"a", NOW)  # silent: given up on, the job re-queued
+    d, j = requeued_final(b"a")  # silent: given up on, the job re-queued
     d.add_worker(b"b", capacity=1, now=NOW)
     assert [x.job_id for x in d.dispatch(NOW)[0][b"b"]] == [j.job_id]
     assert len(d.complete(b"a", [done(j)])) == 1  # alive after all: the ingest has its answer
@@ -286,22 +287,12 @@ def test_job_answered_late_is_not_requeued_when_its_other_worker_goes() -> None:
 def test_late_duplicate_answer_clears_a_queued_copy() -> None:
     """However an answered job came to be queued or remembered again, its next duplicate answer
     leaves nothing of it behind."""
-    d = Dispatcher(queue())
-    d.add_worker(b"a", capacity=1, now=NOW)
-    j = job("s", final=True)
-    d.submit([j], NOW)
-    d.dispatch(NOW)
-    d.remove_worker(b"a", NOW)
+    d, j = requeued_final(b"a")
     assert len(d.complete(b"a", [done(j)])) == 1
     d.queue.push(j, NOW, front=True)
     d._requeued.add(job_key(j))
     assert d.complete(b"a", [done(j)]) == []
     assert (len(d.queue), d._requeued) == (0, set())
-
-
-def _held_by_new_worker(d: Dispatcher, ident: bytes, j: Job) -> None:
-    d.add_worker(ident, capacity=1, now=NOW)
-    assert [x.job_id for x in d.dispatch(NOW)[0][ident]] == [j.job_id]
 
 
 def test_a_job_whose_workers_keep_being_lost_is_failed_not_requeued() -> None:
@@ -353,11 +344,7 @@ def test_a_clean_leave_or_a_new_socket_is_not_a_loss() -> None:
 def test_a_jobs_losses_are_forgotten_once_it_is_answered() -> None:
     """Counts last until the job is answered, however: a result, an EXPIRED, a cancel. A job
     asked for again afterwards starts from none, and nothing is left remembered."""
-    d = Dispatcher(queue())
-    j = job("s", final=True)
-    d.submit([j], NOW)
-    _held_by_new_worker(d, b"a", j)
-    d.remove_worker(b"a", NOW)
+    d, j = requeued_final(b"a")
     assert d._losses == {job_key(j): 1}
     _held_by_new_worker(d, b"b", j)
     assert len(d.complete(b"b", [done(j)])) == 1  # answered
@@ -379,11 +366,7 @@ def test_a_jobs_losses_are_forgotten_once_it_is_answered() -> None:
     assert d._losses == {}
 
     # a cancelled stream's re-queued jobs are forgotten with their counts
-    d = Dispatcher(queue())
-    j = job("u", final=True)
-    d.submit([j], NOW)
-    _held_by_new_worker(d, b"a", j)
-    d.remove_worker(b"a", NOW)
+    d, j = requeued_final(b"a")
     assert d._losses == {job_key(j): 1}
     assert d.cancel(j.ingest, [j.stream]) == [j]
     assert (d._losses, d._requeued) == ({}, set())
