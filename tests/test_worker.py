@@ -353,3 +353,57 @@ def test_a_stuck_worker_exits_at_once_with_its_own_status() -> None:
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == STUCK_EXIT_STATUS, done.stderr
     assert "worker.stuck" in done.stdout + done.stderr
+
+
+def test_a_worker_stuck_holding_the_gil_is_ended_by_the_dead_man_s_switch() -> None:
+    """A call that never releases the GIL stops the IO thread and its `check` with it; the switch
+    that thread re-arms on every tick runs without the GIL and ends the process, with every
+    thread's stack on stderr. The call here is libc's sleep through ctypes.PyDLL, which keeps the GIL."""
+    script = (
+        "import ctypes, sys, time, uuid, tempfile, zmq\n"
+        "from config import settings\n"
+        "from workers.worker import _PIPE, Heartbeats, Watchdog\n"
+        "cfg = settings.load(None, {'run_dir': tempfile.mkdtemp(prefix='sasr-'), 'instance': 't' + uuid.uuid4().hex[:8],\n"
+        "                           'broker': {'heartbeat_ms': 40}, 'workers': {'stuck_after_s': 0.5}})\n"
+        "ctx = zmq.Context()\n"
+        "pipe = ctx.socket(zmq.PAIR)\n"
+        "pipe.bind(_PIPE)\n"
+        "Heartbeats(ctx, cfg, b'worker-test', Watchdog(cfg.workers.stuck_after_s)).start()\n"
+        "time.sleep(3.0)\n"  # longer than the switch: ticks keep pushing it back while the GIL is free
+        "print('holding the GIL', flush=True)\n"
+        "ctypes.PyDLL(None).sleep(60)\n"
+        "print('the call returned', flush=True)\n"
+    )
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=40,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert "holding the GIL" in done.stdout and "the call returned" not in done.stdout
+    assert "Timeout (0:00:02.500000)!" in done.stderr  # stuck_after_s plus the grace
+    assert 'File "<string>", line 12 in <module>' in done.stderr  # the main thread's stack, at the stuck call
+    assert time.monotonic() - started < 30
+
+
+def test_the_dead_man_s_switch_is_disarmed_when_the_io_thread_stops() -> None:
+    """A worker that stops cleanly is not ended afterwards by a switch nobody pushes back."""
+    script = (
+        "import time, uuid, tempfile, zmq\n"
+        "from config import settings\n"
+        "from workers.worker import _PIPE, STOP, Heartbeats, Watchdog\n"
+        "cfg = settings.load(None, {'run_dir': tempfile.mkdtemp(prefix='sasr-'), 'instance': 't' + uuid.uuid4().hex[:8],\n"
+        "                           'broker': {'heartbeat_ms': 40}, 'workers': {'stuck_after_s': 0.2}})\n"
+        "ctx = zmq.Context()\n"
+        "pipe = ctx.socket(zmq.PAIR)\n"
+        "pipe.bind(_PIPE)\n"
+        "io = Heartbeats(ctx, cfg, b'worker-test', Watchdog(cfg.workers.stuck_after_s))\n"
+        "io.start()\n"
+        "time.sleep(0.5)\n"
+        "pipe.send(STOP)\n"
+        "io.join(5)\n"
+        "time.sleep(4.0)\n"  # past the switch's 2.2 s
+        "print('still here', flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=40,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert "still here" in done.stdout and "Timeout" not in done.stderr
