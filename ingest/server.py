@@ -5,7 +5,8 @@ One poll loop. Each iteration drains what arrived, then sends one JOBS message a
 clients' events: under load many frames share one wake-up, which is what keeps the per-frame
 cost low. The Silero VAD runs beside it on a thread of its own (ingest/vad.py, VadRunner), one
 batched round at a time over every stream with a full chunk; its results come back through
-the same poll and only move segment boundaries, so a frame's partial never waits for it.
+the same poll and only move segment boundaries, so a frame's partial never waits for it. The
+few chunks that could open or close a segment the loop classifies itself, at once.
 """
 
 from __future__ import annotations
@@ -294,8 +295,11 @@ class IngestServer:
             self.vad_urgent.add(key)
 
     def _on_vad(self) -> None:
-        """A VAD round finished: its chunks move their streams' segments."""
-        keys, probs = self.vad.take()
+        """The VAD thread's round finished."""
+        self._apply_vad(*self.vad.take())
+
+    def _apply_vad(self, keys: list[str], probs: np.ndarray) -> None:
+        """Classified chunks move their streams' segments."""
         for key, prob in zip(keys, probs.tolist()):
             session = self.sessions.get(key)
             if session is not None:
@@ -303,40 +307,45 @@ class IngestServer:
                 self._changed(key)
 
     def _vad_wait(self, now: float) -> float | None:
-        """Seconds until a VAD round may start, if audio waits for one."""
+        """Seconds until the VAD thread's next round may start, if audio waits for one."""
         if not self.vad_due or self.vad.busy:
             return None
-        return 0.0 if self.vad_urgent else max(0.0, self.vad_round_at + VAD_ROUND_S - now)
+        return max(0.0, self.vad_round_at + VAD_ROUND_S - now)
 
-    def _start_vad(self, now: float) -> None:
-        """Hand the VAD thread every full chunk not yet classified, of every stream, in one round
-        once VAD_ROUND_S has gathered them; before that, those of the streams whose chunks could
-        start or end a segment, in a round of their own, so that a big gathered round never holds
-        them either. A stream's chunks always go in one round together, in order.
+    def _waiting_chunks(self, key: str, keys: list[str], chunks: list[np.ndarray]) -> None:
+        """Append every full chunk of the stream the VAD has not seen, in order. Only between the
+        stream's rounds, so its `vad_pos` is current: no chunk is sent twice. At most one chunk
+        of a stream wraps around its ring (a ring holds far more than one round), and only that
+        one is copied, into the stream's scratch buffer."""
+        s = self.sessions[key]
+        for pos in range(s.vad_pos, s.ring.written - CHUNK + 1, CHUNK):
+            keys.append(key)
+            chunks.append(s.ring.view(pos, pos + CHUNK, out=self.scratch[key]))
 
-        Only between rounds, so each stream's `vad_pos` is current: no chunk is sent twice. At
-        most one chunk of a stream wraps around its ring (a ring holds far more than one round),
-        and only that one is copied, into the stream's scratch buffer.
-        """
+    def _run_vad(self, now: float) -> None:
+        """Classify at once, on this thread, the chunks that could start or end a segment (see
+        VadRunner.classify_now); hand the VAD thread every other full chunk not yet classified,
+        of every stream, in one round once VAD_ROUND_S has gathered them. A stream's chunks
+        always go in one call together, in order."""
+        if self.vad_urgent:
+            keys: list[str] = []
+            chunks: list[np.ndarray] = []
+            for key in [k for k in self.vad_urgent if self.vad.ready_now(k)]:  # the others are in the thread's round
+                self.vad_urgent.discard(key)
+                self.vad_due.discard(key)
+                self._waiting_chunks(key, keys, chunks)
+            if keys:
+                self._apply_vad(keys, self.vad.classify_now(keys, chunks))
         if self._vad_wait(now) != 0.0:
             return
-        gathered = now >= self.vad_round_at + VAD_ROUND_S
-        keys: list[str] = []
-        chunks: list[np.ndarray] = []
-        for key in self.vad_due if gathered else self.vad_urgent:
-            s = self.sessions[key]
-            for pos in range(s.vad_pos, s.ring.written - CHUNK + 1, CHUNK):
-                keys.append(key)
-                chunks.append(s.ring.view(pos, pos + CHUNK, out=self.scratch[key]))
-        if gathered:
-            self.vad_due.clear()
-        else:
-            self.vad_due -= self.vad_urgent
+        keys, chunks = [], []
+        for key in self.vad_due:
+            self._waiting_chunks(key, keys, chunks)
+        self.vad_due.clear()
         self.vad_urgent.clear()
         if keys:
             self.vad.submit(keys, chunks)
-            if gathered:
-                self.vad_round_at = now
+            self.vad_round_at = now
 
     def _flush(self) -> None:
         jobs_out: list[j.Job] = []
@@ -442,7 +451,9 @@ class IngestServer:
                 self._publish_gauges()
             if self.dirty:
                 self._flush()
-            self._start_vad(now)
+            self._run_vad(now)
+            if self.dirty:  # segments the deciding chunks just opened or closed
+                self._flush()
             self._heartbeat(now)
             if self.draining and (not self.sessions or now >= self.stop_at):
                 break

@@ -9,6 +9,7 @@ waiting (three for a 100 ms frame).
 
 from __future__ import annotations
 
+import copy
 import itertools
 import queue
 import threading
@@ -46,6 +47,34 @@ def vad_session(graph: bytes | str, threads: int = 1) -> ort.InferenceSession:
     return ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
 
 
+class _Streams:
+    """Each stream's model state and last samples, by row; shared by a bank and its siblings."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, int] = {}  # stream key -> row in the per-stream arrays
+        self.state = np.zeros((8, 2, STATE), dtype=np.float32)
+        self.context = np.zeros((8, CONTEXT), dtype=np.float32)
+        self.free = list(range(7, -1, -1))
+
+    def add(self, key: str) -> None:
+        if key in self.rows:
+            raise ValueError(f"stream {key!r} already in the VAD bank")
+        if not self.free:
+            old = len(self.state)
+            state = np.zeros((2 * old, 2, STATE), dtype=np.float32)
+            context = np.zeros((2 * old, CONTEXT), dtype=np.float32)
+            state[:old], context[:old] = self.state, self.context
+            self.state, self.context = state, context
+            self.free.extend(range(2 * old - 1, old - 1, -1))
+        row = self.free.pop()
+        self.state[row] = 0
+        self.context[row] = 0
+        self.rows[key] = row
+
+    def remove(self, key: str) -> None:
+        self.free.append(self.rows.pop(key))
+
+
 class VadBank:
     """Silero VAD state for many streams; one onnxruntime call for every chunk waiting, of every
     stream (batching keeps VAD from eating the model's cores).
@@ -66,19 +95,17 @@ class VadBank:
         inputs = {i.name for i in self._session.get_inputs()}
         self._rate = {"sr": np.array(SAMPLE_RATE, np.int64)} if "sr" in inputs else {}
         self._sequences = "lengths" in inputs  # the rewrite takes a stream's chunks together; Silero's own graph one at a time
-        self._rows: dict[str, int] = {}  # stream key -> row in the per-stream arrays
-        self._state = np.zeros((8, 2, STATE), dtype=np.float32)
-        self._context = np.zeros((8, CONTEXT), dtype=np.float32)
-        self._free = list(range(7, -1, -1))
+        self._streams = _Streams()
         self._grow_batch(8)
 
-    def _grow_streams(self) -> None:
-        old = len(self._state)
-        state = np.zeros((2 * old, 2, STATE), dtype=np.float32)
-        context = np.zeros((2 * old, CONTEXT), dtype=np.float32)
-        state[:old], context[:old] = self._state, self._context
-        self._state, self._context = state, context
-        self._free.extend(range(2 * old - 1, old - 1, -1))
+    def sibling(self) -> VadBank:
+        """A bank over the same streams, graph and session, with call buffers of its own: two
+        threads may then each classify chunks at once, of streams the other's call does not hold
+        (onnxruntime runs one session from several threads). Streams are added and removed
+        through either, while neither is in a call."""
+        twin = copy.copy(self)
+        twin._grow_batch(8)
+        return twin
 
     def _grow_batch(self, capacity: int) -> None:
         self._input = np.zeros((capacity, CONTEXT + CHUNK), dtype=np.float32)
@@ -91,24 +118,17 @@ class VadBank:
         self._ones = np.ones(capacity, dtype=np.int32)  # the lengths of a call of one chunk per stream
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self._streams.rows)
 
     def __contains__(self, key: str) -> bool:
-        return key in self._rows
+        return key in self._streams.rows
 
     def add(self, key: str) -> None:
         """Start a stream with a fresh model state."""
-        if key in self._rows:
-            raise ValueError(f"stream {key!r} already in the VAD bank")
-        if not self._free:
-            self._grow_streams()
-        row = self._free.pop()
-        self._state[row] = 0
-        self._context[row] = 0
-        self._rows[key] = row
+        self._streams.add(key)
 
     def remove(self, key: str) -> None:
-        self._free.append(self._rows.pop(key))
+        self._streams.remove(key)
 
     def process(self, keys: Sequence[str], chunks: Sequence[np.ndarray]) -> np.ndarray:
         """Speech probability of each chunk of CHUNK samples (`keys[i]`'s is `chunks[i]`),
@@ -118,6 +138,7 @@ class VadBank:
             raise ValueError(f"{len(keys)} keys for {n} chunks")
         if n == 0:
             return np.zeros(0, dtype=np.float32)
+        streams = self._streams
         places: dict[str, list[int]] = {}
         for i, key in enumerate(keys):
             if len(chunks[i]) != CHUNK:
@@ -138,21 +159,21 @@ class VadBank:
         batch = self._input[:n]  # a stream's chunks in consecutive rows, each behind the stream's samples before it
         if b == n:  # one chunk per stream, as in most rounds: already in batch order
             for j, key in enumerate(keys):
-                index[j] = self._rows[key]
+                index[j] = streams.rows[key]
             np.stack(chunks, out=batch[:, CONTEXT:], casting="same_kind")
-            np.take(self._context, index, axis=0, out=batch[:, :CONTEXT], mode="clip")
+            np.take(streams.context, index, axis=0, out=batch[:, :CONTEXT], mode="clip")
             probs = self._run(batch, index, self._ones[:n], self._identity[:n], self._identity[:n])
-            self._context[index] = batch[:, -CONTEXT:]
+            streams.context[index] = batch[:, -CONTEXT:]
             return probs
         first, lengths, order = self._first[:b], self._lengths[:b], self._order[:n]
         at = 0
         for j, (key, mine) in enumerate(places.items()):
-            index[j], first[j], lengths[j] = self._rows[key], at, len(mine)
+            index[j], first[j], lengths[j] = streams.rows[key], at, len(mine)
             order[at : at + len(mine)] = mine
             at += len(mine)
         np.stack([chunks[i] for i in order], out=batch[:, CONTEXT:], casting="same_kind")
         batch[1:, :CONTEXT] = batch[:-1, -CONTEXT:]
-        batch[first, :CONTEXT] = self._context[index]
+        batch[first, :CONTEXT] = streams.context[index]
         probs = np.empty(n, dtype=np.float32)
         if self._sequences:
             steps = int(lengths.max())
@@ -163,7 +184,7 @@ class VadBank:
             for k in range(int(lengths.max())):
                 going = lengths > k
                 probs[order[first[going] + k]] = self._run(batch[first[going] + k], index[going])
-        self._context[index] = batch[first + lengths - 1, -CONTEXT:]
+        streams.context[index] = batch[first + lengths - 1, -CONTEXT:]
         return probs
 
     def _run(self, batch: np.ndarray, index: np.ndarray, lengths: np.ndarray | None = None,
@@ -172,14 +193,15 @@ class VadBank:
         are `batch` (for the rewritten graph several per stream: `lengths`, `slots` and `rows` as
         in `vad_graph.batched_graph`); their states are advanced and the chunks' probabilities
         returned."""
+        streams = self._streams
         b = len(index)
         state = self._state_in[: 2 * b * STATE].reshape(2, b, STATE)
-        np.take(self._state, index, axis=0, out=state.transpose(1, 0, 2), mode="clip")
+        np.take(streams.state, index, axis=0, out=state.transpose(1, 0, 2), mode="clip")
         feed = {"input": batch, "state": state, **self._rate}
         if self._sequences:
             feed |= {"lengths": lengths, "slots": slots, "rows": rows}
         prob, state_out = self._session.run(None, feed)
-        self._state[index] = state_out.transpose(1, 0, 2)
+        streams.state[index] = state_out.transpose(1, 0, 2)
         return prob[:, 0]
 
 
@@ -196,6 +218,12 @@ class VadRunner:
     `take`s the probabilities when it is readable. Streams are added and removed only between
     rounds: the bank's arrays are the thread's while a round runs.
 
+    The few chunks that could start or end a segment (a first partial, or a final, is due on
+    their verdict) the loop classifies itself, at once (`classify_now`), beside the thread's
+    round if one runs, for streams that round does not hold: a call of one or a few chunks
+    costs ~0.1 ms, less than handing them to the thread and back (a wake-up each way, and the
+    GIL between a busy loop and the thread).
+
     A round is two parallel lists, keys and chunks, rather than (key, chunk) pairs: a round can
     hold thousands of chunks, and a tuple per chunk would be thousands of objects for the
     garbage collector to walk (strings and arrays are not tracked by it).
@@ -205,6 +233,8 @@ class VadRunner:
 
     def __init__(self, ctx: zmq.Context, threads: int = 1) -> None:
         self._bank = VadBank(threads)
+        self._now = self._bank.sibling()  # the loop's, for classify_now
+        self._in_round: set[str] = set()  # streams of the round in flight
         endpoint = f"inproc://vad-{next(self._ids)}"
         self.signal = ctx.socket(zmq.PAIR)  # the loop's end: readable when a round is done
         self.signal.bind(endpoint)
@@ -246,13 +276,24 @@ class VadRunner:
         self._apply()
         self.busy = True
         self._keys = keys
+        self._in_round = set(keys)
         self._rounds.put((keys, chunks))
+
+    def ready_now(self, key: str) -> bool:
+        """Whether `classify_now` may take this stream's chunks: it is in the bank, and not in the round in flight."""
+        return key not in self._in_round and key in self._now
+
+    def classify_now(self, keys: list[str], chunks: list[np.ndarray]) -> np.ndarray:
+        """Classify on the calling thread, as `submit` and `take` would, streams that are
+        `ready_now`; a round in flight goes on beside it."""
+        return self._now.process(keys, chunks)
 
     def take(self) -> tuple[list[str], np.ndarray]:
         """The finished round's keys and their chunks' speech probabilities, in submission order;
         call when `signal` is readable."""
         self.signal.recv()
         self.busy = False
+        self._in_round = set()
         probs, keys = self._probs, self._keys
         self._keys = []
         self._apply()

@@ -297,3 +297,30 @@ def test_runner_catches_up_several_chunks_per_stream_in_one_round(runner: VadRun
     bank.remove("b")
     assert [k for k, _ in got] == [k for k, _ in expected]
     np.testing.assert_allclose([p for _, p in got], [p for _, p in expected], atol=1e-5)
+
+
+def test_the_loop_classifies_deciding_chunks_beside_the_thread_s_round(runner: VadRunner, bank: VadBank) -> None:
+    """`classify_now` runs on the caller's thread while a round is in flight, for the streams that
+    round does not hold (and that are in the bank: one opened meanwhile waits for the round's
+    end). A stream goes one way or the other from call to call, its state carried across, and
+    every chunk scores as the stream run alone."""
+    audio = {"a": chunks(load(FILES[0])), "b": chunks(load(FILES[1])), "c": chunks(load(FILES[2]))}
+    for key in audio:
+        runner.add(key)
+    got: dict[str, list[float]] = {key: [] for key in audio}
+    for turn, i in enumerate(range(0, 48, 4)):
+        now = "abc"[turn % 3]
+        in_round = [key for key in audio if key != now]
+        submit(runner, [(key, c) for key in in_round for c in audio[key][i : i + 4]])
+        runner.add("late")
+        assert [runner.ready_now(key) for key in (*in_round, now, "late")] == [False, False, True, False]
+        got[now] += runner.classify_now([now] * 4, audio[now][i : i + 4]).tolist()
+        for key, p in finish(runner):
+            got[key].append(p)
+        assert all(runner.ready_now(key) for key in (*audio, "late"))
+        runner.remove("late")
+    for key, cs in audio.items():
+        bank.add(key)
+        expected = [float(bank.process([key], [c])[0]) for c in cs[:48]]
+        bank.remove(key)
+        np.testing.assert_allclose(got[key], expected, atol=1e-5)
