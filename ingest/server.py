@@ -54,7 +54,7 @@ class IngestServer:
         self.max_streams = min(cfg.shm.streams_per_ingest, math.ceil(cfg.ingest.max_streams / cfg.ingest.processes))
         self.pool = RingPool.create(cfg.shm_name(index), cfg.shm.streams_per_ingest, ring_capacity(cfg.shm.ring_seconds))
         self.ctx = zmq.Context()
-        self.vad = VadRunner(self.ctx, threads=1)
+        self.vad = VadRunner(self.ctx, threads=1, on_failure=lambda: self.metrics.inc("errors_total", code=m.INTERNAL))
         self.auth = None
         if auth.curve_settings(cfg.ingest.curve_secret_key, cfg.ingest.curve_authorized_keys):
             self.auth = auth.start_authenticator(self.ctx, cfg.ingest.curve_authorized_keys, f"ingest-{index}")
@@ -299,11 +299,14 @@ class IngestServer:
         self._apply_vad(*self.vad.take())
 
     def _apply_vad(self, keys: list[str], probs: np.ndarray) -> None:
-        """Classified chunks move their streams' segments."""
+        """Classified chunks move their streams' segments; each stream is marked changed once,
+        after all its chunks (before that, those still to come would look due)."""
         for key, prob in zip(keys, probs.tolist()):
             session = self.sessions.get(key)
             if session is not None:
                 session.on_vad(prob, CHUNK)
+        for key in set(keys):
+            if key in self.sessions:
                 self._changed(key)
 
     def _vad_wait(self, now: float) -> float | None:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import queue
 import threading
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import onnxruntime as ort
@@ -231,8 +233,11 @@ class VadRunner:
 
     _ids = itertools.count()
 
-    def __init__(self, ctx: zmq.Context, threads: int = 1) -> None:
+    def __init__(self, ctx: zmq.Context, threads: int = 1, on_failure: Callable[[], object] = lambda: None) -> None:
         self._bank = VadBank(threads)
+        self._on_failure = on_failure  # called once per failed call, on the loop's thread
+        self._failed_calls = 0  # since the last `ingest.vad_failed` line
+        self._failure_logged = -math.inf
         self._now = self._bank.sibling()  # the loop's, for classify_now
         self._in_round: set[str] = set()  # streams of the round in flight
         endpoint = f"inproc://vad-{next(self._ids)}"
@@ -284,22 +289,41 @@ class VadRunner:
         return key not in self._in_round and key in self._now
 
     def classify_now(self, keys: list[str], chunks: list[np.ndarray]) -> np.ndarray:
-        """Classify on the calling thread, as `submit` and `take` would, streams that are
-        `ready_now`; a round in flight goes on beside it."""
-        return self._now.process(keys, chunks)
+        """Classify on the calling thread, as `submit` and `take` would (a failed call included),
+        streams that are `ready_now`; a round in flight goes on beside it."""
+        try:
+            return self._now.process(keys, chunks)
+        except Exception as exc:
+            return self._failed(keys, exc)
 
     def take(self) -> tuple[list[str], np.ndarray]:
-        """The finished round's keys and their chunks' speech probabilities, in submission order;
-        call when `signal` is readable."""
+        """The finished round's keys and their chunks' speech probabilities, in submission order
+        (1 for every chunk of a call that failed); call when `signal` is readable."""
         self.signal.recv()
         self.busy = False
         self._in_round = set()
         probs, keys = self._probs, self._keys
         self._keys = []
         self._apply()
+        if isinstance(probs, Exception):
+            return keys, self._failed(keys, probs)
         if isinstance(probs, BaseException):
             raise probs
         return keys, probs
+
+    def _failed(self, keys: list[str], exc: Exception) -> np.ndarray:
+        """A call that failed (a runtime error in onnxruntime, memory) must neither stop the
+        ingest nor lose audio: its chunks count as speech, so their audio is transcribed (as
+        part of a segment, cut at `max_segment_s` while the VAD keeps failing) and Whisper's
+        no-speech check drops what is silence. Logged at most once a second, with the count."""
+        self._on_failure()
+        self._failed_calls += 1
+        now = time.monotonic()
+        if now - self._failure_logged >= 1.0:
+            log.error("ingest.vad_failed", calls=self._failed_calls, chunks=len(keys), streams=len(set(keys)),
+                      error=repr(exc), exc_info=exc)
+            self._failed_calls, self._failure_logged = 0, now
+        return np.ones(len(keys), dtype=np.float32)
 
     def _serve(self) -> None:
         while (round_ := self._rounds.get()) is not None:

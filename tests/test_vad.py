@@ -271,13 +271,30 @@ def test_runner_rounds_equal_the_bank_and_streams_change_between_rounds(runner: 
     np.testing.assert_allclose([p for _, p in got], [p for _, p in expected], atol=1e-5)
 
 
-def test_runner_hands_errors_to_the_loop(runner: VadRunner) -> None:
-    runner.add("k")
-    submit(runner, [("k", np.zeros(CHUNK - 1, dtype=np.float32))])
-    with pytest.raises(ValueError, match="expected 512"):
-        finish(runner)
-    submit(runner, [("k", np.zeros(CHUNK, dtype=np.float32))])  # the thread lives on
-    assert [k for k, _ in finish(runner)] == ["k"]
+def test_a_failed_call_counts_its_chunks_as_speech_and_the_vad_lives_on() -> None:
+    """A call that raises (here a chunk of the wrong size) fails neither the loop nor the thread,
+    and loses no audio: its chunks come back as speech, each failure is counted, and the log
+    says so at most once a second, with how many calls failed since."""
+    failures: list[int] = []
+    ctx = zmq.Context()
+    runner = VadRunner(ctx, on_failure=lambda: failures.append(1))
+    try:
+        runner.add("k")
+        short = np.zeros(CHUNK - 1, dtype=np.float32)
+        with capture_logs() as logs:
+            submit(runner, [("k", np.zeros(CHUNK, dtype=np.float32)), ("k", short)])
+            assert finish(runner) == [("k", 1.0), ("k", 1.0)]
+            assert runner.classify_now(["k"], [short]).tolist() == [1.0]
+        assert len(failures) == 2
+        [line] = [e for e in logs if e["event"] == "ingest.vad_failed"]
+        assert line["log_level"] == "error" and line["calls"] == 1 and "expected 512" in line["error"]
+        submit(runner, [("k", np.zeros(CHUNK, dtype=np.float32))])  # the thread lives on
+        [(key, prob)] = finish(runner)
+        assert key == "k" and prob < 0.5  # silence, classified again
+        assert runner.classify_now(["k"], [np.zeros(CHUNK, dtype=np.float32)])[0] < 0.5
+    finally:
+        runner.close()
+        ctx.term()
 
 
 def test_runner_catches_up_several_chunks_per_stream_in_one_round(runner: VadRunner, bank: VadBank) -> None:
