@@ -117,9 +117,18 @@ class IngestServer:
         self.broker_seen = time.monotonic()
 
     def _on_broker(self, frames: list[bytes]) -> None:
+        """One broker message; one the ingest cannot read (a broker of another version, say) is
+        logged and dropped, never the process's end."""
         self.broker_seen = time.monotonic()
+        try:
+            self._handle_broker(frames)
+        except Exception as exc:
+            self.metrics.inc("errors_total", code=m.INTERNAL)
+            self.log.warning("ingest.bad_broker_message", kind=frames[0][:16], error=repr(exc))
+
+    def _handle_broker(self, frames: list[bytes]) -> None:
         kind = frames[0]
-        if kind == j.HEARTBEAT and len(frames) > 1:
+        if kind == j.HEARTBEAT:
             figures = j.unpack(frames[1])
             self.load = float(figures.get("load", 0.0))
             self.busy = float(figures.get("busy", 0.0))
@@ -134,6 +143,8 @@ class IngestServer:
             # answers: register on this socket, which keeps what the broker already sent on it.
             self.log.warning("ingest.broker_asks_to_register")
             self._register()
+        else:
+            raise ValueError(f"unknown kind {kind[:16]!r} of {len(frames)} frames")
 
     def _on_results(self, body: bytes) -> None:
         """Results of this ingest's jobs, from the workers (or the broker: partials it expired).

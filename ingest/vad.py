@@ -218,7 +218,7 @@ class VadRunner:
     and the bank classifies them all in one call. So however few rounds a busy loop starts, each
     catches the VAD up. The loop `submit`s a round, polls `signal` and
     `take`s the probabilities when it is readable. Streams are added and removed only between
-    rounds: the bank's arrays are the thread's while a round runs.
+    rounds: adding one may grow the per-stream arrays a round in flight reads.
 
     The few chunks that could start or end a segment (a first partial, or a final, is due on
     their verdict) the loop classifies itself, at once (`classify_now`), beside the thread's

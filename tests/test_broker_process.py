@@ -29,12 +29,14 @@ import numpy as np
 import pytest
 import structlog
 import zmq
+from structlog.testing import capture_logs
 
 from broker import jobs as wire
 from broker.broker import SHARE_WINDOW_S
 from broker.jobs import OK, REALTIME, Job, JobResult
 from config import settings
 from config.settings import Config
+from metrics.registry import ProcessMetrics
 from shm import RingPool, reclaim
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -594,8 +596,28 @@ def _ingest_link(cfg: Config, sessions: dict[str, _Session]) -> Any:
     ingest.owner = {job_id: key for key, s in sessions.items() for job_id in s.inflight}
     ingest.sessions, ingest.dirty, ingest.admitted, ingest.figures_window_s = sessions, set(), deque(), 5.0
     ingest.pool = _PoolInUse()
+    ingest.metrics = ProcessMetrics(cfg, "ingest-0")
     ingest._connect_broker()
     return ingest
+
+
+def test_an_ingest_drops_a_broker_message_it_cannot_read(cluster: Cluster) -> None:
+    """What a broker of another version might send: figures that are not msgpack, results that
+    are not result rows, a kind the ingest does not know. Each is logged and dropped, and the
+    next heartbeat is read as usual."""
+    ingest = _ingest_link(cluster.cfg, {})
+    try:
+        with capture_logs() as logs:
+            ingest._on_broker([wire.HEARTBEAT, b"\xc1"])
+            ingest._on_broker([wire.RESULTS, msgpack.packb([[7]])])  # a row too short
+            ingest._on_broker([b"NEWKIND", b""])
+            ingest._on_broker([wire.HEARTBEAT, wire.pack({"load": 0.25, "busy": 0.5})])
+        bad = [e for e in logs if e["event"] == "ingest.bad_broker_message"]
+        assert [(e["kind"], e["log_level"]) for e in bad] == [(wire.HEARTBEAT, "warning"), (wire.RESULTS, "warning"),
+                                                             (b"NEWKIND", "warning")]
+        assert (ingest.load, ingest.busy) == (0.25, 0.5)
+    finally:
+        ingest.broker.close(linger=0)
 
 
 def test_an_ingest_given_up_on_registers_again_and_gets_its_final(cluster: Cluster) -> None:
