@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import onnx
@@ -160,9 +159,7 @@ def test_export_cache(tmp_path, capsys):
     assert (out / "encoder.onnx").exists() and (out / "decoder.onnx").exists() and (out / "meta.json").exists()
     assert out.is_relative_to(tmp_path / "onnx") and "v" in out.name and out.name.endswith("-fp32")
     mtime = (out / "decoder.onnx").stat().st_mtime_ns
-    t0 = time.perf_counter()
-    assert loader.ensure_exported(cfg) == out  # cache hit
-    assert time.perf_counter() - t0 < 1.0
+    assert loader.ensure_exported(cfg) == out  # cache hit: nothing written again
     assert (out / "decoder.onnx").stat().st_mtime_ns == mtime
     assert "first run" not in capsys.readouterr().err
     assert not list((tmp_path / "onnx").glob(".*tmp*"))  # no temporary leftovers
