@@ -6,7 +6,6 @@ import io
 import json
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -322,10 +321,7 @@ def test_long_form_ten_minutes(tiny, dev):
             refs.append(u.reference)
             total += len(a) + len(gap)
     audio = np.concatenate(pieces)[: 600 * SAMPLE_RATE]
-    t0 = time.perf_counter()
     res = longform.transcribe(tiny, audio)
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 180, elapsed  # ~20 s when the machine is idle
     starts = [s.start for s in res.segments]
     assert starts == sorted(starts)
     assert all(s.start <= s.end for s in res.segments)

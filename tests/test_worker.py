@@ -374,14 +374,12 @@ def test_a_worker_stuck_holding_the_gil_is_ended_by_the_dead_man_s_switch() -> N
         "ctypes.PyDLL(None).sleep(60)\n"
         "print('the call returned', flush=True)\n"
     )
-    started = time.monotonic()
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=40,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})  # the call sleeps 60 s: a timeout is a miss
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert "holding the GIL" in done.stdout and "the call returned" not in done.stdout
     assert "Timeout (0:00:02.500000)!" in done.stderr  # stuck_after_s plus the grace
     assert 'File "<string>", line 12 in <module>' in done.stderr  # the main thread's stack, at the stuck call
-    assert time.monotonic() - started < 30
 
 
 def test_the_dead_man_s_switch_is_disarmed_when_the_io_thread_stops() -> None:
