@@ -258,12 +258,14 @@ class Broker:
         (but see Dispatcher.remove_worker: a job lost workers held too often is answered FAILED).
         Returns how many it held."""
         worker = self.dispatcher.workers.get(ident)
-        held = len(worker.inflight) if worker else 0
+        held = worker.inflight if worker else {}
+        finals = {key for key, job in held.items() if job.final}  # those given up on are answered FAILED
+        count = len(held)
         self.worker_links.pop(ident, None)
         self._heartbeat_heard.discard(ident)
-        self._answer(self.dispatcher.remove_worker(ident, now, lost=lost))
+        self._answer(self.dispatcher.remove_worker(ident, now, lost=lost), finals)
         self._figures_changed()
-        return held
+        return count
 
     def _dispatch(self, now: float) -> None:
         """Hand out queued jobs, one JOBS message per worker; a worker found gone on the way
@@ -356,18 +358,19 @@ class Broker:
         log.info("broker.ingest_ready", ingest=index, endpoint=info["endpoint"], ingest_pid=pid)
         self._figures_changed([self.ingests[index]])
 
-    def _answer(self, results: list[JobResult]) -> None:
-        """Queue the broker's own answers (partials it expired) for their ingests, and count them."""
+    def _answer(self, results: list[JobResult], finals: AbstractSet[JobKey] = frozenset()) -> None:
+        """Queue the broker's own answers (partials it expired, jobs it refused or gave up on) for
+        their ingests, and count them (`finals` as in `_count`)."""
         for result in results:
             self._outbox.setdefault(result.ingest, []).append(result)
-        self._count(results)
+        self._count(results, finals)
 
     def _count(self, results: list[JobResult], finals: AbstractSet[JobKey] = frozenset()) -> None:
-        """Count answered jobs. `finals` names the final jobs among a worker's (looked up in its
-        credit); every other answer is a partial, since the queue never expires a final. Three
-        rare answers count as partials whatever they are, only their `kind` label off: a late
-        answer from a worker already declared lost (no longer in its credit), a job row the
-        broker refused, and a job it gave up on after losing its workers.
+        """Count answered jobs. `finals` names the final jobs among them (looked up in the
+        credit of the worker that held them); every other answer is a partial, since the queue
+        never expires a final. Two rare answers count as partials whatever they are, only their
+        `kind` label off: a late answer from a worker already declared lost (no longer in its
+        credit), and a job row the broker refused (unreadable, so of no known kind).
         """
         for result in results:
             kind = "final" if job_key(result) in finals else "partial"

@@ -322,6 +322,22 @@ def test_a_job_whose_workers_keep_being_lost_is_failed_not_requeued() -> None:
     assert d.remove_worker(b"c", NOW) == [] and job_key(other) in d.queue
 
 
+def test_a_final_the_broker_gives_up_on_is_counted_as_a_final() -> None:
+    """jobs_total's labels for the broker's own answer: a final whose workers kept being lost is
+    a failed final, not a partial."""
+    broker = Broker(settings.load())
+    try:
+        poison = job("p", final=True)
+        broker.dispatcher.submit([poison], NOW)
+        for ident in (b"a", b"b"):
+            _held_by_new_worker(broker.dispatcher, ident, poison)
+            broker._lose_worker(ident, "silent", NOW)
+        assert [(r.job_id, r.status) for r in broker._outbox[poison.ingest]] == [(poison.job_id, FAILED)]
+        assert broker.metrics.snapshot()["counters"] == [["jobs_total", {"kind": "final", "status": "failed"}, 1]]
+    finally:
+        broker.close()
+
+
 def test_a_clean_leave_or_a_new_socket_is_not_a_loss() -> None:
     """A worker that says BYE hands back jobs it never started, and one that registers again
     replaced its socket, not its process: neither says anything about the jobs it held."""
