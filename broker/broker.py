@@ -31,6 +31,7 @@ from config.settings import Config
 from metrics import allocwatch
 from metrics.gcwatch import freeze_and_watch
 from metrics.registry import ProcessMetrics
+from metrics.stallwatch import StallWatch
 from protocol import auth
 from protocol import messages as m
 
@@ -188,23 +189,28 @@ class Broker:
             poller.register(sock, zmq.POLLIN)
         poller.register(stop.fileno(), zmq.POLLIN)
         tick = time.monotonic() + self._interval_s
-        while not stop.stopping:
-            events = dict(poller.poll(max(0.0, tick - time.monotonic()) * 1000))
-            stop.drain()
-            for sock, handle in handlers.items():
-                if sock in events:
-                    for _ in range(DRAIN_MAX):
-                        try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        handle(frames, time.monotonic())
-            now = time.monotonic()
-            if now >= tick:
-                self._check_peers(now)
-                tick = now + self._interval_s
-            self._dispatch(now)
-            self._flush_results()
+        stall = StallWatch(self.cfg.broker.stall_after_s, wakes_every_s=self._interval_s)
+        try:
+            while not stop.stopping:
+                events = dict(poller.poll(max(0.0, tick - time.monotonic()) * 1000))
+                stop.drain()
+                for sock, handle in handlers.items():
+                    if sock in events:
+                        for _ in range(DRAIN_MAX):
+                            try:
+                                frames = sock.recv_multipart(zmq.NOBLOCK)
+                            except zmq.Again:
+                                break
+                            handle(frames, time.monotonic())
+                now = time.monotonic()
+                if now >= tick:
+                    self._check_peers(now)
+                    tick = now + self._interval_s
+                self._dispatch(now)
+                self._flush_results()
+                stall.turned(now)
+        finally:
+            stall.stop()
 
     # -- workers -----------------------------------------------------------------------------
 

@@ -106,6 +106,9 @@ class IngestConfig:
     # Ops tools (`streamasr status`, the service's readiness wait) are clients of the front door
     # too: with CURVE on they use this key pair file (a *.key_secret), whose public key must be authorized.
     curve_client_key: str = ""
+    # An ingest whose loop has not turned for this long is stuck (it wakes every half heartbeat):
+    # it exits with every thread's stack in its log, and supervisord starts it again. 0 = never.
+    stall_after_s: float = setting(60.0)
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,7 @@ class BrokerConfig:
     liveness: int = setting(3, lo=1)  # missed heartbeats before a peer is declared dead
     partial_deadline_ms: int = setting(2000, lo=1)  # a queued partial older than this is skipped
     final_deadline_ms: int = setting(10000, lo=1)  # finals are never dropped; past this they are logged late
+    stall_after_s: float = setting(60.0)  # as [ingest] stall_after_s, for the broker's loop
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from ingest.vad import CHUNK, VadRunner
 from metrics import allocwatch
 from metrics.gcwatch import freeze_and_watch
 from metrics.registry import ProcessMetrics
+from metrics.stallwatch import StallWatch
 from protocol import auth
 from protocol import messages as m
 from shm.pool import PoolExhausted, RingPool, ring_capacity
@@ -428,17 +429,26 @@ class IngestServer:
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.clients, zmq.POLLIN)
-        registered = self.broker
-        poller.register(registered, zmq.POLLIN)
+        poller.register(self.broker, zmq.POLLIN)
         poller.register(self.vad.signal, zmq.POLLIN)
         poller.register(self.results, zmq.POLLIN)
-        last_sweep = time.monotonic()
         self.metrics.set("shm_rings_total", self.pool.slots)
         self._publish_gauges()
         self.metrics.start()
         freeze_and_watch(self.metrics)  # start-up done: what is allocated from here on is the serving path's
         allocwatch.arm(self.metrics.process)
         self.log.info("ingest.ready", endpoint=self.endpoint, shm=self.pool.name, slots=self.pool.slots)
+        stall = StallWatch(self.cfg.ingest.stall_after_s, wakes_every_s=self.hb_interval / 2)
+        try:
+            self._serve(poller, stall)
+        finally:
+            stall.stop()
+        self.close()
+
+    def _serve(self, poller: zmq.Poller, stall: StallWatch) -> None:
+        """The loop, until a drain ends (see the module's docstring)."""
+        registered = self.broker
+        last_sweep = time.monotonic()
         while True:
             if self.broker is not registered:
                 poller.unregister(registered)
@@ -469,9 +479,9 @@ class IngestServer:
             if self.dirty:  # segments the deciding chunks just opened or closed
                 self._flush()
             self._heartbeat(now)
+            stall.turned(now)
             if self.draining and (not self.sessions or now >= self.stop_at):
                 break
-        self.close()
 
     def close(self) -> None:
         for s in self.sessions.values():

@@ -15,7 +15,6 @@ forever, so past `[workers] stuck_after_s` it ends the process (see Watchdog).
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import signal
 import sys
@@ -36,6 +35,7 @@ from config.settings import Config
 from metrics import allocwatch
 from metrics.gcwatch import freeze_and_watch
 from metrics.registry import ProcessMetrics
+from metrics.stallwatch import StallWatch
 from protocol.messages import INTERNAL
 from shm.pool import RingPool
 from shm.ring import Ring
@@ -53,9 +53,6 @@ FLUSH_S = 1.0  # at shutdown, how long results may wait for the broker and the i
 # Exit status of a worker the watchdog ended: not 1 (crashed, or its IO thread failed), so
 # supervisord's log tells a hung model call from the other failures.
 STUCK_EXIT_STATUS = 3
-# The dead man's switch fires this much later than `stuck_after_s` (or two of the IO thread's
-# ticks, if those are longer), so that a tick that came late never ends a working process.
-SWITCH_GRACE_S = 2.0
 
 
 class AudioUnavailable(Exception):
@@ -93,9 +90,9 @@ class Watchdog:
     re-queues the jobs, and supervisord starts a new worker.
 
     A call that hangs holding the GIL stops the IO thread too, so `check` never runs. For that
-    the IO thread also re-arms a dead man's switch on every tick (`kick`): faulthandler's timer,
-    a C thread that needs no GIL. Once the ticks have stopped for the limit (plus SWITCH_GRACE_S)
-    it writes every thread's stack to stderr and exits with status 1.
+    the IO thread's ticks also push back a StallWatch (metrics/stallwatch.py) set to the same
+    limit: a timer in C that needs no GIL, which then writes every thread's stack to stderr and
+    exits with status 1.
     """
 
     def __init__(self, stuck_after_s: float, exit_process: Callable[[int], object] = _exit_now,
@@ -133,17 +130,6 @@ class Watchdog:
         self._exit(STUCK_EXIT_STATUS)
         return True
 
-    def kick(self, tick_s: float) -> None:
-        """IO thread, every tick (at most `tick_s` apart): push the dead man's switch back.
-        Its stacks go to the process's stderr (fd 2), which supervisord keeps in the worker's log."""
-        if self.stuck_after_s > 0:
-            faulthandler.dump_traceback_later(self.stuck_after_s + max(SWITCH_GRACE_S, 2 * tick_s), exit=True, file=2)
-
-    @staticmethod
-    def disarm() -> None:
-        """IO thread, when it stops: a worker shutting down has no ticks left to give."""
-        faulthandler.cancel_dump_traceback_later()
-
 
 class Heartbeats(threading.Thread):
     """The IO thread: heartbeats to and from the broker on a socket of their own, and reconnection.
@@ -164,6 +150,8 @@ class Heartbeats(threading.Thread):
         self._pipe = ctx.socket(zmq.PAIR)
         self._pipe.connect(_PIPE)
         self._watchdog = watchdog
+        # for a call that holds the GIL, which stops this thread and its watch with it
+        self._stall = StallWatch(watchdog.stuck_after_s if watchdog else 0, wakes_every_s=self._interval_s / 2)
         self.failed: BaseException | None = None
 
     def run(self) -> None:
@@ -174,8 +162,7 @@ class Heartbeats(threading.Thread):
             log.exception("worker.io_failed")
             os.kill(os.getpid(), signal.SIGTERM)
         finally:
-            if self._watchdog is not None:
-                self._watchdog.disarm()
+            self._stall.stop()  # a worker shutting down has no ticks left to give
             self._pipe.close(linger=0)
 
     def _serve(self) -> None:
@@ -195,7 +182,7 @@ class Heartbeats(threading.Thread):
             now = time.monotonic()
             if self._watchdog is not None:
                 self._watchdog.check()  # first: the broker's state does not matter to a hung call
-                self._watchdog.kick(self._interval_s / 2)
+            self._stall.turned(now)
             if self._pipe in events and self._pipe.recv() == STOP:
                 if sock is not None:
                     sock.close(linger=0)

@@ -1,0 +1,38 @@
+"""Ends a process whose serving loop has stopped turning.
+
+The ingest and the broker each serve from one loop that wakes at least every half heartbeat. A
+loop stuck for good (a native call that never returns, a deadlock, a C extension holding the
+GIL) would leave a process that supervisord sees running but that serves nobody. The loop
+pushes back a timer of faulthandler's as it turns; the timer is a C thread that needs no GIL,
+and once the loop has not turned for the limit it writes every thread's stack to stderr (which
+supervisord keeps in the program's log) and exits the process with status 1, so supervisord
+starts it again and its peers recover as from a crash.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import math
+
+# Pushing the timer back costs a thread start (~35 µs); a loop turning thousands of times a
+# second does it at most this often, so the limit is honoured to within this much.
+PUSH_EVERY_S = 1.0
+
+
+class StallWatch:
+    def __init__(self, limit_s: float, wakes_every_s: float) -> None:
+        """`limit_s`: 0 is off. `wakes_every_s`: the longest the loop sleeps when idle; the timer
+        allows two of those beyond the limit, so a setting below them cannot end an idle loop."""
+        self.limit_s = limit_s
+        self._timer_s = limit_s + max(PUSH_EVERY_S, 2 * wakes_every_s)
+        self._pushed = -math.inf
+
+    def turned(self, now: float) -> None:
+        """The loop turned at `now` (time.monotonic())."""
+        if self.limit_s > 0 and now - self._pushed >= PUSH_EVERY_S:
+            faulthandler.dump_traceback_later(self._timer_s, exit=True, file=2)
+            self._pushed = now
+
+    def stop(self) -> None:
+        """The loop has ended: a process shutting down is not stuck."""
+        faulthandler.cancel_dump_traceback_later()
