@@ -1,12 +1,12 @@
 """Ends a process whose serving loop has stopped turning.
 
-The ingest and the broker each serve from one loop that wakes at least every half heartbeat. A
-loop stuck for good (a native call that never returns, a deadlock, a C extension holding the
-GIL) would leave a process that supervisord sees running but that serves nobody. The loop
-pushes back a timer of faulthandler's as it turns; the timer is a C thread that needs no GIL,
-and once the loop has not turned for the limit it writes every thread's stack to stderr (which
-supervisord keeps in the program's log) and exits the process with status 1, so supervisord
-starts it again and its peers recover as from a crash.
+The ingest and the broker each serve from one loop that wakes at least once a heartbeat, and a
+worker's IO thread ticks as often. A loop stuck for good (a native call that never returns, a
+deadlock, a C extension holding the GIL) would leave a process that supervisord sees running but
+that serves nobody. The loop pushes back a timer of faulthandler's as it turns; the timer is a C
+thread that needs no GIL, and once the loop has not turned for the limit it writes every
+thread's stack to stderr (which supervisord keeps in the program's log) and exits the process
+with status 1, so supervisord starts it again and its peers recover as from a crash.
 """
 
 from __future__ import annotations
