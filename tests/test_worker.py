@@ -32,12 +32,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def pool() -> Iterator[RingPool]:
+def segment_name() -> Iterator[str]:
+    """An ingest's shm segment name for the test to create (and create again); reclaimed after."""
     instance = f"test{uuid.uuid4().hex[:12]}"
-    p = RingPool.create(f"streamasr.{instance}.ingest0", slots=2, capacity=16_000)
+    yield f"streamasr.{instance}.ingest0"
+    reclaim(instance)
+
+
+@pytest.fixture
+def pool(segment_name: str) -> Iterator[RingPool]:
+    p = RingPool.create(segment_name, slots=2, capacity=16_000)
     yield p
     p.close()
-    reclaim(instance)
 
 
 @pytest.fixture
@@ -145,18 +151,13 @@ def segment_with_audio(name: str) -> tuple[RingPool, Ring]:
     return pool, ring
 
 
-def test_recreated_segment_is_reattached(worker: Worker) -> None:
-    instance = f"test{uuid.uuid4().hex[:12]}"
-    name = f"streamasr.{instance}.ingest0"
-    try:
-        first, ring = segment_with_audio(name)
-        assert worker.process([job(first, 0, ring.generation, 0, 100)])[0].status == OK
-        first.close()
-        second, ring = segment_with_audio(name)  # the ingest restarted
-        assert worker.process([job(second, 0, ring.generation, 0, 100)])[0].status == OK
-        second.close()
-    finally:
-        reclaim(instance)
+def test_recreated_segment_is_reattached(worker: Worker, segment_name: str) -> None:
+    first, ring = segment_with_audio(segment_name)
+    assert worker.process([job(first, 0, ring.generation, 0, 100)])[0].status == OK
+    first.close()
+    second, ring = segment_with_audio(segment_name)  # the ingest restarted
+    assert worker.process([job(second, 0, ring.generation, 0, 100)])[0].status == OK
+    second.close()
 
 
 def test_results_go_to_their_own_ingest_and_a_gone_one_is_reported() -> None:
@@ -189,23 +190,18 @@ def test_results_go_to_their_own_ingest_and_a_gone_one_is_reported() -> None:
         shutil.rmtree(run, ignore_errors=True)
 
 
-def test_failed_reattach_is_retried_on_the_next_job(worker: Worker) -> None:
-    instance = f"test{uuid.uuid4().hex[:12]}"
-    name = f"streamasr.{instance}.ingest0"
-    try:
-        first, ring = segment_with_audio(name)
-        assert worker.process([job(first, 0, ring.generation, 0, 100)])[0].status == OK
-        gone = ring.generation
-        first.close()
-        first.unlink()  # the ingest stopped: the re-attach for the next job fails
-        [missing] = worker.process([job(first, 0, gone + 5, 0, 100, 2)])
-        assert missing.status == FAILED and "audio unavailable" in (missing.error or "")
-        second, ring = segment_with_audio(name)  # the ingest is back
-        results = worker.process([job(second, 0, ring.generation, 0, 100, 3 + i) for i in range(2)])
-        assert [r.status for r in results] == [OK, OK], [r.error for r in results]
-        second.close()
-    finally:
-        reclaim(instance)
+def test_failed_reattach_is_retried_on_the_next_job(worker: Worker, segment_name: str) -> None:
+    first, ring = segment_with_audio(segment_name)
+    assert worker.process([job(first, 0, ring.generation, 0, 100)])[0].status == OK
+    gone = ring.generation
+    first.close()
+    first.unlink()  # the ingest stopped: the re-attach for the next job fails
+    [missing] = worker.process([job(first, 0, gone + 5, 0, 100, 2)])
+    assert missing.status == FAILED and "audio unavailable" in (missing.error or "")
+    second, ring = segment_with_audio(segment_name)  # the ingest is back
+    results = worker.process([job(second, 0, ring.generation, 0, 100, 3 + i) for i in range(2)])
+    assert [r.status for r in results] == [OK, OK], [r.error for r in results]
+    second.close()
 
 
 class Clock:
