@@ -128,12 +128,20 @@ def _int(value: Any) -> bool:
     return type(value) is int  # not bool: msgpack keeps them apart, and a bool here is a mix-up
 
 
+def _str(value: Any) -> bool:
+    return type(value) is str
+
+
+def _bool(value: Any) -> bool:
+    return type(value) is bool
+
+
 def _number(value: Any) -> bool:
     return type(value) in (int, float) and not math.isnan(value)  # NaN would break the queue's order
 
 
 def _opt_str(value: Any) -> bool:
-    return value is None or type(value) is str
+    return value is None or _str(value)
 
 
 # What each field must be as it comes off the wire. Checked once, where the broker takes jobs
@@ -142,13 +150,13 @@ def _opt_str(value: Any) -> bool:
 _JOB_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "job_id": (_int, "an int"),
     "ingest": (_int, "an int"),
-    "stream": (lambda v: type(v) is str, "a str"),
-    "shm": (lambda v: type(v) is str, "a str"),
+    "stream": (_str, "a str"),
+    "shm": (_str, "a str"),
     "slot": (_int, "an int"),
     "generation": (_int, "an int"),
     "start": (_int, "an int"),
     "end": (_int, "an int"),
-    "final": (lambda v: type(v) is bool, "a bool"),
+    "final": (_bool, "a bool"),
     "priority": (lambda v: _int(v) and v in (REALTIME, BATCH), f"REALTIME ({REALTIME}) or BATCH ({BATCH})"),
     "deadline": (_number, "a number"),
     "seg": (_int, "an int"),
@@ -156,7 +164,7 @@ _JOB_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "prompt": (_opt_str, "a str or nil"),
     "prefix": (_opt_str, "a str or nil"),
     "created": (_number, "a number"),
-    "first": (lambda v: type(v) is bool, "a bool"),
+    "first": (_bool, "a bool"),
 }
 _JOB_FIELDS = tuple(f.name for f in fields(Job))
 _JOB_REQUIRED = sum(f.default is MISSING and f.default_factory is MISSING for f in fields(Job))
