@@ -285,8 +285,11 @@ class VadRunner:
         self._rounds.put((keys, chunks))
 
     def ready_now(self, key: str) -> bool:
-        """Whether `classify_now` may take this stream's chunks: it is in the bank, and not in the round in flight."""
-        return key not in self._in_round and key in self._now
+        """Whether `classify_now` may take this stream's chunks: it is in the bank, not in the round
+        in flight, and not waiting for that round's end to be added or removed (a client that
+        closes a stream and opens one of the same name meanwhile would otherwise have its new
+        stream classified on the old one's state, then reset under it)."""
+        return key not in self._in_round and key in self._now and all(k != key for _, k in self._changes)
 
     def classify_now(self, keys: list[str], chunks: list[np.ndarray]) -> np.ndarray:
         """Classify on the calling thread, as `submit` and `take` would (a failed call included),

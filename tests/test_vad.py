@@ -341,3 +341,25 @@ def test_the_loop_classifies_deciding_chunks_beside_the_thread_s_round(runner: V
         expected = [float(bank.process([key], [c])[0]) for c in cs[:48]]
         bank.remove(key)
         np.testing.assert_allclose(got[key], expected, atol=1e-5)
+
+
+def test_a_stream_reopened_under_its_name_during_a_round_starts_fresh(runner: VadRunner, bank: VadBank) -> None:
+    """A client closes a stream and opens one of the same name while a round is in flight: the
+    bank removes and re-adds it only when the round ends, so until then the loop must not take
+    the new stream's chunks (they would run on the old stream's state, which is then reset
+    under it). Every chunk of the new stream scores as a fresh stream's."""
+    old, new, other = chunks(load(FILES[0])), chunks(load(FILES[1])), chunks(load(FILES[2]))
+    runner.add("k")
+    runner.add("other")
+    runner.classify_now(["k"] * 40, old[:40])  # the old stream ran a while: its state is far from fresh
+    submit(runner, [("other", c) for c in other[:8]])
+    runner.remove("k")
+    runner.add("k")
+    assert not runner.ready_now("k")
+    finish(runner)
+    assert runner.ready_now("k")
+    got = runner.classify_now(["k"] * 40, new[:40])
+    bank.add("k")
+    expected = bank.process(["k"] * 40, new[:40])
+    bank.remove("k")
+    np.testing.assert_allclose(got, expected, atol=1e-5)
