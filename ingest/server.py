@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import sys
 import time
 from collections import deque
@@ -25,6 +24,7 @@ import zmq
 
 from broker import jobs as j
 from broker.jobs import REALTIME
+from broker.signals import StopSignal
 from config.settings import Config
 from ingest.session import Session
 from ingest.vad import CHUNK, VadRunner
@@ -415,10 +415,10 @@ class IngestServer:
 
     # ------------------------------------------------------------------ main loop
 
-    def request_stop(self, *_: object) -> None:
-        """SIGTERM: refuse new streams, finish every open one, then exit."""
-        if self.draining:
-            return
+    def begin_drain(self) -> None:
+        """On SIGTERM or SIGINT: refuse new streams, finish every open one, then exit. Called by
+        the loop between turns, never from the signal handler: a handler runs between any two
+        bytecodes of the loop, which may be iterating the very sets this adds to."""
         self.draining = True
         self.stop_at = time.monotonic() + self.cfg.ingest.drain_timeout_s
         self.log.info("ingest.draining", streams=len(self.sessions))
@@ -440,12 +440,14 @@ class IngestServer:
         self.log.info("ingest.ready", endpoint=self.endpoint, shm=self.pool.name, slots=self.pool.slots)
         stall = StallWatch(self.cfg.ingest.stall_after_s, wakes_every_s=self.hb_interval / 2)
         try:
-            self._serve(poller, stall)
+            with StopSignal() as stop:
+                poller.register(stop.fileno(), zmq.POLLIN)
+                self._serve(poller, stall, stop)
         finally:
             stall.stop()
         self.close()
 
-    def _serve(self, poller: zmq.Poller, stall: StallWatch) -> None:
+    def _serve(self, poller: zmq.Poller, stall: StallWatch, stop: StopSignal) -> None:
         """The loop, until a drain ends (see the module's docstring)."""
         registered = self.broker
         last_sweep = time.monotonic()
@@ -458,6 +460,10 @@ class IngestServer:
             if (vad_wait := self._vad_wait(time.monotonic())) is not None:
                 timeout = min(timeout, vad_wait)
             events = dict(poller.poll(timeout=math.ceil(timeout * 1000)))
+            if stop.fileno() in events:
+                stop.drain()
+            if stop.stopping and not self.draining:
+                self.begin_drain()
             if self.results in events:
                 _drain(self.results, self._on_worker)
             if self.broker in events:
@@ -516,7 +522,4 @@ def main(cfg: Config, index: int) -> None:
     # The VAD thread needs the GIL between its batched calls; when the loop is busy it would wait
     # up to the default 5 ms switch interval for each, and fall behind the audio.
     sys.setswitchinterval(0.0005)
-    server = IngestServer(cfg, index)
-    signal.signal(signal.SIGTERM, server.request_stop)
-    signal.signal(signal.SIGINT, server.request_stop)
-    server.run()
+    IngestServer(cfg, index).run()

@@ -1,0 +1,97 @@
+"""SIGTERM reaches the ingest's loop between turns, however busy the loop is when it comes.
+
+A real ingest server, run on the test's main thread (signals go to the main thread), with a real
+client socket on loopback and real shm; no broker or workers, so the drain runs to its timeout
+and the ingest closes the streams itself.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from config import settings
+from ingest.server import IngestServer
+from ingest.session import Session
+from protocol import messages as m
+from shm import pool
+from streamasr.service import free_ports
+
+FRAME = 1600  # 100 ms at 16 kHz
+
+
+def client(endpoint: str, streams: list[str], got: dict[str, list[m.ServerMessage]]) -> None:
+    """Open the streams, send a tone on each until the ingest closes them, and keep what it says."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(endpoint)
+    tone = (8000 * np.sin(np.arange(FRAME) * 2 * np.pi * 440 / 16000)).astype("<i2").tobytes()
+    for sid in streams:
+        sock.send_multipart(m.encode(m.Open(stream=sid)))
+    seq = dict.fromkeys(streams, 0)
+    try:
+        while not all(any(isinstance(msg, m.Closed) for msg in got[sid]) for sid in streams):
+            if not sock.poll(20_000):
+                return
+            msg = m.decode_server(sock.recv_multipart())
+            got[msg.stream].append(msg)  # type: ignore[union-attr]
+            if isinstance(msg, (m.Ready, m.Ack)) and msg.stream in seq:
+                sid = msg.stream
+                sock.send_multipart(m.encode(m.Audio(stream=sid, seq=seq[sid], data=tone)))
+                seq[sid] += 1
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def test_sigterm_in_the_middle_of_a_turn_drains_the_streams(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The signal lands while the loop steps one of two streams, in the middle of iterating the
+    streams it must step this turn. Handled there, marking every stream to be ended would change
+    that set under the loop and end the process with its streams unanswered. The ingest must
+    instead end both streams, tell their client, and stop in order."""
+    base = free_ports(2)
+    instance = f"test{uuid.uuid4().hex[:8]}"
+    cfg = settings.load(None, {
+        "instance": instance, "run_dir": str(tmp_path / instance),
+        "ingest": {"address": f"tcp://127.0.0.1:{base}", "port_base": base + 1, "drain_timeout_s": 1.0},
+    })
+    server = IngestServer(cfg, 0)
+    streams = ["a", "b"]
+    got: dict[str, list[m.ServerMessage]] = {sid: [] for sid in streams}
+    talker = threading.Thread(target=client, args=(cfg.ingest_endpoint(0), streams, got), daemon=True)
+    step = Session.step
+    signalled: list[bool] = []
+
+    def step_and_signal(session: Session) -> None:
+        if (not signalled and len(server.dirty) < len(server.sessions) == len(streams)
+                and all(s.in_frames >= 3 * FRAME for s in server.sessions.values())):
+            signalled.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)  # its handler runs here, before the step goes on
+        step(session)
+
+    monkeypatch.setattr(Session, "step", step_and_signal)
+
+    def unhandled(_signum: int, _frame: object) -> None:
+        raise AssertionError("SIGTERM reached no handler of the ingest's")  # rather than end the test run
+
+    previous = signal.signal(signal.SIGTERM, unhandled)  # the ingest installs its own while it runs
+    try:
+        talker.start()
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    talker.join(10)
+    assert signalled, "the signal was never sent"
+    for sid in streams:
+        closed = [msg for msg in got[sid] if isinstance(msg, m.Closed)]
+        assert len(closed) == 1 and closed[0].reason == "shutdown", got[sid]
+        assert closed[0].audio_s >= 0.3
+    assert pool.segments(instance) == []
