@@ -43,6 +43,9 @@ class Figures:
     def stream_share(self) -> float:
         return sum(self.share)
 
+    def copy(self) -> Figures:
+        return Figures(list(self.share), list(self.decode_cost), list(self.loaded_cost))
+
 
 def prior_share(costs: list[tuple[float, float]], workers: int, partial_interval_s: float, min_silence_s: float) -> list[float]:
     """The share of `workers` workers' time one speaking stream asks for, as `Figures.share`,
@@ -87,7 +90,7 @@ class SavedFigures:
             return None
         if figures.stream_share <= 0 or any(len(x) != 2 for x in parts):
             return None
-        self._saved = figures
+        self._saved = figures.copy()  # the broker goes on to change the figures it is given in place
         log.info("broker.admission_figures_restored", stream_share=round(figures.stream_share, 4),
                  age_s=round(time.time() - saved, 1))
         return figures
@@ -104,5 +107,5 @@ class SavedFigures:
             os.replace(tmp, self._path)
         except OSError as exc:
             log.warning("broker.admission_figures_unsaved", path=str(self._path), error=repr(exc))
-        self._saved = Figures(list(figures.share), list(figures.decode_cost), list(figures.loaded_cost))
+        self._saved = figures.copy()
         self._saved_at = now

@@ -622,6 +622,22 @@ def test_saved_figures_come_back_for_the_same_model_only(tmp_path: Path) -> None
         broker.close()
 
 
+def test_figures_measured_on_after_a_restore_are_saved(tmp_path: Path) -> None:
+    """A restarted broker measures on into the figures it restored, changing them in place; what
+    it measures must reach the file for the next start, not the restored figures forever."""
+    cfg = settings.load(None, {"run_dir": str(tmp_path)})
+    SavedFigures(cfg).save(Figures([0.05, 0.15], [0.05, 0.3], [0.1, 0.6]), NOW)
+    saved = SavedFigures(cfg)
+    figures = saved.load()
+    assert figures is not None
+    figures.share[0], figures.loaded_cost[1] = 0.2, 0.9
+    saved.save(figures, NOW + SAVE_EVERY_S)
+    assert SavedFigures(cfg).load() == Figures([0.2, 0.15], [0.05, 0.3], [0.1, 0.9])
+    figures.share[1] = 0.25
+    saved.save(figures, NOW + SAVE_EVERY_S, at_once=True)  # at shutdown
+    assert SavedFigures(cfg).load() == Figures([0.2, 0.25], [0.05, 0.3], [0.1, 0.9])
+
+
 @pytest.mark.parametrize("content", [
     "[]", "null", "3", '"figures"',
     '{"model": MODEL, "share": [0.1, 0.1], "decode_cost": [0.1, 0.1], "loaded_cost": [0, 0], "saved": "yesterday"}',
