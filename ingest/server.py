@@ -103,6 +103,11 @@ class IngestServer:
         self.broker = self.ctx.socket(zmq.DEALER)
         self.broker.setsockopt(zmq.IDENTITY, f"ingest-{self.index}".encode())
         self.broker.setsockopt(zmq.LINGER, 0)
+        # While the broker is away what is sent to it queues here; at the default limit of 1,000
+        # messages a send would block the loop, and with it every client, until it is back. The
+        # queue goes when the link is given up for lost (`_heartbeat`): a few seconds of jobs,
+        # which `_register` sends again from the sessions.
+        self.broker.setsockopt(zmq.SNDHWM, 0)
         self.broker.connect(self.cfg.broker_ingest_endpoint)
         self._register()
 

@@ -1,8 +1,7 @@
-"""SIGTERM reaches the ingest's loop between turns, however busy the loop is when it comes.
+"""The ingest's loop goes on turning whatever happens around it, and stops in order.
 
-A real ingest server, run on the test's main thread (signals go to the main thread), with a real
-client socket on loopback and real shm; no broker or workers, so the drain runs to its timeout
-and the ingest closes the streams itself.
+A real ingest server, on the test's main thread (signals go to the main thread), with real
+sockets on loopback and real shm, and no broker or workers: their absence is the fault.
 """
 
 from __future__ import annotations
@@ -10,7 +9,9 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -52,11 +53,9 @@ def client(endpoint: str, streams: list[str], got: dict[str, list[m.ServerMessag
         ctx.term()
 
 
-def test_sigterm_in_the_middle_of_a_turn_drains_the_streams(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The signal lands while the loop steps one of two streams, in the middle of iterating the
-    streams it must step this turn. Handled there, marking every stream to be ended would change
-    that set under the loop and end the process with its streams unanswered. The ingest must
-    instead end both streams, tell their client, and stop in order."""
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[IngestServer]:
+    """An ingest of an instance of its own; closed by `run`, or here if the test did not run it."""
     base = free_ports(2)
     instance = f"test{uuid.uuid4().hex[:8]}"
     cfg = settings.load(None, {
@@ -64,6 +63,18 @@ def test_sigterm_in_the_middle_of_a_turn_drains_the_streams(tmp_path: Path, monk
         "ingest": {"address": f"tcp://127.0.0.1:{base}", "port_base": base + 1, "drain_timeout_s": 1.0},
     })
     server = IngestServer(cfg, 0)
+    yield server
+    if pool.segments(instance):
+        server.close()
+    assert pool.segments(instance) == []
+
+
+def test_sigterm_in_the_middle_of_a_turn_drains_the_streams(server: IngestServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The signal lands while the loop steps one of two streams, in the middle of iterating the
+    streams it must step this turn. Handled there, marking every stream to be ended would change
+    that set under the loop and end the process with its streams unanswered. The ingest must
+    instead end both streams, tell their client, and stop in order."""
+    cfg = server.cfg
     streams = ["a", "b"]
     got: dict[str, list[m.ServerMessage]] = {sid: [] for sid in streams}
     talker = threading.Thread(target=client, args=(cfg.ingest_endpoint(0), streams, got), daemon=True)
@@ -94,4 +105,25 @@ def test_sigterm_in_the_middle_of_a_turn_drains_the_streams(tmp_path: Path, monk
         closed = [msg for msg in got[sid] if isinstance(msg, m.Closed)]
         assert len(closed) == 1 and closed[0].reason == "shutdown", got[sid]
         assert closed[0].audio_s >= 0.3
-    assert pool.segments(instance) == []
+    assert pool.segments(cfg.instance) == []
+
+
+def test_a_broker_away_never_blocks_the_loop(server: IngestServer) -> None:
+    """What the ingest sends to a broker that is away (dead, or restarting) queues until the link
+    is given up for lost; past ZeroMQ's default limit of 1,000 messages, a send would block the
+    loop, and every client with it. Here no broker was ever there, and the heartbeats the loop
+    sends, 2,000 of them, must all leave at once."""
+
+    def blocked(_signum: int, _frame: object) -> None:
+        raise TimeoutError("a send to the absent broker blocked")  # interrupts the send
+
+    previous = signal.signal(signal.SIGALRM, blocked)
+    signal.setitimer(signal.ITIMER_REAL, 20)
+    try:
+        for _ in range(2000):
+            server.hb_sent = 0.0  # a heartbeat is due
+            server.broker_seen = time.monotonic()  # and the broker not yet given up for lost
+            server._heartbeat(time.monotonic())
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
