@@ -136,8 +136,10 @@ def _bool(value: Any) -> bool:
     return type(value) is bool
 
 
-def _number(value: Any) -> bool:
-    return type(value) in (int, float) and not math.isnan(value)  # NaN would break the queue's order
+def _finite(value: Any) -> bool:
+    """A time: NaN would break the queue's order, and a job created at -inf would have waited
+    forever (the admission load, smoothed over ticks, would read infinite for good)."""
+    return type(value) in (int, float) and math.isfinite(value)
 
 
 def _opt_str(value: Any) -> bool:
@@ -158,12 +160,12 @@ _JOB_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "end": (_int, "an int"),
     "final": (_bool, "a bool"),
     "priority": (lambda v: _int(v) and v in (REALTIME, BATCH), f"REALTIME ({REALTIME}) or BATCH ({BATCH})"),
-    "deadline": (_number, "a number"),
+    "deadline": (_finite, "a finite number"),
     "seg": (_int, "an int"),
     "language": (_opt_str, "a str or nil"),
     "prompt": (_opt_str, "a str or nil"),
     "prefix": (_opt_str, "a str or nil"),
-    "created": (_number, "a number"),
+    "created": (_finite, "a finite number"),
     "first": (_bool, "a bool"),
 }
 _JOB_FIELDS = tuple(f.name for f in fields(Job))

@@ -7,6 +7,7 @@ an ingest process does; workers run the null backend, so the tests time the plum
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
 import shutil
@@ -545,11 +546,13 @@ def test_sigterm_stops_cleanly(running: Cluster) -> None:
     assert any(e["event"] == "worker.stopped" for e in running.log_events("worker0"))
 
 
-def test_a_malformed_job_is_refused_and_the_broker_keeps_serving(running: Cluster) -> None:
-    """A job with a wrongly typed field (here a priority sent as a string) is refused on its
-    own, logged naming the ingest and the field and answered FAILED; the jobs around it and after
-    it are served as ever, and the broker lives on."""
-    [bad] = running.jobs(1, priority="0")
+@pytest.mark.parametrize(("name", "value"), [("priority", "0"), ("created", -math.inf), ("deadline", math.inf)])
+def test_a_malformed_job_is_refused_and_the_broker_keeps_serving(running: Cluster, name: str, value: Any) -> None:
+    """A job with a wrongly typed field (a priority sent as a string) or a time that is no time
+    (infinite: a job created at -inf would have waited forever, and the admission load would
+    read infinite for good) is refused on its own, logged naming the ingest and the field and
+    answered FAILED; the jobs around it and after it are served as ever, and the broker lives on."""
+    [bad] = running.jobs(1, **{name: value})
     first = running.jobs(3)
     running.ingest.submit([*first, bad])
     later = running.jobs(3)
@@ -560,7 +563,7 @@ def test_a_malformed_job_is_refused_and_the_broker_keeps_serving(running: Cluste
     assert_exactly_once(by_job, first + later)
     assert {r[0].status for r in by_job.values()} == {OK}
     [refused] = [e for e in running.log_events("broker") if e["event"] == "broker.bad_job"]
-    assert (refused["ingest"], refused["job"], refused["field"]) == (0, bad.job_id, "priority")
+    assert (refused["ingest"], refused["job"], refused["field"]) == (0, bad.job_id, name)
     assert running.procs["broker"].poll() is None and running.status()["queued"] == {"realtime": 0, "batch": 0}
 
 
