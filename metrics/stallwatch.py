@@ -21,10 +21,13 @@ PUSH_EVERY_S = 1.0
 
 class StallWatch:
     def __init__(self, limit_s: float, wakes_every_s: float) -> None:
-        """`limit_s`: 0 is off. `wakes_every_s`: the longest the loop sleeps when idle; the timer
-        allows two of those beyond the limit, so a setting below them cannot end an idle loop."""
+        """`limit_s`: 0 is off. `wakes_every_s`: the longest the loop sleeps when idle. A healthy
+        loop pushes the timer back at least every PUSH_EVERY_S plus one such sleep (a turn just
+        short of the push interval, then an idle sleep), so the timer allows that and one sleep
+        more beyond the limit: however small the limit, an idle loop is never ended. A stuck
+        loop is ended between `limit_s` and `limit_s` + PUSH_EVERY_S + 2 sleeps after its last turn."""
         self.limit_s = limit_s
-        self._timer_s = limit_s + max(PUSH_EVERY_S, 2 * wakes_every_s)
+        self._timer_s = limit_s + PUSH_EVERY_S + 2 * wakes_every_s
         self._pushed = -math.inf
 
     def turned(self, now: float) -> None:
