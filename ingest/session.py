@@ -297,7 +297,7 @@ class Session:
             self._on_final(job, res, seg)
         elif res.status == OK and seg is not None and seg is self.open_segment and job.end > seg.shown_end:
             seg.shown_end = job.end
-            text, stable = seg.stabilizer.update(self._clean(res))
+            text, stable = seg.stabilizer.update("" if self._hallucinated(res) else res.text.strip())
             self.stats["partials"] += 1
             self.outbox.append(m.Partial(stream=self.opened.stream, seg=seg.index, text=text, stable=stable,
                                          start=self._time(seg.start), end=self._time(job.end)))
@@ -325,7 +325,10 @@ class Session:
             seg.result = m.Final(stream=self.opened.stream, seg=seg.index, text=seg.stabilizer.committed,
                                  start=self._time(seg.start), end=self._time(job.end))
         else:
-            text, revised = seg.stabilizer.finalize(self._clean(res))
+            if self._hallucinated(res):  # dropped, and with it what the partials had marked stable
+                text, revised = "", bool(seg.stabilizer.committed)
+            else:
+                text, revised = seg.stabilizer.finalize(res.text.strip())
             if revised:
                 self.metrics.inc("finals_revised_total")
             seg.result = m.Final(stream=self.opened.stream, seg=seg.index, text=text, start=self._time(seg.start),
@@ -360,10 +363,9 @@ class Session:
             self._submit(seg, final=True, end=seg.end)
 
     @staticmethod
-    def _clean(res: JobResult) -> str:
-        if res.no_speech_prob > NO_SPEECH_PROB and res.avg_logprob < LOGPROB_FLOOR:
-            return ""
-        return res.text.strip()
+    def _hallucinated(res: JobResult) -> bool:
+        """Whisper's own test for text decoded from no speech (noise, breath, music)."""
+        return res.no_speech_prob > NO_SPEECH_PROB and res.avg_logprob < LOGPROB_FLOOR
 
     def _time(self, sample: int) -> float:
         """Seconds from the start of the original stream (a resumed one continues its times)."""

@@ -263,6 +263,23 @@ def finals(s: Session) -> list[m.Final]:
     return [msg for msg in s.outbox if isinstance(msg, m.Final)]
 
 
+def test_a_final_judged_a_hallucination_drops_the_words_its_partials_agreed_on(long_pool: RingPool) -> None:
+    """Whisper hallucinates the same words on noise decode after decode, so its partials may
+    agree on them; the final, decoded on the whole segment, is the judge: judged no speech, it
+    is empty, and `revised` tells the client to take back what it printed as stable. A final
+    that merely found no words keeps them (the stabilizer's tests)."""
+    s = session(long_pool)
+    feed(s, [0.0] * 5 + [0.9] * 20)
+    answer(s, final=False, text="Thank you.")
+    feed(s, [0.9] * 16)
+    answer(s, final=False, text="Thank you.")
+    assert [p.stable for p in s.outbox if isinstance(p, m.Partial)][-1] == "Thank"  # never the last word heard
+    feed(s, [0.0] * 20)
+    answer(s, final=True, text="Thank you.", no_speech_prob=0.9, avg_logprob=-1.5)
+    [final] = finals(s)
+    assert (final.text, final.revised) == ("", True)
+
+
 def test_a_segment_of_noise_gets_an_empty_final_in_order(long_pool: RingPool) -> None:
     """Noise the cleaning blanks still ends its segment with a final, so the client knows its
     partials are void; the next segment is prompted with the last final that had words."""
