@@ -161,4 +161,4 @@ class Segmenter:
         start, end = self._recent_start[i], self._recent_end[i]
         cut = max((start + end) // 2, self.segment_start + 1)
         closed = self._close(cut, forced=True)
-        return [closed, self._open(cut)]
+        return [closed, self._open(closed.end)]  # the cut capped to max_segment_s: no sample left out

@@ -97,6 +97,19 @@ def test_forced_cut_at_quietest_recent_chunk() -> None:
     assert segs[-1] == (segs[1][1], 400 * CHUNK, False)
 
 
+def test_a_forced_cut_in_steady_speech_leaves_no_sample_out() -> None:
+    """Where every chunk is as quiet as the next (steady speech, or a VAD that fails and counts
+    every chunk as speech) the cut falls in the chunk that reached the limit, past the limit when
+    the limit is in the chunk's first half: the segment ends at the limit, and the next one must
+    start there."""
+    cfg = VadConfig(max_segment_s=1.0)  # 31.25 chunks: the limit lies in a chunk's first half
+    segs = spans(run([0.9] * 200, cfg, flush=True))
+    assert len(segs) > 3 and segs[0][0] == 0 and segs[-1][1] == 200 * CHUNK
+    for (_, e1, _), (s2, _, _) in zip(segs, segs[1:]):
+        assert s2 == e1
+    assert all(e - s <= 16000 for s, e, _ in segs)
+
+
 def test_forced_cut_during_a_pause_ends_there() -> None:
     cfg = VadConfig(max_segment_s=5.0)
     events = run([0.95] * 150 + [0.0] * 40, cfg)
@@ -150,6 +163,8 @@ def test_invariants(probs: list[float], tail: int, run_prob: float) -> None:
         assert earliest >= previous  # ingest can release audio monotonically
         previous = earliest
         new = seg.push(p, (i + 1) * CHUNK)
+        if [e.kind for e in new] == ["end", "start"]:  # a cut in speech: the next segment takes up where it ended
+            assert new[0].forced and new[1].start == new[0].end
         for e in new:
             assert e.start >= earliest  # audio before earliest_start was safe to drop
             if e.kind == "end":
@@ -165,6 +180,7 @@ def test_invariants(probs: list[float], tail: int, run_prob: float) -> None:
     assert all(e.end <= stream_end for e in ends)
     for a, b in zip(ends, ends[1:]):
         assert b.start >= a.end  # segments never overlap
+
     for s, e in zip(events[::2], events[1::2]):
         assert s.start == e.start
 
