@@ -36,6 +36,7 @@ from client.core import (
     StreamBase,
     StreamCore,
     StreamError,
+    check_open,
     due,
     ingest_endpoint,
     limits_from,
@@ -59,7 +60,7 @@ from protocol.messages import (
 
 log = logging.getLogger(__name__)
 
-LINGER_MS = 500
+LINGER_MS = 500  # let the last `end`s reach the server when closing right after them
 
 
 async def handshake(ctx: zmq.asyncio.Context, address: str, timeout: float) -> Welcome:
@@ -146,10 +147,14 @@ class AsyncClient:
         priority: str = "realtime",
         prompt: str | None = None,
     ) -> AsyncStream:
-        """Open a stream and wait for `ready`; raises StreamError with the server's code if refused."""
+        """Open a stream and wait for `ready`; raises StreamError with the server's code if refused.
+
+        Raises ValueError at once for what the protocol does not allow, as `Client.open` does.
+        """
         self._check()
         msg = Open(stream=stream or uuid.uuid4().hex, rate=rate, encoding=encoding, channels=channels, language=language,
                    model=model, partials=partials, priority=priority, prompt=prompt)
+        check_open(msg)
         if msg.stream in self._streams:
             raise ValueError(f"stream {msg.stream!r} is already open on this client")
         width = SAMPLE_BYTES.get(encoding, 1) * (channels if isinstance(channels, int) and channels > 0 else 1)
@@ -169,9 +174,13 @@ class AsyncClient:
         return AsyncStream(self, entry, msg)
 
     async def close(self) -> None:
-        """Stop reading; open streams fail with StreamError('closed')."""
+        """Stop reading; open streams fail with StreamError('closed').
+
+        Streams ended before send their `end` first, and it is given LINGER_MS to leave.
+        """
         if self._closed:
             return
+        self._flush(last=True)
         self._closed = True
         if self._retry is not None:
             self._retry.cancel()
@@ -217,6 +226,10 @@ class AsyncClient:
         self.ingest = ingest_endpoint(self.address, welcome.ingest)
         sock = self._ctx.socket(zmq.DEALER)
         sock.linger = LINGER_MS
+        # pyzmq's asyncio socket never blocks the loop: past the send limit it keeps sends in
+        # futures of its own, which close() cancels, a last `end` with them. Without a limit they
+        # all go to ZeroMQ and are given the linger (what may queue: see client.ingest_socket).
+        sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -304,7 +317,7 @@ class AsyncClient:
             try:
                 welcome = await handshake(self._ctx, self.address, min(self.timeout, max(deadline - time.monotonic(), 0.1)))
                 break
-            except (TimeoutError, ServerError) as exc:  # the front door may be restarting too
+            except (TimeoutError, ServerError, ProtocolError) as exc:  # the front door may be restarting too
                 if time.monotonic() + delay >= deadline:
                     raise StreamError(LOST, f"could not resume within {self.resume_timeout:.0f}s: {exc}") from None
                 await asyncio.sleep(delay)
@@ -313,7 +326,7 @@ class AsyncClient:
         self._reconnecting = False
         self.reconnects += 1
         for entry in self._streams.values():
-            self._send(encode(entry.resume()))
+            self._send(encode(entry.resume(deadline)))
         self._liveness.heard(time.monotonic())
         self._flush()
 
@@ -324,8 +337,11 @@ class AsyncClient:
         self._streams.clear()
         self._wake_senders()
 
-    def _flush(self) -> None:
-        """Send whatever flow control allows now, and arm the timer of stalled or refused streams."""
+    def _flush(self, last: bool = False) -> None:
+        """Send whatever flow control allows now, and arm the timer of stalled or refused streams.
+
+        `last` (closing): every requested `end` goes out too, held back or not.
+        """
         if self._reconnecting or self._closed:
             return
         now = time.monotonic()
@@ -335,7 +351,7 @@ class AsyncClient:
             if entry.core.reopen_at is not None and now >= entry.core.reopen_at:
                 self._send(encode(entry.reopen()))
             cut = entry.core.cut
-            for msg in entry.core.take(now):
+            for msg in entry.core.take_last(now) if last else entry.core.take(now):
                 self._send(encode(msg))
             moved = moved or entry.core.cut != cut
         if moved:

@@ -39,6 +39,7 @@ from client.core import (
     StreamBase,
     StreamCore,
     StreamError,
+    check_open,
     due,
     ingest_endpoint,
     limits_from,
@@ -64,7 +65,7 @@ from protocol.messages import (
 
 log = logging.getLogger(__name__)
 
-LINGER_MS = 500  # let a final `end` reach the server when closing right after it
+LINGER_MS = 500  # let the last `end`s reach the server when closing right after them
 HEARTBEAT_MS = 2000  # ZeroMQ-level pings on the ingest connection: a vanished peer shows as a disconnect
 HEARTBEAT_TIMEOUT_MS = 6000
 
@@ -73,6 +74,12 @@ def ingest_socket(ctx: zmq.Context, endpoint: str) -> tuple[zmq.Socket, zmq.Sock
     """A DEALER connected to an ingest, with heartbeats on, and the monitor that reports its disconnects."""
     sock = ctx.socket(zmq.DEALER)
     sock.linger = LINGER_MS
+    # No send limit: at the default one a send to an ingest that stopped reading (a frozen host)
+    # blocks the IO thread, and liveness, resuming and close() with it. What queues is bounded
+    # anyway: audio is sent with copy=False, the bytes each stream retains until acked; a batch
+    # stream's by its window, a realtime one's by what the caller produces until liveness gives
+    # up on the ingest, and a resume closes the socket with whatever it still holds.
+    sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -179,9 +186,14 @@ class Client:
         priority: str = "realtime",
         prompt: str | None = None,
     ) -> Stream:
-        """Open a stream and wait for `ready`; raises StreamError with the server's code if refused."""
+        """Open a stream and wait for `ready`; raises StreamError with the server's code if refused.
+
+        Raises ValueError at once for what the protocol does not allow (an id over 64 characters,
+        a prompt over 1000, a language code over 16, ...).
+        """
         msg = Open(stream=stream or uuid.uuid4().hex, rate=rate, encoding=encoding, channels=channels, language=language,
                    model=model, partials=partials, priority=priority, prompt=prompt)
+        check_open(msg)
         width = SAMPLE_BYTES.get(encoding, 1) * (channels if isinstance(channels, int) and channels > 0 else 1)
         core = StreamCore(msg.stream, priority=priority, frame_bytes=width, limits=self.limits, rate=rate)
         entry = Entry(core, msg, Future(), queue.SimpleQueue())
@@ -194,7 +206,10 @@ class Client:
         return Stream(self, entry, msg)
 
     def close(self) -> None:
-        """Stop the IO thread; open streams fail with StreamError('closed')."""
+        """Stop the IO thread; open streams fail with StreamError('closed').
+
+        Streams ended before send their `end` first, and it is given LINGER_MS to leave.
+        """
         if self._closed:
             return
         self._closed = True
@@ -274,6 +289,7 @@ class Client:
                     poller.register(self._sock, zmq.POLLIN)
                     poller.register(self._monitor, zmq.POLLIN)
                 self._flush()
+            self._flush(last=True)
         except StreamError as exc:  # the service could not be reached again
             failure = self._failure = exc
         except Exception as exc:  # the thread must not die silently: every waiter learns why
@@ -314,7 +330,7 @@ class Client:
             try:
                 welcome = handshake(self._ctx, self.address, min(self.timeout, max(deadline - time.monotonic(), 0.1)))
                 break
-            except (TimeoutError, ServerError) as exc:  # the front door may be restarting too
+            except (TimeoutError, ServerError, ProtocolError) as exc:  # the front door may be restarting too
                 if time.monotonic() + delay >= deadline:
                     raise StreamError(LOST, f"could not resume within {self.resume_timeout:.0f}s: {exc}") from None
                 time.sleep(delay)
@@ -323,7 +339,7 @@ class Client:
         self._sock, self._monitor = ingest_socket(self._ctx, self.ingest)
         self.reconnects += 1
         for entry in self._streams.values():
-            self._sock.send_multipart(encode(entry.resume()))
+            self._sock.send_multipart(encode(entry.resume(deadline)))
         self._liveness.heard(time.monotonic())
 
     def _run_commands(self) -> None:
@@ -367,14 +383,15 @@ class Client:
                 with self._progress:
                     self._progress.notify_all()
 
-    def _flush(self) -> None:
+    def _flush(self, last: bool = False) -> None:
+        """Send what flow control allows now; `last` (closing): every requested `end` too, held or not."""
         now = time.monotonic()
         moved = False
         for entry in self._streams.values():
             if entry.core.reopen_at is not None and now >= entry.core.reopen_at:
                 self._sock.send_multipart(encode(entry.reopen()))
             cut = entry.core.cut
-            for msg in entry.core.take(now):
+            for msg in entry.core.take_last(now) if last else entry.core.take(now):
                 self._sock.send_multipart(encode(msg), copy=False)
             moved = moved or entry.core.cut != cut
         if moved:

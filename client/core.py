@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import logging
 import threading
 import time
 from array import array
@@ -19,6 +20,8 @@ from typing import Any
 import numpy as np
 
 from protocol.messages import (
+    BAD_FORMAT,
+    MAX_PROMPT_CHARS,
     NOT_READY,
     OUT_OF_ORDER,
     OVERLOADED,
@@ -34,10 +37,15 @@ from protocol.messages import (
     Limits,
     Open,
     Partial,
+    ProtocolError,
     Ready,
     ServerMessage,
     Welcome,
+    decode_client,
+    encode,
 )
+
+log = logging.getLogger(__name__)
 
 SAMPLE_BYTES = {"pcm_s16le": 2, "f32le": 4}
 LOCAL_HOSTS = ("127.0.0.1", "0.0.0.0", "localhost", "*")
@@ -46,6 +54,8 @@ LOST = "connection_lost"  # StreamError code when the service could not be reach
 LIVENESS_S = 10.0  # an ingest silent this long while it owes an answer (ready, ack) is taken for dead
 RESUME_TIMEOUT_S = 60.0  # how long to keep trying to reach the service again before failing the streams
 REOPEN_CODES = (OVERLOADED, NOT_READY, TOO_MANY_STREAMS)  # a refused resume worth retrying: the service is busy
+REOPEN_S = 1.0  # a re-open refused for being busy is sent again after this long...
+MAX_REOPEN_S = 8.0  # ...doubling up to this, until the resume's deadline
 RETRY_S = 0.25  # resend refused audio after this long even if no ack moves the window...
 MAX_RETRY_S = 2.0  # ...doubling up to this, so a server that acks only on receipt cannot stall us
 KEEP_S = 60.0  # send times of durable audio are kept this long, for results still waiting to be read
@@ -130,6 +140,38 @@ def to_pcm(pcm: bytes | bytearray | memoryview | np.ndarray, encoding: str, chan
     if len(data) % (width * channels):
         raise ValueError(f"{len(data)} bytes is not a whole number of {channels}-channel {encoding} frames")
     return data
+
+
+def check_open(msg: Open) -> None:
+    """Raise ValueError for an `open` the server would refuse as malformed, before it is sent.
+
+    The server cannot name the stream in some such refusals (a bad id, a header it cannot
+    decode), so the client could not tell which open they answer; the protocol's own validator
+    finds them all here. An unsupported format is left to the server: its `bad_format` names the stream.
+    """
+    # checked first: past the header's string limit the validator would only say "not valid msgpack"
+    if isinstance(msg.prompt, str) and len(msg.prompt) > MAX_PROMPT_CHARS:
+        raise ValueError(f"open {msg.stream!r}: a prompt of {len(msg.prompt)} characters; at most {MAX_PROMPT_CHARS} are allowed")
+    try:
+        decode_client(encode(msg))
+    except ProtocolError as exc:
+        if exc.code != BAD_FORMAT:
+            raise ValueError(f"open {msg.stream!r} would be refused: {exc.message}") from None
+
+
+def prompt_tail(text: str | None) -> str | None:
+    """`text` cut to the protocol's MAX_PROMPT_CHARS from its start, at a word boundary where there is one.
+
+    A resume sends the last final's text as `resume_text`; the server prompts with only its end,
+    so a long final loses what the prompt would not have used.
+    """
+    if text is None or len(text) <= MAX_PROMPT_CHARS:
+        return text
+    tail = text[-MAX_PROMPT_CHARS:]
+    if text[-MAX_PROMPT_CHARS - 1].isspace():
+        return tail
+    _, space, rest = tail.partition(" ")
+    return rest if space and rest else tail  # a script written without spaces is cut anywhere
 
 
 @dataclass(slots=True)
@@ -262,11 +304,18 @@ class StreamCore:
         self.offset = 0  # input frame the current connection started at
         self.resumes: list[int] = []  # offsets the stream was re-opened at
         self.reopen_at: float | None = None  # when to retry a refused resume
+        self.reopen_s = REOPEN_S  # how long the next refused resume waits
+        self.resume_by: float | None = None  # when a resume not yet answered `ready` gives up
 
     @property
     def waiting(self) -> bool:
-        """Whether the ingest owes this stream an answer: to its open, or an ack (it acks every 100 ms of audio)."""
-        return not self.ready or (self.stalled_window is None and self.cut - self.accepted >= self.log.rate // 10)
+        """Whether the ingest owes this stream an answer: to its open, or an ack (it acks every 100 ms of audio).
+
+        A refused re-open waiting for its retry is owed nothing.
+        """
+        if not self.ready:
+            return self.reopen_at is None
+        return self.stalled_window is None and self.cut - self.accepted >= self.log.rate // 10
 
     def push(self, data: bytes) -> None:
         if data:
@@ -278,6 +327,7 @@ class StreamCore:
     def on_ready(self, window: int) -> None:
         self.ready = True
         self.window = window
+        self.resume_by = None
         if window > 0:  # a message bigger than the server's whole buffer could never be accepted
             self.max_frames = max(1, min(self.max_frames, window // 4))
 
@@ -320,11 +370,12 @@ class StreamCore:
         msg.segments += self.seg_base
         msg.audio_s += self.offset / self.log.rate
 
-    def rewind(self) -> None:
-        """Prepare to resume on a new connection, at `durable`.
+    def rewind(self, until: float) -> None:
+        """Prepare to resume on a new connection, at `durable`, giving up at `until` if still refused then.
 
         Everything kept from `durable` on is queued again, in front of what was never sent, to go
-        out with seqs from 0 once the new `ready` arrives. Send times already recorded stand.
+        out with seqs from 0 once the new `ready` arrives. Send times already recorded stand. A
+        resume that loses its connection again keeps its first deadline.
         """
         self.pending.extendleft(reversed([frame.data for frame in self.kept]))
         self.kept.clear()
@@ -336,6 +387,9 @@ class StreamCore:
         self.end_out = False
         self.stalled_window = self.refused = self.end_refused = self.retry_at = self.reopen_at = None
         self.retry_s = RETRY_S
+        self.reopen_s = REOPEN_S
+        if self.resume_by is None:
+            self.resume_by = until
         self.seg_base = self.finals
         self.resumes.append(self.durable)
 
@@ -408,12 +462,30 @@ class StreamCore:
                 # for the ack of what is out, or long enough for a refusal of it to have come
                 self.retry_at = self.last_send + RETRY_S
                 return out
-            self.retry_at = None
-            self.end_out = True
-            if self.log.end_sent is None:
-                self.log.end_sent = now
-            out.append(End(self.stream))
+            out.append(self._end(now))
         return out
+
+    def take_last(self, now: float) -> list[ClientMessage]:
+        """`take` for a client that is closing: a requested `end` goes out now, whatever it waits for.
+
+        Nothing can be resent once the client is closed, so waiting for acks or a retry gains
+        nothing; an `end` held back would never go out, and the server would keep the stream
+        until its idle timeout, its last segment never decoded. Refused audio gets its last try
+        first; audio a batch stream has no window for is dropped.
+        """
+        if self.stalled_window is not None:
+            self._resume()
+        out = self.take(now)
+        if self.end_requested and not self.end_out:
+            out.append(self._end(now))
+        return out
+
+    def _end(self, now: float) -> End:
+        self.retry_at = None
+        self.end_out = True
+        if self.log.end_sent is None:
+            self.log.end_sent = now
+        return End(self.stream)
 
 
 @dataclass(eq=False)
@@ -431,15 +503,18 @@ class Entry:
     events: Any
     failure: Exception | None = None
 
-    def resume(self) -> Open:
-        """The `open` that continues this stream on a new connection (its kept audio then follows)."""
-        self.core.rewind()
+    def resume(self, until: float) -> Open:
+        """The `open` that continues this stream on a new connection (its kept audio then follows).
+
+        Refused for being busy, it is retried until `until`.
+        """
+        self.core.rewind(until)
         return self.reopen()
 
     def reopen(self) -> Open:
         """The `open` of the current connection again, after the service refused it for being busy."""
         self.core.reopen_at = None
-        return dataclasses.replace(self.request, offset=self.core.offset, resume_text=self.core.last_text)
+        return dataclasses.replace(self.request, offset=self.core.offset, resume_text=prompt_tail(self.core.last_text))
 
     def fail(self, failure: Exception, now: float) -> None:
         self.failure = failure
@@ -452,12 +527,14 @@ class Entry:
 def route(streams: dict[str, Entry], msg: ServerMessage, now: float) -> bool:
     """Apply one message from the ingest to its stream; True when a stream closed (wake its senders).
 
-    Raises IngestLost when the ingest answers `unknown_stream` for a stream it had opened.
+    An error naming no stream answers a message the server could not tie to one (or a fault of
+    its own): it concerns none of the open streams, so it is only logged. `check_open` keeps this
+    client's opens from being refused that way. Raises IngestLost when the ingest answers
+    `unknown_stream` for a stream it had opened.
     """
     sid = getattr(msg, "stream", None)
     if isinstance(msg, ErrorMsg) and sid is None:
-        for entry in streams.values():  # not about one stream: everyone should see it
-            entry.events.put_nowait((now, msg))
+        log.warning("error from the ingest about no stream: %s: %s", msg.code, msg.message)
         return False
     entry = streams.get(sid) if isinstance(sid, str) else None
     if entry is None:
@@ -473,11 +550,19 @@ def route(streams: dict[str, Entry], msg: ServerMessage, now: float) -> bool:
         del streams[sid]
         entry.opened.set_exception(StreamError(msg.code, msg.message, sid))
     elif isinstance(msg, ErrorMsg) and not core.ready and msg.seq is None:
+        retry_at = now + core.reopen_s
         if msg.code not in REOPEN_CODES:  # the resumed open was refused for good
-            del streams[sid]
-            entry.fail(StreamError(msg.code, f"resuming the stream: {msg.message}", sid), now)
-            return True
-        core.reopen_at = now + RETRY_S * 4
+            failure = StreamError(msg.code, f"resuming the stream: {msg.message}", sid)
+        elif core.resume_by is not None and retry_at > core.resume_by:
+            failure = StreamError(LOST, f"resuming the stream: still refused when the resume timeout ran out: "
+                                        f"{msg.code}: {msg.message}", sid)
+        else:
+            core.reopen_at = retry_at
+            core.reopen_s = min(core.reopen_s * 2, MAX_REOPEN_S)
+            return False
+        del streams[sid]
+        entry.fail(failure, now)
+        return True
     elif isinstance(msg, ErrorMsg) and msg.code == UNKNOWN_STREAM and core.ready:
         raise IngestLost(f"stream {sid}: the ingest no longer knows it")
     elif isinstance(msg, ErrorMsg):

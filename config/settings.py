@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,20 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.toml")
 CONFIG_ENV = "STREAMASR_CONFIG"
+SAMPLE_RATE = 16_000
+# Letters, digits, "_" and "-": an instance's shm segments are `streamasr.<instance>.ingest<N>`, so
+# no name with a dot can pass for the prefix of another's (`prod` and `prod.eu`), and no "/".
+INSTANCE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+MAX_IPC_PATH = 107  # bytes of a Unix socket path (sun_path less its NUL); ZeroMQ refuses longer at bind
+# Room a stream's ring needs beyond its longest segment (vad.max_segment_s), in samples: the
+# ring keeps a segment's audio from its start until it is cut, and the cut is found by the VAD,
+# which sees only whole chunks (512 samples) of audio the window let in; the window keeps 1024
+# samples in hand (ingest/session.py, WINDOW_HEADROOM) besides what the resampler holds (up to
+# ~1,900 samples at 8 kHz). Those come to ~3,400; an 8 kHz stream that never pauses was seen to
+# jam with 4,000 and not with 5,600 (tests/test_client.py), hence 0.5 s. A ring without it fills
+# before such a segment is cut: the stream's every frame, and its end, are refused for good.
+RING_ROOM = 8_000
+MODEL_NAMES = ("whisper-tiny.en", "whisper-base", "null")  # registered names: never taken for a directory
 
 
 class ConfigError(ValueError):
@@ -30,9 +45,15 @@ def setting(default: float, lo: float = 0, hi: float | None = None) -> Any:
     return field(default=default, metadata={"range": (lo, hi)})
 
 
+def path_setting(default: str = "", existing: bool = False) -> Any:
+    """A file or directory setting: `load` makes it absolute, since the service's processes run
+    from elsewhere. `existing`: a path only when such a directory exists (else it is a name)."""
+    return field(default=default, metadata={"path": "existing" if existing else "always"})
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    name: str = "whisper-tiny.en"  # a registered name, "null", or a CTranslate2 model directory
+    name: str = path_setting("whisper-tiny.en", existing=True)  # a registered name, "null", or a CTranslate2 model directory
     backend: Literal["onnxruntime", "tensorrt", "null"] = "onnxruntime"
     precision: Literal["fp32", "int8"] = "fp32"
     # Graphs for partial decodes: "" = `precision`. int8 partials with fp32 finals: partials (most
@@ -41,7 +62,7 @@ class ModelConfig:
     partial_precision: Literal["", "fp32", "int8"] = "int8"
     threads: int = 1  # intra-op threads per worker process
     arena: bool = True  # ONNX Runtime CPU memory arena (one per process, shared by its sessions)
-    cache_dir: str = ""  # exported graphs; "" = $XDG_CACHE_HOME/streamasr
+    cache_dir: str = path_setting()  # exported graphs; "" = $XDG_CACHE_HOME/streamasr
     beam_size: int = setting(1, lo=1)
     max_batch: int = setting(1, lo=1)  # dynamic batching: most requests per backend call (1: measured best for Whisper on CPU)
     max_wait_ms: float = 5.0  # dynamic batching: longest wait for a batch to fill
@@ -75,7 +96,9 @@ class VadConfig:
 @dataclass(frozen=True)
 class IngestConfig:
     address: str = "tcp://127.0.0.1:7700"  # the one address clients know (front door)
-    host: str = "127.0.0.1"  # interface the ingest processes bind
+    # interface the ingest processes bind; "" = the front door's host (`address`), so a service
+    # that clients reach from elsewhere is reachable on its ingest ports there too
+    host: str = ""
     port_base: int = setting(7701, lo=1, hi=65535)  # ingest process N binds port_base + N
     processes: int = setting(1, lo=1)
     partial_interval_ms: int = setting(500, lo=1)  # a partial decode per this much new speech
@@ -101,11 +124,11 @@ class IngestConfig:
     # broker's last heartbeat.
     admit_max_realtime_streams: int = 0
     # CurveZMQ on the client-facing sockets (front door and ingest): both empty = plain TCP.
-    curve_secret_key: str = ""  # the server's secret key file (zmq.auth certificate format)
-    curve_authorized_keys: str = ""  # directory of authorized clients' public key files (*.key)
+    curve_secret_key: str = path_setting()  # the server's secret key file (zmq.auth certificate format)
+    curve_authorized_keys: str = path_setting()  # directory of authorized clients' public key files (*.key)
     # Ops tools (`streamasr status`, the service's readiness wait) are clients of the front door
     # too: with CURVE on they use this key pair file (a *.key_secret), whose public key must be authorized.
-    curve_client_key: str = ""
+    curve_client_key: str = path_setting()
     # An ingest whose loop has not turned for this long is stuck (it wakes every half heartbeat):
     # it exits with every thread's stack in its log, and supervisord starts it again. 0 = never.
     stall_after_s: float = setting(60.0)
@@ -136,8 +159,8 @@ class MetricsConfig:
 
 @dataclass(frozen=True)
 class Config:
-    instance: str = "default"  # namespaces shm segments and the run directory
-    run_dir: str = ""  # ipc sockets, supervisord files, logs; "" = /tmp/streamasr-<instance>
+    instance: str = "default"  # namespaces shm segments and the run directory (see INSTANCE_NAME)
+    run_dir: str = path_setting()  # ipc sockets, supervisord files, logs; "" = /tmp/streamasr-<instance>
     log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
     model: ModelConfig = field(default_factory=ModelConfig)
     shm: ShmConfig = field(default_factory=ShmConfig)
@@ -167,8 +190,20 @@ class Config:
     def worker_count(self) -> int:
         return self.workers.processes or (os.cpu_count() or 1)
 
+    @property
+    def ingest_host(self) -> str:
+        """The interface the ingest processes bind: `[ingest] host`, else the front door's."""
+        return self.ingest.host or (_tcp_host_port(self.ingest.address) or ("127.0.0.1", 0))[0]
+
+    @property
+    def ipc_paths(self) -> list[str]:
+        """The Unix socket paths the service binds in its run directory (supervisord's included)."""
+        endpoints = [self.broker_ingest_endpoint, self.broker_worker_endpoint, self.metrics_endpoint,
+                     *(self.ingest_results_endpoint(i) for i in range(self.ingest.processes))]
+        return [str(self.run_path / "supervisor.sock"), *(e.removeprefix("ipc://") for e in endpoints)]
+
     def ingest_endpoint(self, index: int) -> str:
-        return f"tcp://{self.ingest.host}:{self.ingest.port_base + index}"
+        return f"tcp://{self.ingest_host}:{self.ingest.port_base + index}"
 
     def ingest_results_endpoint(self, index: int) -> str:
         """Where workers send ingest process `index` the results of its jobs."""
@@ -232,14 +267,74 @@ def read(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def load(path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    """Load the default config, then `path` (or $STREAMASR_CONFIG) on top, then `overrides`."""
+    """Load the default config, then `path` (or $STREAMASR_CONFIG) on top, then `overrides`.
+
+    Relative paths are made absolute: a file's from the file's directory, overrides' (the
+    command line's) from the working directory."""
     data = tomllib.loads(DEFAULT_CONFIG.read_text())
     path = path or os.environ.get(CONFIG_ENV)
     if path:
-        data = merge(data, read(path))
+        data = merge(data, _absolute(read(path), Config, Path(path).absolute().parent))
     if overrides:
-        data = merge(data, overrides)
-    return _build(Config, data, "")
+        data = merge(data, _absolute(overrides, Config, Path.cwd()))
+    cfg = _build(Config, data, "")
+    _check_together(cfg)
+    return cfg
+
+
+def _absolute(data: dict[str, Any], cls: type, base: Path) -> dict[str, Any]:
+    """`data` with the relative paths among `cls`'s path settings made absolute from `base`."""
+    out = dict(data)
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        value = out.get(f.name)
+        if dataclasses.is_dataclass(hints[f.name]) and isinstance(value, dict):
+            out[f.name] = _absolute(value, hints[f.name], base)
+        elif isinstance(value, str) and value and (kind := f.metadata.get("path")):
+            full = base / Path(value).expanduser()
+            if kind == "always" or (value not in MODEL_NAMES and full.is_dir()):
+                out[f.name] = str(full)
+    return out
+
+
+def _tcp_host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of a `tcp://host:port` endpoint; None for other transports or a port by name."""
+    scheme, _, rest = address.partition("://")
+    host, _, port = rest.rpartition(":")
+    return (host, int(port)) if scheme == "tcp" and host and port.isdigit() else None
+
+
+def _check_together(cfg: Config) -> None:
+    """Refuse settings that are each in range but cannot work together or on this system."""
+    if not INSTANCE_NAME.fullmatch(cfg.instance):
+        raise ConfigError(f"instance must be 1 to 64 letters, digits, '_' or '-', not {cfg.instance!r}")
+    longest = max(cfg.ipc_paths, key=lambda p: len(os.fsencode(p)))
+    if len(os.fsencode(longest)) > MAX_IPC_PATH:  # binding it would fail in every process, over and over
+        raise ConfigError(f"run_dir {str(cfg.run_path)!r} is too long: the socket path {longest} is "
+                          f"{len(os.fsencode(longest))} bytes, over the {MAX_IPC_PATH}-byte limit of Unix socket paths")
+    segment = int(cfg.vad.max_segment_s * SAMPLE_RATE)
+    if int(cfg.shm.ring_seconds * SAMPLE_RATE) < segment + RING_ROOM:
+        raise ConfigError(f"shm.ring_seconds ({cfg.shm.ring_seconds:g}) must be at least vad.max_segment_s "
+                          f"({cfg.vad.max_segment_s:g}) + {RING_ROOM / SAMPLE_RATE:g} s: a ring that fills before a "
+                          "segment is cut jams its stream")
+    own = [("ingest.address", cfg.ingest.address),
+           *((f"ingest process {i} (ingest.port_base + {i})", cfg.ingest_endpoint(i)) for i in range(cfg.ingest.processes))]
+    if cfg.metrics.dashboard_port:  # 0: any free port
+        own.append(("metrics.dashboard_port", f"tcp://127.0.0.1:{cfg.metrics.dashboard_port}"))
+    for i, (name, address) in enumerate(own):
+        for other, other_address in own[i + 1:]:
+            if _same_port(address, other_address):
+                raise ConfigError(f"{name} {address} and {other} {other_address} are the same port: the service "
+                                  "binds each once")
+
+
+def _same_port(a: str, b: str) -> bool:
+    """Whether binding both TCP endpoints would collide: one port, and one host or a wildcard."""
+    ha, hb = _tcp_host_port(a), _tcp_host_port(b)
+    if ha is None or hb is None or ha[1] != hb[1]:
+        return False
+    wildcards = ("*", "0.0.0.0", "::", "[::]")
+    return ha[0] == hb[0] or ha[0] in wildcards or hb[0] in wildcards
 
 
 def dump(cfg: Config) -> str:
@@ -264,4 +359,14 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
-    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return '"' + "".join(_toml_char(c) for c in str(value)) + '"'
+
+
+_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def _toml_char(c: str) -> str:
+    """`c` as a TOML basic string holds it: quote, backslash and control characters escaped."""
+    if c in _TOML_ESCAPES:
+        return _TOML_ESCAPES[c]
+    return f"\\u{ord(c):04X}" if c < " " or c == "\x7f" else c

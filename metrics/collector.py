@@ -383,6 +383,10 @@ class Collector:
 
     # -- aggregation (under the lock) -------------------------------------------------------------
 
+    def _workers(self) -> list[Incarnation]:
+        """The live worker processes: the busy figure is theirs (backend calls), not the broker's or an ingest's."""
+        return [i for i in self._live.values() if program_of(i.process) == "worker"]
+
     def _series(self) -> tuple[dict[Series, float], dict[Series, float], dict[Series, Histogram]]:
         """Counters and histograms as carried + live; gauges of live processes only."""
         counters = dict(self._carried_counters)
@@ -474,8 +478,7 @@ class Collector:
             "admission": {"realtime_cap": self.cfg.ingest.admit_max_realtime_streams or None,
                           "wait_s": total(gauges, "admission_wait_seconds"), "busy": total(gauges, "admission_busy_ratio"),
                           "stream_share": total(gauges, "admission_stream_share")},
-            "workers": [{"name": i.process, "busy_ratio": i.busy_ratio()} for i in sorted(self._live.values(), key=lambda i: i.process)
-                        if any(n == "busy_seconds_total" for n, _ in i.counters)],
+            "workers": [{"name": i.process, "busy_ratio": i.busy_ratio()} for i in sorted(self._workers(), key=lambda i: i.process)],
             "throughput": {"jobs_per_s": sum(rates.values()), "by_kind": rates},
             "latency": latency,
             "batch": batch,
@@ -534,7 +537,7 @@ class Collector:
         """Every metric as a Prometheus family (named PREFIX + the published name)."""
         with self._lock:
             counters, gauges, hists = self._series()
-            busy = {i.process: i.busy_ratio() for i in self._live.values()}
+            busy = {i.process: i.busy_ratio() for i in self._workers()}
             restarts = self._program_restarts()
             resources = {p: self._resources.get(i.pid) for p, i in self._live.items()}
             for row in self._view["processes"]:

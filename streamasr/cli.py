@@ -51,7 +51,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"instance {report['instance']}  address {report['address']}  ready: {'yes' if report.get('ready') else 'no'}")
+        state = "ready: yes" if report.get("ready") else "ready: no" if report.get("running") else "not running"
+        print(f"instance {report['instance']}  address {report['address']}  {state}")
         for p in report.get("processes", []):
             print(f"  {p['name']:<12} {p['state']:<9} pid {p['pid']:<7} up {p['uptime_s']} s")
         for w in report.get("workers", []):
@@ -84,18 +85,19 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     if args.local:
         from streamasr import local
 
-        return local.run(args.files, model=args.model or "whisper-tiny.en", language=args.language,
-                         precision=args.precision or "fp32", as_json=args.json, threads=args.threads)
-    from streamasr import remote
+        model = _config(args).model  # --model and --precision over the config's [model]
+        return local.run(args.files, model=model.name, language=args.language, precision=model.precision,
+                         as_json=args.json, threads=args.threads, cache_dir=model.cache_dir)
+    from streamasr import remote, service
 
-    server = args.server or _config(args).ingest.address
+    server = args.server or service.saved_config(_config(args)).ingest.address
     return remote.run(args.files, server=server, offline=args.offline, as_json=args.json, language=args.language)
 
 
 def cmd_top(args: argparse.Namespace) -> int:
-    from streamasr import top
+    from streamasr import service, top
 
-    return top.main(_config(args), once=args.once, url=args.url)
+    return top.main(service.saved_config(_config(args)), once=args.once, url=args.url)
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
@@ -136,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precision", choices=["fp32", "int8"])
     p.add_argument("--workers", type=int, help="worker processes (default: one per CPU core)")
     p.add_argument("--ingest", type=int, help="ingest processes (default 1)")
-    p.add_argument("--address", help="the address clients connect to, e.g. tcp://0.0.0.0:7700")
+    p.add_argument("--address", help="the address clients connect to, e.g. tcp://0.0.0.0:7700 (the ingest processes bind "
+                                      "its host too, unless [ingest] host is set)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("status", help="each process and whether the service is ready")
@@ -159,9 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     pace.add_argument("--realtime", action="store_true", help="stream at the speed of speech (default)")
     pace.add_argument("--offline", action="store_true", help="stream as fast as the service takes it (priority batch)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
-    p.add_argument("--model", help="with --local: whisper-tiny.en (default), whisper-base or a model directory")
+    p.add_argument("--model", help="with --local: whisper-tiny.en, whisper-base or a model directory (default: the config's)")
     p.add_argument("--language", help="language code, e.g. en, zh (default: detect, or English for .en models)")
-    p.add_argument("--precision", choices=["fp32", "int8"], help="with --local")
+    p.add_argument("--precision", choices=["fp32", "int8"], help="with --local (default: the config's)")
     p.add_argument("--threads", type=int, default=2, help="with --local: ONNX Runtime threads")
     p.set_defaults(func=cmd_transcribe)
 

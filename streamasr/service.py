@@ -9,6 +9,7 @@ supervisord starts reads exactly the same settings, then hands over to superviso
 
 from __future__ import annotations
 
+import configparser
 import os
 import signal
 import socket
@@ -17,7 +18,7 @@ import sys
 import time
 import uuid
 import xmlrpc.client
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,23 @@ from shm import pool
 
 HOME = Path(__file__).resolve().parents[1]
 SUPERVISORD_CONF = HOME / "supervisord.conf"
+DRAIN_EXIT_S = 2.0  # an ingest's time to close its sockets and unlink its rings once a drain ends
+STOP_SLACK_S = 5.0  # supervisord's own shutdown, beyond its programs' stop times
+
+
+def stop_waits() -> dict[str, float]:
+    """Each program's `stopwaitsecs` in supervisord.conf: how long supervisord lets it stop
+    before it SIGKILLs it (supervisord's default, 10 s, where none is set)."""
+    conf = configparser.RawConfigParser()
+    conf.read(SUPERVISORD_CONF)
+    return {name.removeprefix("program:"): conf.getfloat(name, "stopwaitsecs", fallback=10.0)
+            for name in conf.sections() if name.startswith("program:")}
+
+
+def stop_timeout() -> float:
+    """The longest a stop can take: supervisord stops its programs one priority after another,
+    each within its stopwaitsecs."""
+    return sum(stop_waits().values()) + STOP_SLACK_S
 
 
 def supervisord_pid(cfg: Config) -> int | None:
@@ -79,6 +97,10 @@ def prepare(cfg: Config) -> dict[str, str]:
         auth.check_server_keys(cfg.ingest.curve_secret_key, cfg.ingest.curve_authorized_keys)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
+    if cfg.ingest.drain_timeout_s + DRAIN_EXIT_S > (wait := stop_waits()["ingest"]):
+        raise settings.ConfigError(f"ingest.drain_timeout_s ({cfg.ingest.drain_timeout_s:g} s) and {DRAIN_EXIT_S:g} s to exit "
+                                   f"do not fit in the ingest's stopwaitsecs ({wait:g} s, {SUPERVISORD_CONF.name}): "
+                                   "supervisord would kill it mid-drain")
     if taken := unbindable_addresses(cfg):
         raise SystemExit(f"cannot bind {', '.join(taken)}: choose other addresses (ingest.address, ingest.host, "
                          "ingest.port_base, metrics.dashboard_port)")
@@ -168,9 +190,27 @@ def processes(cfg: Config) -> list[dict[str, Any]]:
     return proxy.supervisor.getAllProcessInfo()
 
 
+def saved_config(cfg: Config) -> Config:
+    """`cfg`, listening where its running instance listens: the front door and the dashboard as
+    the instance was started (`serve --address` sets the first), read from its run directory.
+    The rest is the caller's own, its client key included."""
+    saved = cfg.run_path / "config.toml"
+    if supervisord_pid(cfg) is None or not saved.is_file():
+        return cfg
+    started = settings.load(saved)
+    return replace(cfg, ingest=replace(cfg.ingest, address=started.ingest.address),
+                   metrics=replace(cfg.metrics, dashboard_port=started.metrics.dashboard_port))
+
+
 def status(cfg: Config) -> dict[str, Any]:
-    """Processes (supervisord) and readiness (the broker's front door) in one report."""
-    report: dict[str, Any] = {"instance": cfg.instance, "address": cfg.ingest.address}
+    """Processes (supervisord) and readiness (the broker's front door) in one report, by the
+    running instance's own config (`saved_config`). An instance whose supervisord is not running
+    is not ready, whatever answers at its address (another instance, or a leftover process)."""
+    if supervisord_pid(cfg) is None:
+        return {"instance": cfg.instance, "address": cfg.ingest.address, "running": False, "ready": False, "processes": [],
+                "supervisor_error": f"not running (no supervisord of this instance in {cfg.run_path})"}
+    cfg = saved_config(cfg)
+    report: dict[str, Any] = {"instance": cfg.instance, "address": cfg.ingest.address, "running": True}
     try:
         report["processes"] = [
             {"name": p["name"], "group": p["group"], "state": p["statename"], "pid": p["pid"], "uptime_s": p["now"] - p["start"] if p["pid"] else 0}
@@ -198,13 +238,14 @@ def wait_ready(cfg: Config, timeout: float) -> dict[str, Any]:
         time.sleep(0.25)
 
 
-def stop(cfg: Config, timeout: float = 30.0) -> bool:
-    """SIGTERM to supervisord, which stops ingest (draining), workers, then the broker."""
+def stop(cfg: Config, timeout: float | None = None) -> bool:
+    """SIGTERM to supervisord, which stops ingest (draining), workers, then the broker; waits
+    up to `timeout` (default: the longest the programs' stop times allow) for it to exit."""
     pid = supervisord_pid(cfg)
     if pid is None:
         return False
     os.kill(pid, 15)
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + (stop_timeout() if timeout is None else timeout)
     while time.monotonic() < deadline:
         try:
             os.kill(pid, 0)
@@ -251,11 +292,11 @@ class LocalService:
         path = self.cfg.run_path / "logs" / f"{program}.log"
         return path.read_text() if path.exists() else ""
 
-    def stop(self, timeout: float = 40.0) -> int:
+    def stop(self, timeout: float | None = None) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout)
+                self.proc.wait(stop_timeout() if timeout is None else timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import subprocess
 import sys
+import threading
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -11,7 +17,9 @@ import zmq
 import zmq.auth
 from conftest import ROOT
 
+from config import settings
 from shm import pool
+from streamasr import service, testdata
 from streamasr.service import free_ports
 
 
@@ -27,8 +35,113 @@ def test_a_reader_that_goes_away_ends_the_command_quietly() -> None:
     assert stderr == ""
 
 
-def _streamasr(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "streamasr.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+def _streamasr(*args: str, cwd: Path = ROOT, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "streamasr.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["--instance", "prod.eu"], "instance must be 1 to 64 letters, digits, '_' or '-', not 'prod.eu'"),
+    (["--instance", "a/b"], "instance must be 1 to 64 letters, digits, '_' or '-', not 'a/b'"),
+])
+def test_an_instance_name_that_could_clash_is_refused_before_anything_starts(tmp_path: Path, args: list[str], named: str) -> None:
+    """`a/b` cannot name a shm segment (the ingest would fail at start over and over); with
+    `prod.eu`, `serve --instance prod` would take the running `prod.eu`'s segments for leftovers."""
+    config = tmp_path / "streamasr.toml"
+    config.write_text(f'run_dir = "{tmp_path / "run"}"\n')
+    done = _streamasr("serve", "--config", str(config), "--model", "null", *args)
+    assert done.returncode == 2
+    assert named in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_dir_too_long_for_its_sockets_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    run = tmp_path / ("r" * (120 - len(str(tmp_path))))
+    config = tmp_path / "streamasr.toml"
+    config.write_text(f'run_dir = "{run}"\n')
+    done = _streamasr("serve", "--config", str(config), "--model", "null")
+    assert done.returncode == 2
+    assert f"run_dir '{run}' is too long" in done.stderr and "107-byte limit" in done.stderr, done.stderr
+    assert not run.exists()
+
+
+def test_transcribe_local_runs_the_configs_model(tmp_path: Path) -> None:
+    config = tmp_path / "streamasr.toml"
+    config.write_text(f'[model]\nname = "whisper-huge.xx"\ncache_dir = "{tmp_path / "cache"}"\n')
+    audio = next(u.path for u in testdata.utterances() if u.name == "goforward")
+    done = _streamasr("transcribe", "--local", "--config", str(config), audio)
+    assert done.returncode == 2
+    assert "cannot load model whisper-huge.xx: unknown model 'whisper-huge.xx'" in done.stderr, done.stderr
+
+
+def test_stop_waits_as_long_as_supervisord_may_take(tmp_path: Path) -> None:
+    """supervisord stops its programs one after another, each within its stopwaitsecs (37 s
+    together): `stop` waits for that, not for a shorter time of its own, before it says the
+    instance did not stop."""
+    waits = service.stop_waits()
+    assert waits["ingest"] == 12 and sum(waits.values()) == 37
+    cfg = settings.load(None, {"run_dir": str(tmp_path / "run"), "instance": f"stop{uuid.uuid4().hex[:8]}"})
+    cfg.run_path.mkdir()
+    slow = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
+                             "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(32), sys.exit(0)))\n"
+                             "print('ready', flush=True)\ntime.sleep(600)\n"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert slow.stdout is not None and slow.stdout.readline() == "ready\n"
+        threading.Thread(target=slow.wait, daemon=True).start()  # reaped once it exits, as supervisord's parent would
+        (cfg.run_path / "supervisord.pid").write_text(str(slow.pid))
+        config = tmp_path / "streamasr.toml"
+        config.write_text(settings.dump(cfg))
+        started = time.monotonic()
+        done = _streamasr("stop", "--config", str(config))
+        assert done.returncode == 0, done.stderr
+        assert time.monotonic() - started > 30
+    finally:
+        if slow.poll() is None:
+            slow.send_signal(signal.SIGKILL)
+        slow.wait()
+
+
+def test_ops_commands_follow_the_running_instance_from_anywhere(tmp_path: Path) -> None:
+    """A config file's relative paths are its directory's, whatever directory `serve` is run
+    from (its programs run from the source tree); `serve --address` is what `status` and
+    `transcribe` use afterwards (the run directory's config); ingests bind the front door's host;
+    and an instance whose supervisord is not running is not ready, whoever answers at its address."""
+    base = free_ports(3)
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    instance = f"rel{uuid.uuid4().hex[:8]}"
+    config = tmp_path / "conf" / "streamasr.toml"
+    config.write_text(f'instance = "{instance}"\nrun_dir = "run"\n[ingest]\nport_base = {base + 1}\n'
+                      f"[metrics]\ndashboard_port = {base + 2}\n[workers]\nprocesses = 1\n")
+    serve = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "serve", "--config", "../conf/streamasr.toml", "--model", "null",
+                              "--address", f"tcp://0.0.0.0:{base}"], cwd=tmp_path / "elsewhere",
+                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    reaper = threading.Thread(target=serve.wait, daemon=True)  # supervisord's exit seen by `stop`, as when run from a shell
+    reaper.start()
+    try:
+        done = _streamasr("status", "--config", str(config), "--wait", "120", "--json", timeout=180)
+        report = json.loads(done.stdout)
+        assert done.returncode == 0 and report["ready"], (report, serve.stderr.read() if serve.poll() is not None and serve.stderr else "")
+        assert (tmp_path / "conf" / "run" / "config.toml").is_file()
+        assert report["address"] == f"tcp://0.0.0.0:{base}"
+        assert [i["endpoint"] for i in report["ingests"]] == [f"tcp://0.0.0.0:{base + 1}"]
+        audio = next(u.path for u in testdata.utterances() if u.name == "goforward")
+        done = _streamasr("transcribe", "--config", str(config), "--offline", audio)
+        assert done.returncode == 0 and "null model" in done.stdout, done.stderr
+        other = tmp_path / "other.toml"  # another instance's name, this one's address
+        other.write_text(f'instance = "nosuch{uuid.uuid4().hex[:8]}"\nrun_dir = "{tmp_path / "nosuch"}"\n'
+                         f'[ingest]\naddress = "tcp://127.0.0.1:{base}"\n')
+        done = _streamasr("status", "--config", str(other))
+        assert done.returncode == 1 and "not running" in done.stdout, done.stdout
+        done = _streamasr("stop", "--config", str(config), cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        reaper.join(10)
+        assert serve.returncode == 0
+    finally:
+        if serve.poll() is None:
+            serve.send_signal(signal.SIGTERM)
+            serve.wait(60)
+    assert not pool.segments(instance)
 
 
 @pytest.mark.parametrize(("setting", "named"), [
@@ -38,6 +151,10 @@ def _streamasr(*args: str) -> subprocess.CompletedProcess[str]:
     ('log_level = "verbose"\n', "log_level must be one of"),
     ("[ingest]\nmax_frame_byte = 100\n", "unknown config key ingest.max_frame_byte"),
     ("[vad\n", "config file"),
+    ("[ingest]\nport_base = 7700\n", "ingest.address tcp://127.0.0.1:7700 and ingest process 0 (ingest.port_base + 0) "
+                                      "tcp://127.0.0.1:7700 are the same port"),
+    ("[shm]\nring_seconds = 25\n", "shm.ring_seconds (25) must be at least vad.max_segment_s (25)"),
+    ("[ingest]\ndrain_timeout_s = 11\n", "ingest.drain_timeout_s (11 s) and 2 s to exit do not fit in the ingest's stopwaitsecs (12 s"),
 ])
 def test_a_setting_that_cannot_work_is_refused_before_anything_starts(tmp_path: Path, setting: str, named: str) -> None:
     """Each process of the service reads the same file: one that fails at start is a service

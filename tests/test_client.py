@@ -5,6 +5,10 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -15,6 +19,8 @@ import zmq
 
 from client import AsyncClient, Client, StreamError, status
 from client.core import LOST
+from config import settings
+from conftest import ROOT
 from protocol.messages import (
     BAD_FORMAT,
     OVERLOADED,
@@ -156,7 +162,7 @@ def test_front_door_status(null_service) -> None:
 
 
 def test_batch_stream_waits_for_the_window_and_completes(service_factory) -> None:
-    svc = service_factory(model="null", workers=1, shm={"ring_seconds": 4.0})
+    svc = service_factory(model="null", workers=1, shm={"ring_seconds": 4.0}, vad={"max_segment_s": 3.0})
     pcm = speech_with_pauses(6)  # ~23 s through a 4 s buffer
     with Client(svc.address) as client:
         stream = client.open(priority="batch", partials=False)
@@ -179,7 +185,7 @@ def test_batch_stream_waits_for_the_window_and_completes(service_factory) -> Non
 
 
 def test_overloaded_realtime_audio_is_resent_until_accepted(service_factory) -> None:
-    svc = service_factory(model="null", workers=1, shm={"ring_seconds": 4.0})
+    svc = service_factory(model="null", workers=1, shm={"ring_seconds": 4.0}, vad={"max_segment_s": 3.0})
     pcm = speech_with_pauses(6)
     with Client(svc.address) as client:
         stream = client.open(partials=False)
@@ -191,6 +197,27 @@ def test_overloaded_realtime_audio_is_resent_until_accepted(service_factory) -> 
     closed = events[-1]
     assert isinstance(closed, Closed) and closed.reason == "end"
     assert closed.audio_s == pytest.approx(len(pcm) / RATE, abs=0.01), "refused audio must be resent"
+
+
+@pytest.mark.parametrize("rate", [16000, 8000])  # 8 kHz: the resampler holds the most audio back
+def test_speech_that_never_pauses_streams_through_the_smallest_ring_the_config_allows(service_factory, rate: int) -> None:
+    """The ring holds a segment from its start until the VAD cuts it at max_segment_s: the
+    least ring `load` allows (max_segment_s + settings.RING_ROOM) must let the cut come, or the
+    stream's every frame and its end would be refused for good."""
+    ring_s = 4.0
+    svc = service_factory(model="null", workers=1, shm={"ring_seconds": ring_s},
+                          vad={"max_segment_s": ring_s - settings.RING_ROOM / RATE, "min_silence_ms": 60_000})
+    pcm = np.concatenate([goforward()] * 6)[:: RATE // rate]  # pauses far shorter than min_silence_ms: cuts only
+    with Client(svc.address) as client:
+        stream = client.open(priority="batch", partials=False, rate=rate)
+        stream.send(pcm, timeout=60)
+        stream.end()
+        events = drain(stream)
+    assert not [e for e in events if isinstance(e, ErrorMsg)], events[-3:]
+    closed = events[-1]
+    assert isinstance(closed, Closed) and closed.reason == "end"
+    assert closed.audio_s == pytest.approx(len(pcm) / rate, abs=0.01)
+    assert closed.segments >= len(pcm) / rate / ring_s  # cut at max_segment_s, over and over
 
 
 def test_async_client(null_service) -> None:
@@ -248,13 +275,22 @@ def test_transcribe_reports_unreadable_files(null_service, tmp_path, capsys) -> 
 
 class FakeIngest:
     """One ROUTER on a thread, front door and ingest at once: it welcomes, opens every stream and
-    swallows audio and `end` unanswered, like an ingest still connected but wedged."""
+    swallows audio and `end` unanswered, like an ingest still connected but wedged.
 
-    def __init__(self) -> None:
+    `ingest` makes it a front door only, naming that ingest; `garble_hellos` are the hellos (1 for
+    the first) it answers with bytes that are not msgpack; `refuse_reopens` answers an `open` of an
+    id it opened before `overloaded`, like a busy service refusing a resume.
+    """
+
+    def __init__(self, *, ingest: str | None = None, garble_hellos: tuple[int, ...] = (), refuse_reopens: bool = False) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
         self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.ingest = ingest or self.address
+        self.garble_hellos = garble_hellos
+        self.refuse_reopens = refuse_reopens
+        self.opened: set[str] = set()
         self.received: Counter[str] = Counter()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -267,9 +303,15 @@ class FakeIngest:
             ident, *frames = self.sock.recv_multipart()
             msg = decode_client(frames)
             self.received[msg.type] += 1
+            if isinstance(msg, Hello) and self.received["hello"] in self.garble_hellos:
+                self.sock.send_multipart([ident, b"\xc1"])  # a byte msgpack never uses
+                continue
             if isinstance(msg, Hello):
-                reply: Welcome | Ready = Welcome(ingest=self.address)
+                reply: Welcome | Ready | ErrorMsg = Welcome(ingest=self.ingest)
+            elif isinstance(msg, Open) and self.refuse_reopens and msg.stream in self.opened:
+                reply = ErrorMsg(code=OVERLOADED, message="the service is busy", stream=msg.stream)
             elif isinstance(msg, Open):
+                self.opened.add(msg.stream)
                 reply = Ready(stream=msg.stream, window=RATE * 30)
             else:
                 continue
@@ -339,3 +381,151 @@ def test_a_failed_resume_fails_the_streams_and_the_client_still_closes(monkeypat
         return aclient
 
     assert asyncio.run(main())._ctx.closed
+
+
+def wait_for(cond, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return cond()
+
+
+def test_closing_right_after_end_still_sends_it() -> None:
+    """A realtime `end` waits for the ack of the last audio; a client closed meanwhile must send it
+    anyway, or the server keeps the stream until its idle timeout and never decodes its last segment."""
+    fake = FakeIngest()  # never acks: `end` is held back for as long as a refusal might still come
+    try:
+        with Client(fake.address) as client:
+            with client.open("s") as stream:
+                stream.send(np.zeros(RATE // 10, np.int16))
+        assert wait_for(lambda: fake.received["end"] == 1, 2.0), fake.received
+
+        async def main() -> None:
+            async with AsyncClient(fake.address) as aclient:
+                async with await aclient.open("a") as astream:
+                    await astream.send(np.zeros(RATE // 10, np.int16))
+
+        asyncio.run(main())
+        assert wait_for(lambda: fake.received["end"] == 2, 2.0), fake.received
+    finally:
+        fake.close()
+
+
+FROZEN_INGEST = """
+import zmq
+from protocol.messages import Open, Ready, decode_client, encode
+sock = zmq.Context().socket(zmq.ROUTER)
+print(sock.bind_to_random_port("tcp://127.0.0.1"), flush=True)
+while True:
+    ident, *frames = sock.recv_multipart()
+    msg = decode_client(frames)
+    if isinstance(msg, Open):
+        sock.send_multipart([ident, *encode(Ready(stream=msg.stream, window=4000))])
+"""
+
+
+def test_an_ingest_that_stops_reading_never_blocks_the_io_thread() -> None:
+    """A frozen ingest host (SIGSTOP) with thousands of messages queued for it: sends must not
+    block, so liveness still finds it lost, the client resumes, and close() returns."""
+    ingest = subprocess.Popen([sys.executable, "-c", FROZEN_INGEST], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        front = FakeIngest(ingest=f"tcp://127.0.0.1:{int(ingest.stdout.readline())}")
+        try:
+            client = Client(front.address, timeout=5.0, liveness=1.0, resume_timeout=30.0)
+            stream = client.open("s")  # window 4000: 1000-frame (2000-byte) messages
+            os.kill(ingest.pid, signal.SIGSTOP)
+            stream.send(np.zeros(RATE * 1000, np.int16))  # 16000 messages, far past every buffer on the way
+            assert wait_for(lambda: client.reconnects >= 1, 10.0), "the IO thread is stuck in a send"
+            closer = threading.Thread(target=client.close, daemon=True)
+            closer.start()
+            closer.join(5)
+            assert not closer.is_alive(), "close() hangs"
+        finally:
+            front.close()
+    finally:
+        ingest.kill()
+        ingest.wait()
+
+
+def test_a_garbled_front_door_answer_during_a_resume_is_retried() -> None:
+    """The front door may be restarting: an answer that cannot be decoded is retried like no answer."""
+    fake = FakeIngest(garble_hellos=(2,))  # the first hello of the resume
+    try:
+        with Client(fake.address, timeout=2.0, liveness=0.5, resume_timeout=5.0) as client:
+            stream = client.open("s")
+            stream.send(np.zeros(RATE // 2, np.int16))  # never acked: the ingest is taken for lost
+            assert wait_for(lambda: client.reconnects >= 1, 5.0)
+            stream.send(np.zeros(RATE // 10, np.int16))  # the stream carries on
+        assert fake.received["hello"] >= 3
+    finally:
+        fake.close()
+
+    async def main() -> int:
+        async with AsyncClient(afake.address, timeout=2.0, liveness=0.5, resume_timeout=5.0) as aclient:
+            astream = await aclient.open("a")
+            await astream.send(np.zeros(RATE // 2, np.int16))
+            deadline = time.monotonic() + 5.0
+            while aclient.reconnects == 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            await astream.send(np.zeros(RATE // 10, np.int16))
+            return aclient.reconnects
+
+    afake = FakeIngest(garble_hellos=(2,))
+    try:
+        assert asyncio.run(main()) >= 1
+        assert afake.received["hello"] >= 3
+    finally:
+        afake.close()
+
+
+def test_a_resume_the_service_keeps_refusing_fails_when_the_resume_timeout_runs_out() -> None:
+    """`overloaded` for a re-open is retried, backing off, but not past `resume_timeout`."""
+    fake = FakeIngest(refuse_reopens=True)
+    try:
+        client = Client(fake.address, timeout=2.0, liveness=0.5, resume_timeout=2.5)
+        with client:
+            stream = client.open("s")
+            stream.send(np.zeros(RATE // 2, np.int16))  # never acked: the ingest is taken for lost
+            started = time.monotonic()
+            with pytest.raises(StreamError) as failed:
+                drain(stream, timeout=6.0)
+            assert failed.value.code == LOST and time.monotonic() - started < 4.0
+
+        async def main() -> StreamError:
+            async with AsyncClient(fake.address, timeout=2.0, liveness=0.5, resume_timeout=2.5) as aclient:
+                astream = await aclient.open("a")
+                await astream.send(np.zeros(RATE // 2, np.int16))
+                with pytest.raises(StreamError) as failed:
+                    async for _ in astream.events(timeout=6.0):
+                        pass
+                return failed.value
+
+        assert asyncio.run(main()).code == LOST
+        assert fake.received["open"] >= 6  # each client: its open, then at least two refused re-opens
+    finally:
+        fake.close()
+
+
+def test_opens_the_protocol_does_not_allow_are_refused_at_once(null_service) -> None:
+    """A bad id or a header too large to decode gets an error naming no stream: the client must not
+    send it and wait for an answer it cannot recognise, nor show that error to its other streams."""
+    bad = [{"stream": "x" * 65}, {"stream": "p", "prompt": "word " * 1000}, {"stream": "l", "language": "x" * 17}]
+    with Client(null_service.address, timeout=3.0) as client:
+        other = client.open("other")
+        for kwargs in bad:
+            started = time.monotonic()
+            with pytest.raises(ValueError):
+                client.open(**kwargs)
+            assert time.monotonic() - started < 0.5
+        with pytest.raises(TimeoutError):
+            next(other.events(timeout=0.5))
+        other.end()
+        assert isinstance(drain(other)[-1], Closed)
+
+    async def main() -> None:
+        async with AsyncClient(null_service.address, timeout=3.0) as aclient:
+            for kwargs in bad:
+                with pytest.raises(ValueError):
+                    await asyncio.wait_for(aclient.open(**kwargs), 0.5)
+
+    asyncio.run(main())

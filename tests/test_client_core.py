@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 from concurrent.futures import Future
 
@@ -11,11 +12,16 @@ import pytest
 from client.core import (
     COMPACT_AT,
     KEEP_S,
+    LOST,
+    MAX_REOPEN_S,
+    REOPEN_S,
     Entry,
     IngestLost,
     Liveness,
     SendLog,
     StreamCore,
+    StreamError,
+    check_open,
     ingest_endpoint,
     route,
     to_pcm,
@@ -24,8 +30,11 @@ from config.settings import Config
 from ingest.session import Session
 from protocol.messages import (
     BAD_FORMAT,
+    BAD_MESSAGE,
+    MAX_PROMPT_CHARS,
     OUT_OF_ORDER,
     OVERLOADED,
+    TOO_MANY_STREAMS,
     UNKNOWN_STREAM,
     Ack,
     Audio,
@@ -37,6 +46,8 @@ from protocol.messages import (
     Open,
     Partial,
     Ready,
+    decode_client,
+    encode,
 )
 
 
@@ -255,6 +266,22 @@ def test_other_errors_are_always_reported() -> None:
     assert c.on_error(ErrorMsg("internal", "oops", "s"), 0.0) is True
 
 
+def test_a_closing_client_sends_a_held_end_at_once() -> None:
+    """`take` holds a realtime `end` back for a refusal that may still come; closing cannot wait for it."""
+    c = core("realtime")
+    c.push(b"\0" * 200)
+    c.end()
+    assert seqs(c.take(1.0)) == [0]  # `end` held back
+    assert seqs(c.take_last(1.01)) == ["end"] and c.retry_at is None
+    assert c.take_last(1.02) == []
+    stalled = core("realtime")
+    stalled.push(b"\0" * 400)
+    stalled.end()
+    stalled.take(1.0)
+    stalled.on_error(ErrorMsg(OVERLOADED, "full", "s", 1), 1.05)
+    assert seqs(stalled.take_last(1.06)) == [1, "end"]  # the refused audio gets its last try first
+
+
 def test_end_is_sent_once() -> None:
     c = core()
     c.end()
@@ -358,7 +385,7 @@ def test_only_audio_from_durable_on_is_kept_and_resent_with_fresh_seqs() -> None
     c.take(2.0)
     e = entry(c)
     c.on_result(Final("s", seg=0, text="hello there", start=0.1, end=1.2, durable=150))
-    opened = e.resume()
+    opened = e.resume(until=60.0)
     assert (opened.offset, opened.resume_text, opened.prompt) == (150, "hello there", "names")
     assert c.take(3.0) == []  # nothing before the new `ready`
     c.on_ready(1000)
@@ -379,7 +406,7 @@ def test_audio_resent_after_a_resume_is_owed_an_ack() -> None:
     route(streams, Ack("s", seq=4, samples=500, window=1000, durable=100), 1.1)
     c.end()
     c.take(1.2)
-    streams["s"].resume()
+    streams["s"].resume(until=60.0)
     assert c.accepted == 100
     route(streams, Ready("s", window=1000), 2.0)
     assert seqs(c.take(2.0)) == [0, 1, 2, 3]
@@ -395,7 +422,7 @@ def test_an_empty_final_leaves_the_resume_prompt_as_it_was() -> None:
     c.on_result(Final("s", seg=0, text="hello there", start=0.1, end=1.2, durable=150))
     c.on_result(Final("s", seg=1, text="", start=1.5, end=2.0, durable=200))  # noise: no words
     assert c.finals == 2
-    assert e.resume().resume_text == "hello there"
+    assert e.resume(until=60.0).resume_text == "hello there"
 
 
 def test_a_resumed_stream_continues_its_segment_numbers_and_totals() -> None:
@@ -403,7 +430,7 @@ def test_a_resumed_stream_continues_its_segment_numbers_and_totals() -> None:
     streams = {"s": entry(c)}
     route(streams, Final("s", seg=0, text="one", start=0.0, end=1.0, durable=120), 1.0)
     route(streams, Final("s", seg=1, text="two", start=1.5, end=2.0, durable=250), 1.0)
-    streams["s"].resume()
+    streams["s"].resume(until=60.0)
     route(streams, Ready("s", window=1000), 2.0)
     after = [Partial("s", seg=0, text="thr", stable="", start=2.6, end=2.8),
              Final("s", seg=0, text="three", start=2.6, end=3.0, durable=320),
@@ -421,15 +448,84 @@ def test_unknown_stream_for_an_open_stream_means_the_ingest_was_lost() -> None:
         route(streams, ErrorMsg(UNKNOWN_STREAM, "no such stream", stream="s", seq=4), 1.0)
 
 
+def test_a_resume_after_a_long_final_sends_the_end_of_its_text_that_the_protocol_allows() -> None:
+    """`resume_text` is capped like a prompt; the server prompts with the end of it, so the start goes, at a word."""
+    c = core()
+    e = entry(c)
+    words = " ".join(f"word{i}" for i in range(300))  # 2389 characters
+    c.on_result(Final("s", seg=0, text=words, start=0.0, end=60.0, durable=100))
+    opened = e.resume(until=60.0)
+    assert decode_client(encode(dataclasses.replace(opened, rate=16000))).resume_text == opened.resume_text  # the server takes it
+    text = opened.resume_text
+    assert text is not None and MAX_PROMPT_CHARS - len("word299") <= len(text) <= MAX_PROMPT_CHARS
+    assert words.endswith(" " + text) and text.startswith("word")
+    c.on_result(Final("s", seg=1, text="x" * 1500, start=60.0, end=61.0, durable=200))  # no space to cut at
+    assert e.resume(until=60.0).resume_text == "x" * MAX_PROMPT_CHARS
+
+
 def test_a_busy_refusal_of_a_resume_is_retried_and_a_final_one_fails_the_stream() -> None:
     c = core()
     streams = {"s": entry(c)}
-    streams["s"].resume()
+    streams["s"].resume(until=60.0)
     route(streams, ErrorMsg(OVERLOADED, "busy", stream="s"), 1.0)
     assert c.reopen_at is not None and c.reopen_at > 1.0 and "s" in streams
     assert streams["s"].reopen().offset == 0 and c.reopen_at is None
     route(streams, ErrorMsg(BAD_FORMAT, "no", stream="s"), 2.0)
     assert "s" not in streams
+
+
+def test_busy_refusals_of_a_resume_back_off_until_the_resume_timeout() -> None:
+    c = core()
+    e = entry(c)
+    streams = {"s": e}
+    e.resume(until=20.0)
+    now, waits = 0.0, []
+    while "s" in streams:
+        route(streams, ErrorMsg(OVERLOADED, "busy", stream="s"), now)
+        if c.reopen_at is not None:
+            waits.append(c.reopen_at - now)
+            now = c.reopen_at
+            e.reopen()
+    assert waits == [REOPEN_S, 2 * REOPEN_S, 4 * REOPEN_S, MAX_REOPEN_S]  # 15 s: the next would end past 20
+    failure = e.events.get_nowait()[1]
+    assert isinstance(failure, StreamError) and failure.code == LOST and failure.stream == "s"
+
+
+def test_a_refused_resume_waiting_for_its_retry_is_owed_nothing() -> None:
+    """Liveness must not take the ingest for lost while the client itself waits to re-open."""
+    c = core()
+    streams = {"s": entry(c)}
+    live = Liveness(0.5)
+    streams["s"].resume(until=60.0)
+    live.heard(1.0)
+    assert live.deadline(streams, 1.0) == 1.5  # the re-open is owed an answer
+    route(streams, ErrorMsg(TOO_MANY_STREAMS, "full", stream="s"), 1.2)
+    assert live.deadline(streams, 2.0) is None
+    streams["s"].reopen()
+    assert live.deadline(streams, 2.1) == 2.5
+
+
+def test_an_error_naming_no_stream_goes_to_no_stream() -> None:
+    """The server could not tie it to a stream; neither can the client, so open streams never see it."""
+    opened = entry(core())
+    pending = Entry(core(), Open(stream="p"), Future(), queue.SimpleQueue())
+    streams = {"s": opened, "p": pending}
+    assert route(streams, ErrorMsg(BAD_MESSAGE, "header is not valid msgpack"), 1.0) is False
+    assert opened.events.empty() and pending.events.empty() and not pending.opened.done()
+    assert set(streams) == {"s", "p"}
+
+
+@pytest.mark.parametrize("bad", [{"stream": "x" * 65}, {"stream": 7}, {"prompt": "word " * 1000},
+                                 {"prompt": "w" * (MAX_PROMPT_CHARS + 1)}, {"language": "x" * 17},
+                                 {"priority": "urgent"}])
+def test_opens_the_server_would_refuse_as_malformed_are_refused_before_sending(bad: dict) -> None:
+    with pytest.raises(ValueError):
+        check_open(Open(**{"stream": "s", **bad}))
+
+
+def test_opens_within_the_limits_pass_and_formats_are_left_to_the_server() -> None:
+    check_open(Open(stream="x" * 64, prompt="é" * MAX_PROMPT_CHARS, language="en"))
+    check_open(Open(stream="s", rate=11025))  # `bad_format` names the stream: the server's answer says it best
 
 
 def test_liveness_counts_only_while_an_answer_is_owed() -> None:

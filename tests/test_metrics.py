@@ -205,7 +205,8 @@ def test_prometheus_text_parses_and_counters_increase(instance, publishers, coll
                        ("streamasr_process_open_fds", "gauge"), ("streamasr_busy_seconds", "counter")):
         assert name in families and families[name].type == kind, name
     busy = {s.labels["worker"] for s in families["streamasr_worker_busy_ratio"].samples}
-    assert busy == {"worker-0", "ingest-0"}  # both fakes record busy time
+    assert busy == {"worker-0"}  # the ingest's fake records busy time too: the figure is the workers' only
+    assert [w["name"] for w in collector.snapshot()["workers"]] == ["worker-0"]  # as the JSON view has it
     assert {s.labels["process"] for s in families["streamasr_process_threads"].samples} == {"worker-0", "ingest-0"}
     buckets = [s for s in families["streamasr_batch_size"].samples if s.name.endswith("_bucket")]
     assert [s.value for s in buckets] == sorted(s.value for s in buckets)  # cumulative
