@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from client.client import HEARTBEAT_MS, HEARTBEAT_TIMEOUT_MS
+from client.client import HEARTBEAT_MS, HEARTBEAT_TIMEOUT_MS, client_socket
 from client.core import (
     CLOSED,
     LIVENESS_S,
@@ -42,6 +42,7 @@ from client.core import (
     limits_from,
     route,
 )
+from protocol.auth import Curve
 from protocol.messages import (
     BAD_MESSAGE,
     INTERNAL,
@@ -63,12 +64,12 @@ log = logging.getLogger(__name__)
 LINGER_MS = 500  # let the last `end`s reach the server when closing right after them
 
 
-async def handshake(ctx: zmq.asyncio.Context, address: str, timeout: float) -> Welcome:
+async def handshake(ctx: zmq.asyncio.Context, address: str, timeout: float, curve: Curve | None = None) -> Welcome:
     """Hello until welcomed; `not_ready` is retried because a starting service answers it."""
     deadline = time.monotonic() + timeout
     delay = 0.05
     while True:
-        sock = ctx.socket(zmq.DEALER)
+        sock = client_socket(ctx, curve)
         sock.linger = 0
         try:
             sock.connect(address)
@@ -94,15 +95,16 @@ async def handshake(ctx: zmq.asyncio.Context, address: str, timeout: float) -> W
 class AsyncClient:
     """`async with AsyncClient(address) as client:` or `client = await AsyncClient.connect(address)`.
 
-    `liveness`, `resume_timeout` and `reconnects` as in the blocking Client.
+    `liveness`, `resume_timeout`, `curve` and `reconnects` as in the blocking Client.
     """
 
     def __init__(self, address: str, *, timeout: float = 10.0, liveness: float = LIVENESS_S,
-                 resume_timeout: float = RESUME_TIMEOUT_S) -> None:
+                 resume_timeout: float = RESUME_TIMEOUT_S, curve: Curve | None = None) -> None:
         self.address = address
         self.timeout = timeout
         self.resume_timeout = resume_timeout
         self.reconnects = 0
+        self._curve = curve
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
@@ -117,15 +119,15 @@ class AsyncClient:
 
     @classmethod
     async def connect(cls, address: str, *, timeout: float = 10.0, liveness: float = LIVENESS_S,
-                      resume_timeout: float = RESUME_TIMEOUT_S) -> AsyncClient:
-        client = cls(address, timeout=timeout, liveness=liveness, resume_timeout=resume_timeout)
+                      resume_timeout: float = RESUME_TIMEOUT_S, curve: Curve | None = None) -> AsyncClient:
+        client = cls(address, timeout=timeout, liveness=liveness, resume_timeout=resume_timeout, curve=curve)
         await client.start()
         return client
 
     async def start(self) -> None:
         """Handshake with the front door and connect to the ingest it names."""
         try:
-            welcome = await handshake(self._ctx, self.address, self.timeout)
+            welcome = await handshake(self._ctx, self.address, self.timeout, self._curve)
         except BaseException:
             self._ctx.term()
             self._closed = True
@@ -224,7 +226,7 @@ class AsyncClient:
     def _connect(self, welcome: Welcome) -> None:
         """A DEALER to the welcome's ingest, with heartbeats on and a monitor for its disconnects."""
         self.ingest = ingest_endpoint(self.address, welcome.ingest)
-        sock = self._ctx.socket(zmq.DEALER)
+        sock = client_socket(self._ctx, self._curve)
         sock.linger = LINGER_MS
         # pyzmq's asyncio socket never blocks the loop: past the send limit it keeps sends in
         # futures of its own, which close() cancels, a last `end` with them. Without a limit they
@@ -315,7 +317,7 @@ class AsyncClient:
         delay = 0.1
         while True:
             try:
-                welcome = await handshake(self._ctx, self.address, min(self.timeout, max(deadline - time.monotonic(), 0.1)))
+                welcome = await handshake(self._ctx, self.address, min(self.timeout, max(deadline - time.monotonic(), 0.1)), self._curve)
                 break
             except (TimeoutError, ServerError, ProtocolError) as exc:  # the front door may be restarting too
                 if time.monotonic() + delay >= deadline:

@@ -45,6 +45,7 @@ from client.core import (
     limits_from,
     route,
 )
+from protocol.auth import Curve, apply_client_curve
 from protocol.messages import (
     BAD_MESSAGE,
     INTERNAL,
@@ -70,9 +71,18 @@ HEARTBEAT_MS = 2000  # ZeroMQ-level pings on the ingest connection: a vanished p
 HEARTBEAT_TIMEOUT_MS = 6000
 
 
-def ingest_socket(ctx: zmq.Context, endpoint: str) -> tuple[zmq.Socket, zmq.Socket]:
-    """A DEALER connected to an ingest, with heartbeats on, and the monitor that reports its disconnects."""
+def client_socket(ctx: zmq.Context, curve: Curve | None) -> zmq.Socket:
+    """A DEALER, a CURVE client when `curve` (server public key, client secret key: z85, as
+    `protocol.auth` reads them) is given: a service with CURVE on answers nothing else."""
     sock = ctx.socket(zmq.DEALER)
+    if curve is not None:
+        apply_client_curve(sock, *curve)
+    return sock
+
+
+def ingest_socket(ctx: zmq.Context, endpoint: str, curve: Curve | None = None) -> tuple[zmq.Socket, zmq.Socket]:
+    """A DEALER connected to an ingest, with heartbeats on, and the monitor that reports its disconnects."""
+    sock = client_socket(ctx, curve)
     sock.linger = LINGER_MS
     # No send limit: at the default one a send to an ingest that stopped reading (a frozen host)
     # blocks the IO thread, and liveness, resuming and close() with it. What queues is bounded
@@ -96,9 +106,9 @@ def close_ingest_socket(sock: zmq.Socket, monitor: zmq.Socket, linger: int | Non
     sock.close(linger)
 
 
-def request(ctx: zmq.Context, address: str, msg: Hello | Status, timeout: float) -> ServerMessage:
+def request(ctx: zmq.Context, address: str, msg: Hello | Status, timeout: float, curve: Curve | None = None) -> ServerMessage:
     """One request/reply on the front door, on a socket of its own (the front door is stateless)."""
-    sock = ctx.socket(zmq.DEALER)
+    sock = client_socket(ctx, curve)
     sock.linger = 0
     try:
         sock.connect(address)
@@ -110,12 +120,12 @@ def request(ctx: zmq.Context, address: str, msg: Hello | Status, timeout: float)
         sock.close()
 
 
-def handshake(ctx: zmq.Context, address: str, timeout: float) -> Welcome:
+def handshake(ctx: zmq.Context, address: str, timeout: float, curve: Curve | None = None) -> Welcome:
     """Hello until welcomed; `not_ready` is retried because a starting service answers it."""
     deadline = time.monotonic() + timeout
     delay = 0.05
     while True:
-        reply = request(ctx, address, Hello(), deadline - time.monotonic())
+        reply = request(ctx, address, Hello(), deadline - time.monotonic(), curve)
         if isinstance(reply, Welcome):
             return reply
         if isinstance(reply, ErrorMsg):
@@ -127,9 +137,9 @@ def handshake(ctx: zmq.Context, address: str, timeout: float) -> Welcome:
         raise ServerError(BAD_MESSAGE, f"unexpected {reply.type!r} in answer to hello")
 
 
-def status(address: str, *, timeout: float = 10.0) -> StatusReply:
+def status(address: str, *, timeout: float = 10.0, curve: Curve | None = None) -> StatusReply:
     """The front door's view of the service (ingests, workers, queues)."""
-    reply = request(zmq.Context.instance(), address, Status(), timeout)
+    reply = request(zmq.Context.instance(), address, Status(), timeout, curve)
     if isinstance(reply, ErrorMsg):
         raise ServerError(reply.code, reply.message)
     if not isinstance(reply, StatusReply):
@@ -143,24 +153,27 @@ class Client:
     `timeout` bounds the handshake and each `open`. A lost ingest is resumed from: `liveness` is
     how long it may leave an open or audio unanswered before it is taken for dead, and
     `resume_timeout` how long to keep trying to reach the service again before the streams fail
-    with StreamError('connection_lost'). `reconnects` counts the resumes so far.
+    with StreamError('connection_lost'). `reconnects` counts the resumes so far. `curve`: the
+    service's public key and this client's secret key (z85; `protocol.auth.read_public_key` and
+    `read_key_pair` read them from certificate files) when the service has CURVE on.
     """
 
     def __init__(self, address: str, *, timeout: float = 10.0, liveness: float = LIVENESS_S,
-                 resume_timeout: float = RESUME_TIMEOUT_S) -> None:
+                 resume_timeout: float = RESUME_TIMEOUT_S, curve: Curve | None = None) -> None:
         self.address = address
         self.timeout = timeout
         self.resume_timeout = resume_timeout
         self.reconnects = 0
+        self._curve = curve
         self._ctx = zmq.Context()
         try:
-            welcome = handshake(self._ctx, address, timeout)
+            welcome = handshake(self._ctx, address, timeout, curve)
         except BaseException:
             self._ctx.term()
             raise
         self.limits = limits_from(welcome)
         self.ingest = ingest_endpoint(address, welcome.ingest)
-        self._sock, self._monitor = ingest_socket(self._ctx, self.ingest)
+        self._sock, self._monitor = ingest_socket(self._ctx, self.ingest, curve)
         self._liveness = Liveness(liveness)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -328,7 +341,7 @@ class Client:
         delay = 0.1
         while True:
             try:
-                welcome = handshake(self._ctx, self.address, min(self.timeout, max(deadline - time.monotonic(), 0.1)))
+                welcome = handshake(self._ctx, self.address, min(self.timeout, max(deadline - time.monotonic(), 0.1)), self._curve)
                 break
             except (TimeoutError, ServerError, ProtocolError) as exc:  # the front door may be restarting too
                 if time.monotonic() + delay >= deadline:
@@ -336,7 +349,7 @@ class Client:
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
         self.ingest = ingest_endpoint(self.address, welcome.ingest)
-        self._sock, self._monitor = ingest_socket(self._ctx, self.ingest)
+        self._sock, self._monitor = ingest_socket(self._ctx, self.ingest, self._curve)
         self.reconnects += 1
         for entry in self._streams.values():
             self._sock.send_multipart(encode(entry.resume(deadline)))

@@ -32,6 +32,9 @@ def read_key_pair(path: str | os.PathLike[str]) -> tuple[bytes, bytes]:
     return public, secret
 
 
+Curve = tuple[bytes, bytes]  # what a client needs: (the server's public key, its own secret key), z85
+
+
 def apply_client_curve(sock: zmq.Socket, server_public: bytes, client_secret: bytes) -> None:
     """Make `sock` a CURVE client of a server with `server_public`; call before connect.
 

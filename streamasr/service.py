@@ -28,6 +28,7 @@ from supervisor.xmlrpc import SupervisorTransport
 from config import settings
 from config.settings import Config
 from protocol import auth
+from protocol.auth import Curve
 from protocol import messages as m
 from shm import pool
 
@@ -147,7 +148,6 @@ def serve(cfg: Config) -> None:
     os.execve(str(supervisord), [str(supervisord), "-n", "-c", str(SUPERVISORD_CONF)], env)
 
 
-Curve = tuple[bytes, bytes]  # (server public key, client secret key), z85
 
 
 def ops_curve(cfg: Config) -> Curve | None:

@@ -9,6 +9,7 @@ mode (0700) and the audio by the shm segments' (0600).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import shutil
@@ -21,6 +22,7 @@ import pytest
 import zmq
 import zmq.auth
 
+from client import AsyncClient, Client
 from config import settings
 from conftest import Service, start_service
 from protocol import messages as m
@@ -135,3 +137,29 @@ def test_half_a_curve_configuration_is_refused() -> None:
     with pytest.raises(ValueError):
         curve_settings("server.key_secret", "")
     assert curve_settings("", "") is False
+
+
+def test_the_reference_clients_stream_with_the_client_s_keys(secured: Service, keys: Path) -> None:
+    """`Client` and `AsyncClient` take the service's public key and their own secret key: the
+    front door and the ingest then answer them; without the keys nothing does."""
+    curve = (read_public_key(keys / "server.key"), read_key_pair(keys / "client.key_secret")[1])
+    pcm = read_wav(speech_files()[0])
+    with Client(secured.address, curve=curve) as client:
+        stream = client.open()
+        stream.send(pcm)
+        stream.end()
+        events = list(stream.events(timeout=60))
+    assert isinstance(events[-1], m.Closed) and events[-1].reason == "end", events[-1]
+    assert events[-1].audio_s == pytest.approx(len(pcm) / 2 / 16000, abs=0.01)  # 16-bit samples
+
+    async def main() -> list[m.ServerMessage]:
+        async with AsyncClient(secured.address, curve=curve) as aclient:
+            astream = await aclient.open(priority="batch")
+            await astream.send(pcm)
+            await astream.end()
+            return [ev async for ev in astream.events(timeout=60)]
+
+    events = asyncio.run(main())
+    assert isinstance(events[-1], m.Closed) and events[-1].reason == "end", events[-1]
+    with pytest.raises(TimeoutError):
+        Client(secured.address, timeout=2.0)
