@@ -202,6 +202,16 @@ class Config:
                      *(self.ingest_results_endpoint(i) for i in range(self.ingest.processes))]
         return [str(self.run_path / "supervisor.sock"), *(e.removeprefix("ipc://") for e in endpoints)]
 
+    @property
+    def tcp_binds(self) -> list[tuple[str, str]]:
+        """The TCP addresses the service binds, each with what sets it: the front door, each
+        ingest process and the dashboard (unless it takes any free port)."""
+        binds = [("ingest.address", self.ingest.address),
+                 *((f"ingest process {i} (ingest.port_base + {i})", self.ingest_endpoint(i)) for i in range(self.ingest.processes))]
+        if self.metrics.dashboard_port:  # 0: any free port
+            binds.append(("metrics.dashboard_port", f"tcp://127.0.0.1:{self.metrics.dashboard_port}"))
+        return binds
+
     def ingest_endpoint(self, index: int) -> str:
         return f"tcp://{self.ingest_host}:{self.ingest.port_base + index}"
 
@@ -317,10 +327,7 @@ def _check_together(cfg: Config) -> None:
         raise ConfigError(f"shm.ring_seconds ({cfg.shm.ring_seconds:g}) must be at least vad.max_segment_s "
                           f"({cfg.vad.max_segment_s:g}) + {RING_ROOM / SAMPLE_RATE:g} s: a ring that fills before a "
                           "segment is cut jams its stream")
-    own = [("ingest.address", cfg.ingest.address),
-           *((f"ingest process {i} (ingest.port_base + {i})", cfg.ingest_endpoint(i)) for i in range(cfg.ingest.processes))]
-    if cfg.metrics.dashboard_port:  # 0: any free port
-        own.append(("metrics.dashboard_port", f"tcp://127.0.0.1:{cfg.metrics.dashboard_port}"))
+    own = cfg.tcp_binds
     for i, (name, address) in enumerate(own):
         for other, other_address in own[i + 1:]:
             if _same_port(address, other_address):

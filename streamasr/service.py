@@ -69,13 +69,10 @@ def unbindable_addresses(cfg: Config) -> list[str]:
     this machine has its host. Bound the way the service binds them, by ZeroMQ, and let go at
     once: a process that could not bind would fail at start over and over under supervisord
     while `serve` said nothing."""
-    wanted = [cfg.ingest.address, *(cfg.ingest_endpoint(i) for i in range(cfg.ingest.processes))]
-    if cfg.metrics.dashboard_port:  # 0: any free port
-        wanted.append(f"tcp://127.0.0.1:{cfg.metrics.dashboard_port}")
     ctx = zmq.Context()
     taken = []
     try:
-        for address in dict.fromkeys(wanted):
+        for address in dict.fromkeys(address for _, address in cfg.tcp_binds):
             sock = ctx.socket(zmq.ROUTER)
             try:
                 sock.bind(address)
