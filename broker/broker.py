@@ -240,7 +240,10 @@ class Broker:
                          decode_cost=cost, stream_share_prior=round(sum(self.share_prior), 4))
                 self._figures_changed()
             elif kind == wire.DONE:
-                results = wire.unpack_done(body[0])
+                results, bad = wire.unpack_done_checked(body[0])
+                for row in bad:
+                    self.metrics.inc("errors_total", code=m.INTERNAL)
+                    log.warning("broker.bad_done_row", worker=ident.decode(errors="replace"), job=row.job_id, field=row.field, error=row.error)
                 worker = self.dispatcher.workers.get(ident)
                 held = worker.inflight if worker is not None else {}
                 finals = {key for key in map(job_key, results) if key in held and held[key].final}

@@ -214,6 +214,44 @@ def pack_done(results: list[JobResult]) -> bytes:
     return pack([(r.job_id, r.ingest, r.status, r.batch_size, r.started, r.finished) for r in results])
 
 
-def unpack_done(data: bytes) -> list[JobResult]:
-    return [JobResult(job_id=job_id, ingest=ingest, status=status, batch_size=batch_size, started=started, finished=finished)
-            for job_id, ingest, status, batch_size, started, finished in unpack(data)]
+_DONE_FIELDS = ("job_id", "ingest", "status", "batch_size", "started", "finished")
+_DONE_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "status": (lambda v: _int(v) and v in (OK, EXPIRED, FAILED), f"OK ({OK}), EXPIRED ({EXPIRED}) or FAILED ({FAILED})"),
+    "batch_size": (lambda v: _int(v) and v >= 0, "an int >= 0"),
+    "started": (_finite, "a finite number"),
+    "finished": (_finite, "a finite number"),
+}
+
+
+def check_done(row: Any) -> tuple[JobResult | None, BadJob | None]:
+    """The answer a DONE row reports, and what is wrong with the row. A row naming its job by
+    well-typed ids still returns the job's credit when the rest is wrong, only without the
+    status and times (they feed the admission figures, which one infinite decode time would
+    spoil for good); a row that names no job is only reported."""
+    if not isinstance(row, list) or len(row) != len(_DONE_FIELDS):
+        return None, BadJob(None, "row", f"not a list of {len(_DONE_FIELDS)} fields: {str(row)[:80]}")
+    job_id, ingest = row[0], row[1]
+    if not (_int(job_id) and _int(ingest)):
+        name, value = ("job_id", job_id) if not _int(job_id) else ("ingest", ingest)
+        return None, BadJob(None, name, f"{name} must be an int, got {str(value)[:40]!r} ({type(value).__name__})")
+    for name, value in zip(_DONE_FIELDS[2:], row[2:]):
+        valid, wanted = _DONE_CHECKS[name]
+        if not valid(value):
+            return JobResult(job_id=job_id, ingest=ingest), BadJob(job_id, name, f"{name} must be {wanted}, got {str(value)[:40]!r} ({type(value).__name__})")
+    return JobResult(job_id=job_id, ingest=ingest, status=row[2], batch_size=row[3], started=row[4], finished=row[5]), None
+
+
+def unpack_done_checked(data: bytes) -> tuple[list[JobResult], list[BadJob]]:
+    """A DONE message from a worker: the answers it reports, and what is wrong with its rows."""
+    rows = unpack(data)
+    if not isinstance(rows, list):
+        raise ValueError(f"DONE body is a {type(rows).__name__}, not a list")
+    results: list[JobResult] = []
+    bad: list[BadJob] = []
+    for row in rows:
+        result, wrong = check_done(row)
+        if result is not None:
+            results.append(result)
+        if wrong is not None:
+            bad.append(wrong)
+    return results, bad

@@ -60,6 +60,14 @@ class _Row:
     done: bool = False
 
 
+def _ranking_score(row: _Row) -> float:
+    """How beam search ranks finished hypotheses: Whisper's MaximumLikelihoodRanker without a
+    length penalty, the summed log-probability (its end-of-text included) over the number of
+    tokens sampled before the end of text. Dividing by one more, as the average log-probability
+    of a result does, would favour short hypotheses."""
+    return row.sum_logprob / max(1, len(row.tokens) - row.n_forced)
+
+
 def _log_softmax(x: np.ndarray, out: np.ndarray, scratch: np.ndarray, col: np.ndarray) -> np.ndarray:
     """Over the last axis, into `out`, with `scratch` for the exponentials and `col` (rows, 1)
     for each row's maximum and sum: a decoding step allocates no array for it."""
@@ -372,7 +380,7 @@ class WhisperDecoder:
                 capped_i = capped[i]
             else:
                 capped_i = False
-            best = max(cands, key=lambda r: r.sum_logprob / (len(r.tokens) - r.n_forced + 1))
+            best = max(cands, key=_ranking_score)
             out.append((best, capped_i))
         return out
 

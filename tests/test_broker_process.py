@@ -485,6 +485,43 @@ def test_a_worker_that_replaces_its_socket_is_served_on_the_new_one(cluster: Clu
     sock.close(linger=0)
 
 
+
+@pytest.mark.parametrize(("name", "value"), [("started", "soon"), ("finished", math.inf)])
+def test_a_malformed_done_row_returns_its_credit_and_spoils_no_figure(cluster: Cluster, name: str, value: Any) -> None:
+    """A worker's DONE row whose times are wrongly typed or infinite still frees the worker's
+    credit for its job and lets the rows after it be counted; its times are not measured (an
+    infinite decode would price every stream at infinity for good), and it is logged naming
+    the worker, the job and the field."""
+    _patient_broker(cluster)
+    cluster.ingest = FakeIngest(cluster.cfg)
+    cluster.ingest.start()
+    identity = b"worker-9-1"
+    sock = _replaced(cluster.cfg.broker_worker_endpoint, identity, {"capacity": 2, "pid": 1, "model": "null"})
+    try:
+        cluster.wait_workers(1)
+        for round_ in range(2):  # the second round needs the credit the first one returned
+            jobs = cluster.jobs(2)
+            cluster.ingest.submit(jobs)
+            got: list[Job] = []
+            while len(got) < 2:
+                assert sock.poll(5000), f"round {round_}: the worker was sent {len(got)} of 2 jobs"
+                kind, body = sock.recv_multipart()
+                assert kind == wire.JOBS
+                got += wire.unpack_jobs(body)
+            now = time.monotonic()
+            bad = [jobs[0].job_id, 0, OK, 1, now - 0.2, now]
+            bad[{"started": 4, "finished": 5}[name]] = value
+            good = [jobs[1].job_id, 0, OK, 1, now - 0.1, now]
+            sock.send_multipart([wire.DONE, wire.pack([bad, good])])
+            wait_for(lambda: cluster.status()["jobs_done"] == 2 * (round_ + 1), 5, f"round {round_}: both rows counted")
+        time.sleep(2.5)  # two of the broker's ticks, which take the decode times into the figures
+        numbers = {k: v for k, v in cluster.ingest.figures.items() if isinstance(v, (int, float))}
+        assert "stream_share" in numbers and all(math.isfinite(v) for v in numbers.values()), numbers
+        logged = [e for e in cluster.log_events("broker") if e["event"] == "broker.bad_done_row"]
+        assert len(logged) == 2 and {(e["worker"], e["field"]) for e in logged} == {(identity.decode(), name)}
+    finally:
+        sock.close(linger=0)
+
 def test_an_ingest_that_replaces_its_socket_is_heard_on_the_new_one(cluster: Cluster) -> None:
     """The ingest registers again on a new connection, as a new process would (another pid):
     the broker must take that READY and send its heartbeats to the new socket."""

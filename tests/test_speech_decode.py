@@ -312,6 +312,19 @@ def test_beam_search(tiny, dev):
     assert wer([u.reference for u, _ in libri], hyps) <= 0.1
 
 
+def test_beam_search_ranks_finished_hypotheses_as_whisper_does():
+    """Whisper's ranker divides a hypothesis' summed log-probability by the tokens it sampled
+    before the end of text. Counting one more token flips this pair: the short hypothesis
+    averages -1.0 a token against -0.9 for the long one, and the long one must win."""
+    from speech.decoding import _Row, _ranking_score
+
+    forced = [50363]  # <|notimestamps|>, forced: not counted
+    short = _Row(req=0, tokens=forced + [11], n_forced=1, sum_logprob=-1.0, done=True)
+    long = _Row(req=0, tokens=forced + [11, 12], n_forced=1, sum_logprob=-1.8, done=True)
+    assert max([short, long], key=_ranking_score) is long
+    assert _ranking_score(_Row(req=0, tokens=forced, n_forced=1, sum_logprob=-0.5, done=True)) == -0.5
+
+
 def test_long_form_ten_minutes(tiny, dev):
     gap = np.zeros(SAMPLE_RATE, np.float32)
     pieces, refs, total = [], [], 0
