@@ -11,6 +11,7 @@ histograms are added to a carried total, and the exported value is carried + liv
 
 from __future__ import annotations
 
+import http.client
 import math
 import os
 import re
@@ -272,12 +273,14 @@ class Collector:
             hists = {(str(n), _labels(lb)): Histogram(tuple(map(float, b)), [float(c) for c in cs], float(t))
                      for n, lb, b, cs, t in snap["histograms"] if len(cs) == len(b) + 1 and math.isfinite(t)}
             pid, started, sent = int(snap["pid"]), float(snap["started"]), float(snap["time"])
-        except (ValueError, KeyError, TypeError, msgpack.UnpackException):
+        except (ValueError, KeyError, TypeError, OverflowError, msgpack.UnpackException):  # int(inf): OverflowError
             return
         inc = self._incarnation(process, token, pid, started, now)
         if inc is None:
             return
-        if not inc.quiet:
+        if inc.quiet:
+            self._add_to_history(process, counters, hists)
+        else:
             self._note_errors(inc, counters, sent)
         inc.quiet = False
         inc.seen, inc.pid = now, pid
@@ -325,6 +328,21 @@ class Collector:
             else:
                 self._carried_hists[series] = Histogram(hist.bounds, [sign * c for c in hist.counts], sign * hist.total)
 
+    def _add_to_history(self, process: str, counters: dict[Key, float], hists: dict[Key, Histogram]) -> None:
+        """A process first heard after this collector started brings its whole history: count it in
+        the window figures kept so far too, so rates and latencies show what happened since, not a
+        process's life at once."""
+        figures = _window_figures({(process, n, lb): v for (n, lb), v in counters.items()},
+                                  {(process, n, lb): h for (n, lb), h in hists.items()})
+        for _, entry in self._history:
+            for kind, value in figures["jobs"].items():
+                entry["jobs"][kind] = entry["jobs"].get(kind, 0.0) + value
+            for name, hist in figures["hists"].items():
+                if name in entry["hists"]:
+                    entry["hists"][name].add(hist)
+                else:
+                    entry["hists"][name] = hist.copy()
+
     def _note_errors(self, inc: Incarnation, counters: dict[Key, float], sent: float) -> None:
         """Recent errors are the increases of the error and refusal counters since the last snapshot."""
         for (name, labels), value in counters.items():
@@ -360,8 +378,8 @@ class Collector:
             return [], ""
         try:
             return list(service.processes(self.cfg)), ""
-        except (OSError, xmlrpc.client.Error) as exc:
-            return [], str(exc)
+        except (OSError, xmlrpc.client.Error, http.client.HTTPException) as exc:  # the last: not HTTP at all
+            return [], f"{type(exc).__name__}: {exc}"
 
     def _read_resources(self, pids: set[int]) -> dict[int, dict[str, Any]]:
         """CPU %, RSS, threads and open descriptors per pid (psutil.Process kept so CPU % has a baseline)."""
@@ -425,22 +443,7 @@ class Collector:
 
     def _window_totals(self) -> dict[str, Any]:
         counters, _, hists = self._series()
-        jobs: dict[str, float] = {}
-        for (_, name, labels), value in counters.items():
-            if name == "jobs_total":
-                kind = dict(labels).get("kind", "")
-                jobs[kind] = jobs.get(kind, 0.0) + value
-        summed: dict[str, Histogram] = {}
-        for (_, name, labels), hist in hists.items():
-            if name == "job_transit_seconds":  # one histogram per leg: to_worker, to_ingest
-                name = dict(labels).get("leg", "")
-            elif name not in ("partial_latency_seconds", "final_latency_seconds", "batch_size"):
-                continue
-            if name in summed:
-                summed[name].add(hist)
-            else:
-                summed[name] = hist.copy()
-        return {"jobs": jobs, "hists": summed}
+        return _window_figures(counters, hists)
 
     def _build_view(self, now: float) -> dict[str, Any]:
         counters, gauges, _ = self._series()
@@ -583,6 +586,27 @@ class _Exporter:
 
     def collect(self) -> Iterator[Metric]:
         return self.collector.families()
+
+
+def _window_figures(counters: dict[Series, float], hists: dict[Series, Histogram]) -> dict[str, Any]:
+    """The totals the windowed rates and latencies are differences of: jobs by kind, and the
+    latency, transit and batch histograms summed over processes."""
+    jobs: dict[str, float] = {}
+    for (_, name, labels), value in counters.items():
+        if name == "jobs_total":
+            kind = dict(labels).get("kind", "")
+            jobs[kind] = jobs.get(kind, 0.0) + value
+    summed: dict[str, Histogram] = {}
+    for (_, name, labels), hist in hists.items():
+        if name == "job_transit_seconds":  # one histogram per leg: to_worker, to_ingest
+            name = dict(labels).get("leg", "")
+        elif name not in ("partial_latency_seconds", "final_latency_seconds", "batch_size"):
+            continue
+        if name in summed:
+            summed[name].add(hist)
+        else:
+            summed[name] = hist.copy()
+    return {"jobs": jobs, "hists": summed}
 
 
 def _label_names(name: str, keys: list[Labels]) -> list[str]:

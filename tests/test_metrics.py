@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -217,6 +219,36 @@ def test_prometheus_text_parses_and_counters_increase(instance, publishers, coll
             assert second[key] > value, key
 
 
+def test_window_figures_count_only_what_happened_since_a_process_was_first_heard(instance) -> None:
+    """A collector that starts after the service (a restarted dashboard, `streamasr top` with a
+    collector of its own) hears each process's whole history in its first snapshot: the windowed
+    rate and latency figures count only what was recorded after that, not the history at once."""
+    cfg, _ = instance
+    collector = Collector(cfg, window=60.0).start()
+    broker = ProcessMetrics(cfg, "broker", interval=0.1)
+    try:
+        for _ in range(5000):  # an hour of service before the collector started
+            broker.inc("jobs_total", kind="partial", status="done")
+            broker.observe("partial_latency_seconds", 2.0)
+        time.sleep(0.5)  # the collector's first figures are taken before it hears anyone
+        broker.start()
+        wait_for(lambda: "broker" in processes(collector), what="the broker's first snapshot")
+        time.sleep(1.5)  # a refresh or two with the history in
+        snap = collector.snapshot()
+        assert snap["throughput"]["jobs_per_s"] == 0, snap["throughput"]
+        assert snap["latency"]["partial"]["count"] == 0, snap["latency"]["partial"]
+        for _ in range(7):
+            broker.inc("jobs_total", kind="partial", status="done")
+            broker.observe("partial_latency_seconds", 0.02)
+        latency = wait_for(lambda: (p := collector.snapshot()["latency"]["partial"])["count"] and p,
+                           what="the new observations in the window")
+        assert latency["count"] == 7 and latency["p99"] <= 0.025, latency
+        assert 0 < collector.snapshot()["throughput"]["jobs_per_s"] <= 7
+    finally:
+        broker.close()
+        collector.close()
+
+
 def test_publisher_with_no_collector_never_blocks(tmp_path: Path) -> None:
     """Recording while nobody collects neither blocks nor loses counts, and closing does not wait
     for a collector (a hang here would stop the test at its timeout)."""
@@ -263,6 +295,8 @@ def test_collector_ignores_malformed_snapshots_and_refuses_a_second_bind(instanc
     time.sleep(0.3)
     for junk in (b"\xc1not msgpack", msgpack.packb([1, 2]), msgpack.packb({"v": 1, "process": "x"}),
                  msgpack.packb({"v": 1, "process": "x", "incarnation": "i", "pid": "no", "started": 0, "time": 0,
+                                "counters": [], "gauges": [], "histograms": []}),
+                 msgpack.packb({"v": 1, "process": "x", "incarnation": "i", "pid": float("inf"), "started": 0, "time": 0,
                                 "counters": [], "gauges": [], "histograms": []})):
         sock.send(junk)
     sock.close()
@@ -272,6 +306,41 @@ def test_collector_ignores_malformed_snapshots_and_refuses_a_second_bind(instanc
     with pytest.raises(RuntimeError, match="already bound"):
         Collector(cfg).start()
 
+
+
+def test_a_supervisord_socket_that_answers_no_http_is_reported_and_the_collector_lives_on(instance, publishers, collector) -> None:
+    """Whatever listens on the supervisord socket (another program, a supervisord of another
+    version gone wrong) must not end the collector's thread, which would freeze the dashboard:
+    the view says what went wrong and keeps following the processes."""
+    cfg, config_file = instance
+    cfg.run_path.mkdir(parents=True, exist_ok=True)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(cfg.run_path / "supervisor.sock"))
+    server.listen(8)
+    stop = threading.Event()
+
+    def answer_garbage() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"garbage, not HTTP\r\n\r\n")
+
+    thread = threading.Thread(target=answer_garbage, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: "supervisor_error" in collector.snapshot(), what="the socket's failure in the view")
+        publishers(config_file, "broker")
+        wait_for(lambda: "broker" in processes(collector), what="a publisher heard after the failures")
+        assert "BadStatusLine" in collector.snapshot()["supervisor_error"]
+    finally:
+        stop.set()
+        thread.join(2)
+        server.close()
 
 def test_histogram_quantiles_follow_prometheus() -> None:
     h = Histogram((0.1, 0.2, 0.4), [0, 10, 10, 0], 4.0)
