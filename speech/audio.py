@@ -50,7 +50,8 @@ def load_audio(path: str | Path, raw_rate: int = SAMPLE_RATE) -> np.ndarray:
         raise AudioError(f"{path}: not a readable audio file ({exc})") from exc
     if audio.shape[0] == 0:
         raise AudioError(f"{path}: the file holds no audio samples")
-    mono = to_mono(audio)
-    if not np.isfinite(mono).all():
-        raise AudioError(f"{path}: audio contains NaN or infinite samples")
-    return resample(mono, int(rate))
+    # checked after mixing and resampling: extreme finite samples can overflow in either
+    out = resample(to_mono(audio), int(rate))
+    if not np.isfinite(out).all():
+        raise AudioError(f"{path}: audio contains NaN or infinite samples (or values that overflow when mixed or resampled)")
+    return out

@@ -12,8 +12,9 @@ together. Rows are left-padded; the decoder gets explicit positions and an addit
 padding columns in the self-attention cache are never attended; every input and output of
 the graphs is a view of a buffer the decoder keeps (`speech.graphio`). Prefill runs in two calls:
 (prompt + SOT) gives the no-speech probability and language logits at the SOT position; the
-rest of the forced tokens follow (the language is known by then). Finished rows leave the
-batch.
+rest of the forced tokens follow (the language is known by then). As in Whisper, the language
+is detected from SOT alone: when a row to detect has a prompt, one SOT step comes first and
+the cache starts over. Finished rows leave the batch.
 
 A result's last segment that was not closed by a timestamp ends at the request's audio
 duration; `speech.longform` relies on this to re-decode an incomplete trailing segment.
@@ -33,7 +34,7 @@ from speech.mel import FRAMES_PER_SECOND, N_FRAMES, LogMel
 from speech.tokenizer import TIME_PRECISION, WhisperTokenizer
 
 SAMPLE_LEN = 224
-MAX_PROMPT = 223
+MAX_PROMPT = 223  # prompt tokens after <|startofprev|> (n_text_ctx // 2 - 1)
 MAX_PREFIX = 200  # forced prefix tokens kept (the rest of 448 positions is for the prompt and output)
 NO_SPEECH_THRESHOLD = 0.6
 LOGPROB_THRESHOLD = -1.0
@@ -219,28 +220,31 @@ class WhisperDecoder:
         stage1 = []
         for r, pt in zip(reqs, ptoks):
             if pt:
-                ctx = [tk.sot_prev] + list(pt)[-(MAX_PROMPT - 1) :]
+                ctx = [tk.sot_prev] + list(pt)[-MAX_PROMPT:]
             else:
                 ctx = tk.prompt_tokens(r.prompt, MAX_PROMPT)
             n_prefix = len(tk.encode(" " + r.prefix.strip())) if r.prefix and r.prefix.strip() else 0
-            room = MAX_PROMPT - max(0, min(n_prefix, MAX_PREFIX) - 16)  # a long prefix shortens the prompt
+            room = MAX_PROMPT + 1 - max(0, min(n_prefix, MAX_PREFIX) - 16)  # a long prefix shortens the prompt
             if len(ctx) > room:
                 ctx = [ctx[0]] + ctx[len(ctx) - room + 1 :] if room > 1 else []
             stage1.append(ctx + [tk.sot])
+        languages: list[str | None] = []
+        for r in reqs:
+            if not tk.multilingual:
+                languages.append("en")
+            else:  # None, or a code the model does not know: detect
+                languages.append(r.language if r.language in tk.lang_to_id else None)
+        detect = [i for i, lang in enumerate(languages) if lang is None]
+        if any(len(stage1[i]) > 1 for i in detect):
+            # Whisper detects the language from <|startoftranscript|> alone: after a prompt, the
+            # prompt's language would outweigh the audio's. The cache then starts over.
+            self._detect(self.io.step([[tk.sot]] * n, group, into=0), detect, languages)
+            self.io.restart(group)
         logits = self.io.step(stage1, group, into=0)
         no_speech = np.zeros(n)
         if tk.no_speech is not None:
             no_speech = np.exp(_log_softmax(logits, *self._rows(n))[:, tk.no_speech])
-        languages: list[str] = []
-        for i, r in enumerate(reqs):
-            if not tk.multilingual:
-                languages.append("en")
-            elif r.language and r.language in tk.lang_to_id:
-                languages.append(r.language)
-            else:  # None, or a code the model does not know: detect
-                ids = np.array(tk.lang_ids)
-                ids = ids[ids < self.vocab]
-                languages.append(tk.id_to_lang[int(ids[np.argmax(logits[i, ids])])])
+        self._detect(logits, [i for i in detect if languages[i] is None], languages)
 
         # stage 2: rest of the SOT sequence, <|notimestamps|>, forced timestamp + prefix
         stage2, forced = [], []
@@ -280,6 +284,12 @@ class WhisperDecoder:
             row, capped = finals[i]
             out.append((self._result(r, row, languages[i], float(no_speech[i])), capped, list(row.tokens)))
         return out
+
+    def _detect(self, logits: np.ndarray, rows: list[int], languages: list[str | None]) -> None:
+        """Set languages[i] for each of `rows` to its most likely language token in (n, V) `logits`."""
+        ids = np.array([t for t in self.tk.lang_ids if t < self.vocab])
+        for i in rows:
+            languages[i] = self.tk.id_to_lang[int(ids[np.argmax(logits[i, ids])])]
 
     def _greedy(self, reqs, group: Group, logits, forced, max_new):
         rows = [_Row(req=i, tokens=list(forced[i]), n_forced=len(forced[i])) for i in range(len(reqs))]

@@ -197,6 +197,12 @@ class GraphIO:
         group.past = p + t
         return logits
 
+    def restart(self, group: Group) -> None:
+        """Forget the group's decoded positions, keep its encoded audio: the next step's tokens
+        start at position 0 with nothing before them to attend."""
+        group.past = 0
+        _view(self._count.cur, (group.rows,))[:] = 0
+
     def take(self, group: Group, keep: Sequence[int]) -> np.ndarray:
         """Keep (or repeat) the group's rows `keep`, in that order: caches, cross-attention, mask
         columns and counts move to their other side. Returns `keep` as an index array, valid

@@ -105,7 +105,8 @@ class WhisperTokenizer:
         return seq
 
     def prompt_tokens(self, prompt: str | None, max_len: int) -> list[int]:
+        """<|startofprev|> and the prompt's last `max_len` tokens, as Whisper conditions on them."""
         if not prompt or self.sot_prev is None:
             return []
         toks = self.encode(" " + prompt.strip())
-        return [self.sot_prev] + toks[-(max_len - 1) :]
+        return [self.sot_prev] + toks[-max_len:]

@@ -121,6 +121,27 @@ def test_language_detection(base, tmp_path, voice, text, lang):
 
 
 @pytest.mark.base
+def test_the_language_is_detected_from_the_audio_not_from_the_prompt(base, dev):
+    """Whisper detects the language from <|startoftranscript|> alone: a prompt (previous text,
+    hotwords) in another language must not decide it, in a batch beside rows without one too."""
+    from faster_whisper import WhisperModel
+
+    fw = WhisperModel(str(base.model_dir), device="cpu", compute_type="float32", cpu_threads=2)
+    prompt = "Guten Morgen, wie geht es Ihnen heute? Ich gehe in die Stadt und kaufe Brot."
+    clips = [a for _, a in dev[:2]] + [dev[-1][1]]
+    for audio in clips:
+        _, info = fw.transcribe(audio, initial_prompt=prompt)
+        assert info.language == "en"
+    reqs = [DecodeRequest(audio=clips[0], prompt=prompt), DecodeRequest(audio=clips[1]),
+            DecodeRequest(audio=clips[2], prompt=prompt), DecodeRequest(audio=clips[1], prompt=prompt, language="de")]
+    batch = base.transcribe_batch(reqs)
+    assert [r.language for r in batch] == ["en", "en", "en", "de"]
+    single = [base.transcribe_batch([r])[0] for r in reqs]
+    assert [r.text for r in batch] == [r.text for r in single]
+    assert normalize(batch[2].text) == "go forward ten meters"
+
+
+@pytest.mark.base
 def test_cli_local_base_with_a_given_language(tmp_path):
     """`streamasr transcribe --local --model whisper-base --language zh`: the language is forced, not
     detected, so even espeak-ng's Mandarin (which Whisper hears as Thai) comes out in Chinese script."""
@@ -154,10 +175,41 @@ def test_corrupt_file(tmp_path):
         load_audio(tmp_path / "missing.flac")
 
 
+def test_samples_that_resample_to_nan_are_rejected(tmp_path):
+    """Finite but extreme float samples come out of the resampler as NaN, which the model would
+    transcribe as a line of "!": the file is reported as unreadable audio instead."""
+    x = np.zeros(48_000, np.float32)
+    x[100], x[101] = 3e38, -3e38
+    sf.write(tmp_path / "extreme.wav", x, 48_000, subtype="FLOAT")
+    with pytest.raises(AudioError, match="extreme.wav"):
+        load_audio(tmp_path / "extreme.wav")
+    x[:] = np.nan
+    sf.write(tmp_path / "nan.wav", x, 48_000, subtype="FLOAT")
+    with pytest.raises(AudioError, match="nan.wav"):
+        load_audio(tmp_path / "nan.wav")
+
+
 def test_silence_gives_empty_text(tiny):
     res = tiny.transcribe_batch([DecodeRequest(audio=np.zeros(SAMPLE_RATE // 2, np.float32))])[0]
     assert res.text == "" and res.segments == []
     assert res.no_speech_prob > 0.5
+
+
+def test_a_long_prompt_keeps_whispers_223_tokens(tiny, dev):
+    """Whisper conditions on <|startofprev|> and the prompt's last 223 tokens: with a prompt longer
+    than that, the no-speech probability and the scores are faster-whisper's."""
+    from faster_whisper import WhisperModel
+
+    fw = WhisperModel(str(tiny.model_dir), device="cpu", compute_type="float32", cpu_threads=2)
+    prompt = " ".join(u.reference for u, _ in dev) * 4
+    assert len(tiny.tokenizer.encode(" " + prompt)) > 300
+    for _, audio in dev[:3]:
+        ours = tiny.transcribe_batch([DecodeRequest(audio=audio, prompt=prompt)])[0]
+        segs, _ = fw.transcribe(audio, language="en", beam_size=1, temperature=0.0, initial_prompt=prompt)
+        segs = list(segs)
+        assert ours.text == "".join(s.text for s in segs).strip()
+        assert abs(ours.no_speech_prob - segs[0].no_speech_prob) < 1e-4, (ours.no_speech_prob, segs[0].no_speech_prob)
+        assert abs(ours.avg_logprob - np.mean([s.avg_logprob for s in segs])) < 2e-3
 
 
 def test_very_short_clip(tiny, dev):
@@ -251,7 +303,7 @@ def test_a_batch_padded_past_the_text_positions_decodes_as_one_by_one(tiny, dev,
     tokens take: the decoder's kept cache must hold that, and the rows decode as they do alone."""
     speech = np.concatenate([a for _, a in dev[:6]])[: 28 * SAMPLE_RATE]
     prompt = " ".join(u.reference for u, _ in dev) * 3  # cut to Whisper's 223 prompt tokens
-    prefix = " ".join(dev[9][0].reference.split() * 12)  # ~150 forced tokens
+    prefix = " ".join(dev[9][0].reference.split() * 15)  # ~150 forced tokens
     reqs = [DecodeRequest(audio=speech, prompt=prompt), DecodeRequest(audio=dev[9][1], prefix=prefix)]
     io = tiny.decoding.io
     reached = []
