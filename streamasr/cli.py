@@ -90,8 +90,13 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
                          as_json=args.json, threads=args.threads, cache_dir=model.cache_dir)
     from streamasr import remote, service
 
-    server = args.server or service.saved_config(_config(args)).ingest.address
-    return remote.run(args.files, server=server, offline=args.offline, as_json=args.json, language=args.language)
+    cfg = _config(args)
+    server = args.server or service.saved_config(cfg).ingest.address
+    try:
+        curve = service.ops_curve(cfg)  # a service with CURVE on answers no one without keys
+    except (OSError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
+    return remote.run(args.files, server=server, offline=args.offline, as_json=args.json, language=args.language, curve=curve)
 
 
 def cmd_top(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ import soxr
 
 from client.client import Client, Stream
 from client.core import ServerError
+from protocol.auth import Curve
 from protocol.messages import OVERLOADED, RATES, Closed, ErrorMsg, Final, Partial
 
 RAW_RATE = 16000  # headerless .raw files: 16 kHz s16le mono
@@ -87,6 +88,7 @@ def run(
     out: TextIO = sys.stdout,
     partials: bool = True,
     frame_ms: int = 100,
+    curve: Curve | None = None,
 ) -> int:
     """Transcribe `files` on the service at `server`; 0 when every file was transcribed, else 1."""
     jobs: list[Job] = []
@@ -100,7 +102,7 @@ def run(
     if not jobs:
         return 1
     try:
-        client = Client(server)
+        client = Client(server, curve=curve)
     except (ServerError, TimeoutError, OSError) as exc:
         print(f"cannot connect to {server}: {exc}", file=sys.stderr)
         return 1

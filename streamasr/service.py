@@ -95,6 +95,10 @@ def prepare(cfg: Config) -> dict[str, str]:
         auth.check_server_keys(cfg.ingest.curve_secret_key, cfg.ingest.curve_authorized_keys)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
+    if cfg.model.backend == "tensorrt":
+        # Every worker would fail to load it, over and over under supervisord.
+        raise settings.ConfigError('model.backend "tensorrt" is not available in this release: the TensorRT backend '
+                                   'is not built yet; use "onnxruntime" (the same exported graphs on CPU)')
     if cfg.ingest.drain_timeout_s + DRAIN_EXIT_S > (wait := stop_waits()["ingest"]):
         raise settings.ConfigError(f"ingest.drain_timeout_s ({cfg.ingest.drain_timeout_s:g} s) and {DRAIN_EXIT_S:g} s to exit "
                                    f"do not fit in the ingest's stopwaitsecs ({wait:g} s, {SUPERVISORD_CONF.name}): "
@@ -148,7 +152,7 @@ def serve(cfg: Config) -> None:
 
 
 def ops_curve(cfg: Config) -> Curve | None:
-    """The keys ops tools talk to the front door with; None when CURVE is off.
+    """The keys `status` and `transcribe` talk to the service with; None when CURVE is off.
 
     Raises ValueError when CURVE is on but `ingest.curve_client_key` is not set: a plain query
     would only go unanswered, which reads as a dead service. The server's public key comes from

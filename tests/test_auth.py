@@ -123,6 +123,21 @@ def test_status_without_an_authorized_key_is_refused(secured: Service, keys: Pat
     assert code == 1 and report["ready"] is False and "curve_client_key" in report["broker_error"], report
 
 
+
+def test_transcribe_streams_with_the_config_s_client_key(secured: Service, tmp_path: Path) -> None:
+    """`streamasr transcribe` to a service with CURVE on uses `ingest.curve_client_key`, as
+    `status` does: without it the service would answer nothing and the command would wait out
+    its timeouts. Without a key it says which setting is missing."""
+    done = secured.cli("transcribe", str(speech_files()[0]), "--json", timeout=120)
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert done.returncode == 0, done.stderr
+    assert [r["type"] for r in rows if r["type"] == "summary"] == ["summary"] and rows[-1]["text"], rows
+    config_file = tmp_path / "nokey.toml"
+    cfg = secured.cfg
+    config_file.write_text(settings.dump(dataclasses.replace(cfg, ingest=dataclasses.replace(cfg.ingest, curve_client_key=""))))
+    done = secured.cli("transcribe", str(speech_files()[0]), "--config", str(config_file))
+    assert done.returncode == 2 and "curve_client_key" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
 def test_local_permissions(secured: Service) -> None:
     run = secured.cfg.run_path
     assert stat.S_IMODE(run.stat().st_mode) == 0o700

@@ -179,6 +179,17 @@ def test_an_unknown_model_is_refused_before_anything_starts(tmp_path: Path) -> N
     assert done.returncode == 2 and "missing.toml" in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
+
+def test_a_backend_this_release_cannot_load_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """Every worker would fail to load it and be restarted over and over, with nothing said
+    where `serve` was run."""
+    config = tmp_path / "streamasr.toml"
+    config.write_text(f'run_dir = "{tmp_path / "run"}"\ninstance = "trt"\n[model]\nbackend = "tensorrt"\n')
+    done = _streamasr("serve", "--config", str(config))
+    assert done.returncode == 2
+    assert 'model.backend "tensorrt" is not available' in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "run").exists()
+
 def test_an_address_in_use_is_refused_before_anything_starts(tmp_path: Path) -> None:
     """A process whose port is taken would fail at start over and over under supervisord, with
     nothing said where `serve` was run: serve names the address instead, and starts nothing."""
