@@ -314,8 +314,6 @@ class Broker:
                 jobs, bad = wire.unpack_jobs_checked(body[0])
                 self._reject(index, bad, [job for job in jobs if job.ingest != index])
                 self._answer(self.dispatcher.submit([job for job in jobs if job.ingest == index], now))
-            elif kind == wire.CANCEL:
-                self.dispatcher.cancel(index, [str(s) for s in wire.unpack(body[0])])
             elif kind == wire.HEARTBEAT:
                 if state is not None and body:
                     info = wire.unpack(body[0])

@@ -19,7 +19,6 @@ READY = b"READY"  # peer registers: ingest {index, endpoint, pid}; worker {capac
 JOBS = b"JOBS"  # ingest -> broker, broker -> worker: list of Job arrays
 RESULTS = b"RESULTS"  # worker -> ingest (straight, no broker), broker -> ingest (jobs it expired): JobResult arrays
 DONE = b"DONE"  # worker -> broker: the jobs it answered, for credit and decode times (see pack_done)
-CANCEL = b"CANCEL"  # ingest -> broker: drop queued jobs of these stream keys
 LEAVING = b"BYE"  # worker -> broker, last on its job socket: it stops; what it holds unanswered goes back to the queue
 HEARTBEAT = b"HB"
 # broker -> ingest, answering any message but READY from an ingest it has not registered (it gave

@@ -147,13 +147,9 @@ class JobQueue:
         self._discard(entry)
         return entry.job
 
-    def remove_where(self, ingest: int, streams: Iterable[str] | None = None) -> list[Job]:
-        """Drop the queued jobs of `streams` of `ingest` (all its streams when None)."""
-        wanted = None if streams is None else set(streams)
-        gone = [
-            e for e in self._entries.values()
-            if e.job.ingest == ingest and (wanted is None or e.job.stream in wanted)
-        ]
+    def remove_ingest(self, ingest: int) -> list[Job]:
+        """Drop the queued jobs of `ingest`."""
+        gone = [e for e in self._entries.values() if e.job.ingest == ingest]
         for entry in gone:
             self._discard(entry)
         return [e.job for e in gone]
@@ -387,11 +383,8 @@ class Dispatcher:
         self.jobs_done += len(first)
         return first
 
-    def cancel(self, ingest: int, streams: Iterable[str]) -> list[Job]:
-        return self._forget(self.queue.remove_where(ingest, streams))
-
     def drop_ingest(self, ingest: int) -> list[Job]:
-        return self._forget(self.queue.remove_where(ingest))
+        return self._forget(self.queue.remove_ingest(ingest))
 
     def _forget(self, jobs: list[Job]) -> list[Job]:
         for job in jobs:

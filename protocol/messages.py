@@ -171,7 +171,7 @@ class ErrorMsg:
 class Closed:
     type: ClassVar[str] = "closed"
     stream: str
-    reason: str = "end"  # end | idle_timeout | error | shutdown
+    reason: str = "end"  # end | idle_timeout | shutdown
     audio_s: float = 0.0
     segments: int = 0
 

@@ -138,16 +138,15 @@ def test_missing_deadline_comes_from_config() -> None:
     assert final.deadline == pytest.approx(NOW + 10.0)
 
 
-def test_cancel_removes_only_those_streams() -> None:
+def test_dropping_an_ingest_removes_only_its_jobs() -> None:
     d = Dispatcher(queue())
-    keep = job("keep")
-    gone = [job("gone", seg=1, final=True), job("gone", seg=2), job("also")]
-    other_ingest = job("gone", ingest=1)
-    d.submit([keep, *gone, other_ingest], NOW)
-    assert {j.job_id for j in d.cancel(0, ["gone", "also"])} == {j.job_id for j in gone}
+    gone = [job("a", seg=1, final=True), job("a", seg=2), job("b")]
+    kept = [job("a", ingest=1), job("c", ingest=1)]
+    d.submit([*gone, *kept], NOW)
+    assert {j.job_id for j in d.drop_ingest(0)} == {j.job_id for j in gone}
     assert len(d.queue) == 2
     assert d.queue.counts() == {REALTIME: 2, BATCH: 0}
-    assert {j.job_id for j in drain(d.queue)[0]} == {keep.job_id, other_ingest.job_id}
+    assert {j.job_id for j in drain(d.queue)[0]} == {j.job_id for j in kept}
 
 
 def test_drop_ingest_removes_all_its_queued_jobs() -> None:
@@ -381,10 +380,10 @@ def test_a_jobs_losses_are_forgotten_once_it_is_answered() -> None:
     assert [(a.job_id, a.status) for a in d.submit([job("t", end=32_000)], NOW)] == [(old.job_id, EXPIRED)]
     assert d._losses == {}
 
-    # a cancelled stream's re-queued jobs are forgotten with their counts
+    # a dropped ingest's re-queued jobs are forgotten with their counts
     d, j = requeued_final(b"a")
     assert d._losses == {job_key(j): 1}
-    assert d.cancel(j.ingest, [j.stream]) == [j]
+    assert d.drop_ingest(j.ingest) == [j]
     assert (d._losses, d._requeued) == ({}, set())
 
 
