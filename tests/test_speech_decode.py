@@ -175,12 +175,14 @@ def test_corrupt_file(tmp_path):
         load_audio(tmp_path / "missing.flac")
 
 
-def test_samples_that_resample_to_nan_are_rejected(tmp_path):
-    """Finite but extreme float samples come out of the resampler as NaN, which the model would
-    transcribe as a line of "!": the file is reported as unreadable audio instead."""
-    x = np.zeros(48_000, np.float32)
-    x[100], x[101] = 3e38, -3e38
-    sf.write(tmp_path / "extreme.wav", x, 48_000, subtype="FLOAT")
+@pytest.mark.parametrize(("rate", "peak"), [(48_000, 3e38), (16_000, 1e30)])
+def test_samples_that_overflow_are_rejected(tmp_path, rate, peak):
+    """Finite but extreme float samples overflow to NaN in the resampler (48 kHz) or in the
+    log-mel's power (16 kHz, no resampling), and the model transcribes NaN as a line of "!": the
+    file is refused, as the service refuses f32le samples beyond ±16."""
+    x = np.zeros(rate, np.float32)
+    x[100], x[101] = peak, -peak
+    sf.write(tmp_path / "extreme.wav", x, rate, subtype="FLOAT")
     with pytest.raises(AudioError, match="extreme.wav"):
         load_audio(tmp_path / "extreme.wav")
     x[:] = np.nan
