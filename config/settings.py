@@ -105,7 +105,9 @@ class IngestConfig:
     max_frame_bytes: int = setting(262_144, lo=1)
     max_message_bytes: int = setting(1_048_576, lo=1)
     max_streams_per_client: int = setting(64, lo=1)
-    max_streams: int = setting(1000, lo=1)  # total over the service
+    # Total over the service; 0 = as many as the rings hold (processes x shm.streams_per_ingest).
+    # Each ingest process takes its share, rounded up.
+    max_streams: int = setting(0, lo=0)
     idle_timeout_s: float = setting(30.0, lo=0.1)  # a stream silent this long is closed (vanished client)
     drain_timeout_s: float = 8.0  # on SIGTERM, time to finish open streams (below supervisord's stopwaitsecs)
     # Admission: a realtime open is refused (`overloaded`) while the broker's load figure — how
@@ -327,6 +329,11 @@ def _check_together(cfg: Config) -> None:
         raise ConfigError(f"shm.ring_seconds ({cfg.shm.ring_seconds:g}) must be at least vad.max_segment_s "
                           f"({cfg.vad.max_segment_s:g}) + {RING_ROOM / SAMPLE_RATE:g} s: a ring that fills before a "
                           "segment is cut jams its stream")
+    rings = cfg.ingest.processes * cfg.shm.streams_per_ingest
+    if cfg.ingest.max_streams > rings:  # a limit that can never be reached misleads whoever sizes by it
+        raise ConfigError(f"ingest.max_streams ({cfg.ingest.max_streams}) is more than the {rings} streams "
+                          f"{cfg.ingest.processes} ingest process(es) of shm.streams_per_ingest ({cfg.shm.streams_per_ingest}) "
+                          "rings can hold: raise one of those, or lower it (0 = as many as the rings hold)")
     own = cfg.tcp_binds
     for i, (name, address) in enumerate(own):
         for other, other_address in own[i + 1:]:

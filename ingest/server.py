@@ -52,7 +52,8 @@ class IngestServer:
         self.metrics = ProcessMetrics(cfg, f"ingest-{index}")
         self.limits = m.Limits(cfg.ingest.max_frame_bytes, cfg.ingest.max_message_bytes)
         self.endpoint = cfg.ingest_endpoint(index)
-        self.max_streams = min(cfg.shm.streams_per_ingest, math.ceil(cfg.ingest.max_streams / cfg.ingest.processes))
+        share = math.ceil(cfg.ingest.max_streams / cfg.ingest.processes) if cfg.ingest.max_streams else cfg.shm.streams_per_ingest
+        self.max_streams = min(cfg.shm.streams_per_ingest, share)
         self.pool = RingPool.create(cfg.shm_name(index), cfg.shm.streams_per_ingest, ring_capacity(cfg.shm.ring_seconds))
         self.ctx = zmq.Context()
         self.vad = VadRunner(self.ctx, threads=1, on_failure=lambda: self.metrics.inc("errors_total", code=m.INTERNAL))

@@ -41,6 +41,8 @@ def test_the_embedded_default_and_its_file_agree() -> None:
     ({"instance": "x" * 65}, f"instance must be 1 to 64 letters, digits, '_' or '-', not '{'x' * 65}'"),
     ({"shm": {"ring_seconds": 25.0}}, "shm.ring_seconds (25) must be at least vad.max_segment_s (25) + 0.5 s"),
     ({"shm": {"ring_seconds": 10}, "vad": {"max_segment_s": 9.6}}, "shm.ring_seconds (10) must be at least vad.max_segment_s (9.6)"),
+    ({"ingest": {"max_streams": 1000}}, "ingest.max_streams (1000) is more than the 256 streams 1 ingest process(es) of "
+                                        "shm.streams_per_ingest (256) rings can hold"),
     ({"ingest": {"port_base": 7700}}, "ingest.address tcp://127.0.0.1:7700 and ingest process 0 (ingest.port_base + 0) "
                                       "tcp://127.0.0.1:7700 are the same port"),
     ({"ingest": {"processes": 3}, "metrics": {"dashboard_port": 7703}},
