@@ -11,5 +11,5 @@ parser.add_argument("--config", default=None, help="TOML config (default: $STREA
 parser.add_argument("--index", type=int, default=0, help="this process's index: picks its port and shm segment")
 args = parser.parse_args()
 cfg = settings.load(args.config)
-configure(f"ingest-{args.index}", cfg.log_level)
+configure(f"ingest-{args.index}", cfg.log_level, ingest=args.index)
 main(cfg, args.index)

@@ -15,13 +15,14 @@ from typing import Any
 import structlog
 
 
-def configure(process: str, level: str = "info") -> Any:
-    """Route every structlog logger of this process to JSON on stderr, tagged with `process` and `pid`.
+def configure(process: str, level: str = "info", **tags: Any) -> Any:
+    """Route every structlog logger of this process to JSON on stderr, tagged with `process`, `pid`
+    and `tags` (an ingest's `ingest` index, so its VAD and shm lines carry it as its loop's do).
 
     The tags are added by a processor rather than contextvars because new threads start with an
     empty context: the worker's IO thread would lose them.
     """
-    tags = {"process": process, "pid": os.getpid()}
+    tags = {"process": process, "pid": os.getpid(), **tags}
 
     def add_tags(_logger: Any, _method: str, event: dict[str, Any]) -> dict[str, Any]:
         for key, value in tags.items():

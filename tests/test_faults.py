@@ -9,6 +9,7 @@ only decodes and the comparison is exact.
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import signal
 import threading
@@ -166,6 +167,10 @@ def test_ingest_killed_client_resumes(asr: Service, corpus: dict[str, bytes], ba
     # the restart replaced the dead process's segment: same name, a new file, nothing left over
     assert pool.segments(asr.cfg.instance) == [segment]
     assert (pool.SHM_DIR / segment).stat().st_ino != inode
+    # and said so, on a line an operator finds by the ingest's index as all of that process's lines
+    lines = [json.loads(line) for line in asr.logs("ingest-0").splitlines() if line.startswith("{")]
+    assert any(e["event"] == "shm.leftover_unlinked" for e in lines)
+    assert all(e.get("ingest") == 0 for e in lines), [e for e in lines if e.get("ingest") != 0][:3]
 
 
 def test_sigterm_drains_open_streams(service_factory: Any) -> None:
