@@ -7,6 +7,7 @@ spoken card names (cards/*.wav + cards.transcription) and goforward.raw (16 kHz 
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -77,7 +78,7 @@ def number_to_words(n: int) -> str:
 def normalize(text: str) -> str:
     """Lower case, no punctuation, integers as words, a few abbreviations expanded."""
     text = text.lower().replace("’", "'")
-    text = re.sub(r"(\d),(\d{3})", r"\1\2", text)
+    text = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text)  # every group separator: 1,000,000 is one number
     text = re.sub(r"\d+", lambda m: " " + number_to_words(int(m.group())) + " ", text)
     text = re.sub(r"[-‐–—/]", " ", text)
     text = re.sub(r"[^\w\s']", " ", text)
@@ -87,12 +88,18 @@ def normalize(text: str) -> str:
 
 
 def wer(refs: list[str], hyps: list[str]) -> float:
-    """Word error rate (0..1+) over the whole set, after `normalize`."""
+    """Word error rate (0..1+) over the whole set, after `normalize`: errors over reference words.
+
+    Words against an empty reference are insertions and count (older jiwer refuses an empty
+    reference, so they are counted here); with no reference words at all, any word is an infinite rate."""
     import jiwer
 
     r = [normalize(x) for x in refs]
     h = [normalize(x) for x in hyps]
+    inserted = sum(len(b.split()) for a, b in zip(r, h) if not a)
     pairs = [(a, b) for a, b in zip(r, h) if a]
     if not pairs:
-        return 0.0
-    return float(jiwer.wer([a for a, _ in pairs], [b if b else "<empty>" for _, b in pairs]))
+        return math.inf if inserted else 0.0
+    out = jiwer.process_words([a for a, _ in pairs], [b if b else "<empty>" for _, b in pairs])
+    errors = out.substitutions + out.deletions + out.insertions + inserted
+    return errors / (out.hits + out.substitutions + out.deletions)

@@ -88,6 +88,20 @@ def test_sweep_reports_each_run_and_the_largest_within_the_bounds(tmp_path: Path
         assert r["streams"]["unfinished"] == 0 or not r["within_bounds"]
     # the cap that keeps a service at what was measured, ready to paste
     assert (f"admit_max_realtime_streams = {s['best_streams']}" in printed) == (s["best_streams"] is not None)
+    # the jobs of each run, not the workers' counts since the service started (run 1's jobs are in run 2's)
+    for r in s["sweep"]:
+        assert r["jobs"]["done"] > 0 and sum(r["jobs"]["per_worker"].values()) == r["jobs"]["done"], r["jobs"]
+
+
+def test_sweep_counts_a_refused_stream_as_outside_the_bounds(tmp_path: Path,
+                                                              service_factory: Callable[..., Service]) -> None:
+    """A service that takes one stream: the sweep's 2-stream run measured one, so 2 is not within the bounds."""
+    svc = service_factory(model="null", workers=1, ingest={"max_streams": 1})
+    s = bench(tmp_path, "--server", svc.address, "--sweep", "1,2", "--duration", "3", "--model", "null")
+    one, two = s["sweep"]
+    assert two["streams"]["opened"] == 1 and two["streams"]["refused"] == {"too_many_streams": 1}
+    assert not two["within_bounds"]
+    assert s["best_streams"] == (1 if one["within_bounds"] else None)
 
 
 def test_tracemalloc_reports_what_each_serving_process_kept(tmp_path: Path) -> None:

@@ -19,3 +19,21 @@ def test_bench_model_reports_each_engine(tmp_path):
     peak = run["traced_peak_kib"]
     assert 0 < peak["median"] <= peak["max"]
     assert "ours-int8" in proc.stdout and "traced peak KiB" in proc.stdout
+
+
+def test_wer_counts_words_said_where_the_reference_has_none():
+    """WER is (substitutions + deletions + insertions) / reference words: here 4 reference words, all
+    recognized, and 2 words against an empty reference (2 insertions), so 2 / 4."""
+    from streamasr.testdata import wer
+
+    assert wer(["go forward ten meters", ""], ["go forward ten meters", "thank you"]) == 2 / 4
+
+
+def test_normalize_reads_every_digit_group_separator():
+    """1,200,000 written with both group commas is one number, 1.2 million; a comma and a space
+    separates two numbers (the cards' "five five")."""
+    from streamasr.testdata import normalize, wer
+
+    assert normalize("1,200,000 people") == "one million two hundred thousand people"
+    assert wer(["one million two hundred thousand people"], ["1,200,000 people."]) == 0
+    assert normalize("5, 5") == "five five"
