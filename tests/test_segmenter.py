@@ -110,6 +110,21 @@ def test_a_forced_cut_in_steady_speech_leaves_no_sample_out() -> None:
     assert all(e - s <= 16000 for s, e, _ in segs)
 
 
+def test_speech_past_the_limit_after_the_last_chunk_is_not_dropped_at_the_end() -> None:
+    """The stream ends in speech that reaches max_segment_s only in the audio after the last
+    full VAD chunk: the segment is cut at the limit and the rest still gets a segment, so
+    every accepted sample up to the end is in a final."""
+    cfg = VadConfig(max_segment_s=1.0)  # 16,000 samples: 31 chunks end at 15,872, short of it
+    stream_end = 31 * CHUNK + 500
+    seg = Segmenter(cfg)
+    events = [e for i in range(31) for e in seg.push(0.9, (i + 1) * CHUNK)]
+    segs = spans([(31, e) for e in events + seg.flush(stream_end)])
+    assert segs[0][0] == 0 and segs[-1][1] == stream_end
+    for (_, e1, _), (s2, _, _) in zip(segs, segs[1:]):
+        assert s2 == e1
+    assert all(e - s <= 16000 for s, e, _ in segs)
+
+
 def test_forced_cut_during_a_pause_ends_there() -> None:
     cfg = VadConfig(max_segment_s=5.0)
     events = run([0.95] * 150 + [0.0] * 40, cfg)
