@@ -426,7 +426,13 @@ def summarize(spec: RunSpec, results: list[dict[str, Any]], t0: float, wall_end:
             refused[code] = refused.get(code, 0) + 1
             if refused[code] == 1:
                 print(f"stream refused: {s['open_error']}", file=sys.stderr)
-    closed = [s for s in opened if s["closed_at"] is not None]
+    # A stream the service cut (a shutdown, an idle timeout) did not finish: its last segment
+    # may be untranscribed, and a run with one is no measure of N streams served.
+    closed = [s for s in opened if s["closed_at"] is not None and s["closed_reason"] == "end"]
+    cut: dict[str, int] = {}
+    for s in opened:
+        if s["closed_at"] is not None and s["closed_reason"] != "end":
+            cut[s["closed_reason"]] = cut.get(s["closed_reason"], 0) + 1
     audio_s = sum(s["audio_s"] for s in opened)
     ends = [s["closed_at"] for s in closed] + [float(f[:, 0].max()) for f in finals if len(f)]
     wall = max((max(ends) if ends else wall_end) - t0, 0.0)
@@ -467,7 +473,7 @@ def summarize(spec: RunSpec, results: list[dict[str, Any]], t0: float, wall_end:
                    "precision": spec.precision, "partial_precision": spec.partial_precision,
                    "partial_window": spec.partial_window},
         "streams": {"requested": spec.streams, "opened": len(opened), "refused": refused, "closed": len(closed),
-                    "unfinished": len(opened) - len(closed), "with_finals": sum(1 for f in finals if len(f))},
+                    "cut": cut, "unfinished": len(opened) - len(closed), "with_finals": sum(1 for f in finals if len(f))},
         "partials": int(len(p_all)),
         "finals": int(len(f_all)),
         "finals_revised": sum(s["revised"] for s in opened),
@@ -612,7 +618,8 @@ def print_report(s: dict[str, Any], out: Any = sys.stdout) -> None:
     st = s["streams"]
     w(f"machine at the end: load average (1/5/15 min) {s['load_average']}, CPU pressure (some, 60 s) "
       f"{_fmt(s['cpu_pressure_pct'], 1)} %", file=out)
-    w(f"streams: {st['opened']} opened, {st['closed']} closed, {st['unfinished']} unfinished, refused {st['refused'] or 0}", file=out)
+    cut = f" (cut by the service: {st['cut']})" if st["cut"] else ""
+    w(f"streams: {st['opened']} opened, {st['closed']} closed, {st['unfinished']} unfinished{cut}, refused {st['refused'] or 0}", file=out)
     w("latencies below are of the admitted (opened) streams only", file=out)
     w(f"{'latency (ms)':<16}{'count':>8}{'p50':>9}{'p90':>9}{'p99':>9}{'p99.9':>9}{'max':>9}{'stdev':>9}", file=out)
     for label, key in (("partial", "partial_latency_ms"), ("  first of a seg", "first_partial_latency_ms"),

@@ -125,6 +125,7 @@ class Stream:
     ready: bool = False
     open_error: str | None = None
     closed_at: float | None = None
+    closed_reason: str | None = None  # "end" once the service finished it; "shutdown", "idle_timeout" when it cut it
     partials: array = field(default_factory=lambda: array("d"))  # recv, latency, seg, end
     finals: array = field(default_factory=lambda: array("d"))  # recv, latency, seg, end
     acks: array = field(default_factory=lambda: array("d"))  # recv, latency
@@ -135,6 +136,7 @@ class Stream:
     def record(self) -> dict[str, Any]:
         return {
             "sid": self.sid, "ready": self.ready, "open_error": self.open_error, "closed_at": self.closed_at,
+            "closed_reason": self.closed_reason,
             "end_sent": self.core.log.end_sent,
             "audio_s": self.core.cut / self.core.log.rate, "refs": self.refs, "texts": self.texts, "revised": self.revised,
             "errors": self.errors,
@@ -218,7 +220,7 @@ class LoadClient:
                 s.errors[msg.code] = s.errors.get(msg.code, 0) + 1  # every refusal counts, echoes too
                 s.core.on_error(msg, now)
             elif isinstance(msg, Closed):
-                s.closed_at = now
+                s.closed_at, s.closed_reason = now, msg.reason
 
     def wait(self, seconds: float) -> None:
         """Sleep until a message may be waiting or `seconds` pass, with microsecond resolution

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from conftest import ROOT, Service
+from streaming import wait_for
 
 LATENCY_KEYS = ("count", "p50", "p90", "p99", "p99_9", "max", "mean", "stdev")
 
@@ -102,6 +103,33 @@ def test_sweep_counts_a_refused_stream_as_outside_the_bounds(tmp_path: Path,
     assert two["streams"]["opened"] == 1 and two["streams"]["refused"] == {"too_many_streams": 1}
     assert not two["within_bounds"]
     assert s["best_streams"] == (1 if one["within_bounds"] else None)
+
+
+def test_streams_the_service_cuts_are_not_counted_as_finished(tmp_path: Path,
+                                                               service_factory: Callable[..., Service]) -> None:
+    """A service stopped in the middle of a run ends its streams (`closed` "shutdown"): they were
+    not served to their end, so the report counts them unfinished, by reason, and a sweep would
+    not take the run as within the bounds."""
+    from protocol import messages as m
+    from streamasr.bench import within_bounds
+    from streamasr.service import front_door
+
+    svc = service_factory(model="null", workers=1)
+    out = tmp_path / "out.json"
+    proc = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "bench", "--server", svc.address, "--streams", "2",
+                             "--duration", "20", "--model", "null", "--json", str(out)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: sum(i["streams"] for i in front_door(svc.address, m.Status()).ingests) == 2, 60, "both streams open")
+        assert svc.stop() == 0
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-4000:]
+    s = json.loads(out.read_text())
+    assert s["streams"]["cut"] == {"shutdown": 2} and s["streams"]["unfinished"] == 2 and s["streams"]["closed"] == 0
+    assert "cut by the service: {'shutdown': 2}" in stdout
+    assert not within_bounds(s, 1e9, 1e9)
 
 
 def test_tracemalloc_reports_what_each_serving_process_kept(tmp_path: Path) -> None:
