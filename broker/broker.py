@@ -288,6 +288,7 @@ class Broker:
                     if job.final and now > job.deadline:
                         log.warning("broker.final_late", job=job.job_id, stream=job.stream, late_s=round(now - job.deadline, 3))
                 if not self._send(self._worker_sock, ident, [wire.JOBS, wire.pack_jobs(batch)]):
+                    self._answer(self.dispatcher.unsent(ident, batch, now))
                     self._lose_worker(ident, "unreachable", now)
                     lost = True
             if not lost:

@@ -4,7 +4,8 @@ what it is taken to cost before anything was measured.
 Admission multiplies that share by the streams open. A broker that has just started has measured
 nothing, and the clients of a restarted service come back at once: with the share of the last
 run, that herd is cut where the last run's streams say instead of being admitted whole. The
-share is kept only for the same model settings (another model or precision costs otherwise) and
+share is kept only for the same model settings (another model or precision costs otherwise), the
+same number of workers (it is a share of their time) and partial interval (partials are most of it), and
 is measured anew as soon as streams speak. Where no run has measured it (a first start, other
 model settings, a lost run directory), each part is priced from what the workers' decodes cost
 when they started (`prior_share`), so a first burst is cut too; and a part measured only with
@@ -61,16 +62,19 @@ def prior_share(costs: list[tuple[float, float]], workers: int, partial_interval
 
 
 class SavedFigures:
-    """The broker's admission figures in `run_path/admission.json`, keyed by the model settings."""
+    """The broker's admission figures in `run_path/admission.json`, keyed by the model settings
+    and by what the share is a share of: the workers' time (their number) and the partials
+    asked for (their interval)."""
 
     def __init__(self, cfg: Config) -> None:
         self._path = cfg.run_path / FILE
         self._model = json.loads(json.dumps(asdict(cfg.model)))  # as it reads back from the file
+        self._pool = {"workers": cfg.worker_count, "partial_interval_ms": cfg.ingest.partial_interval_ms}
         self._saved: Figures | None = None
         self._saved_at = 0.0
 
     def load(self) -> Figures | None:
-        """The last run's figures, if it served the same model settings."""
+        """The last run's figures, if it served the same model settings with as many workers and partials."""
         try:
             data = json.loads(self._path.read_text())
             if not isinstance(data, dict):  # valid JSON of another shape is as unreadable as a torn file
@@ -88,7 +92,7 @@ class SavedFigures:
         if not all(math.isfinite(x) for part in parts for x in part):  # JSON may hold NaN and Infinity
             log.warning("broker.admission_figures_unreadable", path=str(self._path), error="figures not finite")
             return None
-        if figures.stream_share <= 0 or any(len(x) != 2 for x in parts):
+        if figures.stream_share <= 0 or any(len(x) != 2 for x in parts) or data.get("pool") != self._pool:
             return None
         self._saved = figures.copy()  # the broker goes on to change the figures it is given in place
         log.info("broker.admission_figures_restored", stream_share=round(figures.stream_share, 4),
@@ -102,8 +106,9 @@ class SavedFigures:
             return
         tmp = self._path.with_suffix(".tmp")
         try:
-            tmp.write_text(json.dumps({"model": self._model, "share": figures.share, "decode_cost": figures.decode_cost,
-                                       "loaded_cost": figures.loaded_cost, "saved": time.time()}))
+            tmp.write_text(json.dumps({"model": self._model, "pool": self._pool, "share": figures.share,
+                                       "decode_cost": figures.decode_cost, "loaded_cost": figures.loaded_cost,
+                                       "saved": time.time()}))
             os.replace(tmp, self._path)
         except OSError as exc:
             log.warning("broker.admission_figures_unsaved", path=str(self._path), error=repr(exc))

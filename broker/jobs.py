@@ -181,7 +181,10 @@ def check_job(row: Any) -> Job | BadJob:
         valid, wanted = _JOB_CHECKS[name]
         if not valid(value):
             return BadJob(job_id, name, f"{name} must be {wanted}, got {str(value)[:40]!r} ({type(value).__name__})")
-    return Job.from_wire(row)
+    job = Job.from_wire(row)
+    if job.end < job.start:  # negative speech: a final's would turn the admission share negative
+        return BadJob(job_id, "end", f"end {job.end} is before start {job.start}")
+    return job
 
 
 def unpack_jobs_checked(data: bytes) -> tuple[list[Job], list[BadJob]]:

@@ -53,7 +53,8 @@ class JobQueue:
     priority (they have waited longest), then finals before partials, earliest deadline, FIFO.
 
     Only the newest partial of a stream is worth running: a newer partial (or a final of the same
-    or a later segment) replaces a queued older one, which is answered EXPIRED.
+    or a later segment) replaces a queued older one, which is answered EXPIRED; a partial that
+    comes after either (re-queued from a lost worker) is answered EXPIRED itself.
     """
 
     def __init__(self, partial_deadline_s: float, final_deadline_s: float) -> None:
@@ -63,6 +64,7 @@ class JobQueue:
         self._seq = itertools.count()
         self._entries: dict[JobKey, Queued] = {}
         self._partials: dict[StreamKey, Queued] = {}  # the queued partial of each stream
+        self._finals: dict[StreamKey, list[Queued]] = {}  # the queued finals of each stream
         self._counts = {REALTIME: 0, BATCH: 0}
 
     def __len__(self) -> int:
@@ -90,6 +92,10 @@ class JobQueue:
         stream = (job.ingest, job.stream)
         key = job_key(job)
         count = self._counts.get(job.priority, 0) + 1
+        if not job.final and any(f.job.seg >= job.seg for f in self._finals.get(stream, ())):
+            # a re-queued partial whose segment's final waits: it would run first, for nothing
+            answers.append(expired(job, "superseded by the segment's final"))
+            return answers
         superseded: Queued | None = None
         queued = self._partials.get(stream)
         if queued is not None:
@@ -121,7 +127,9 @@ class JobQueue:
         self._counts[job.priority] = count
         if superseded is not None:
             self._discard(superseded)  # after the new entry is in: the last one out clears the heap
-        if not job.final:
+        if job.final:
+            self._finals.setdefault(stream, []).append(entry)
+        else:
             self._partials[stream] = entry
         return answers
 
@@ -164,6 +172,11 @@ class JobQueue:
         stream = (job.ingest, job.stream)
         if self._partials.get(stream) is entry:
             del self._partials[stream]
+        finals = self._finals.get(stream)
+        if job.final and finals is not None:
+            finals.remove(entry)
+            if not finals:
+                del self._finals[stream]
         if not self._entries:  # drop the dead entries at once rather than one pop at a time
             self._heap.clear()
 
@@ -315,6 +328,19 @@ class Dispatcher:
             self._requeued.add(key)
             answers += self.queue.push(job, now, front=True)
         return self._answer(answers) + failed
+
+    def unsent(self, ident: bytes, jobs: Iterable[Job], now: float) -> list[JobResult]:
+        """Take back `jobs` dispatched to worker `ident` whose message never left (it is gone):
+        queued again where they were, no worker having held them, so no loss is counted."""
+        worker = self.workers.get(ident)
+        answers: list[JobResult] = []
+        for job in jobs:
+            key = job_key(job)
+            if worker is None or worker.inflight.pop(key, None) is None:
+                continue
+            self._since.pop(key, None)
+            answers += self.queue.push(job, now, front=key in self._requeued)
+        return self._answer(answers)
 
     def _give_up(self, job: Job, losses: int, ident: bytes) -> JobResult:
         """FAILED for a job that went down with `losses` workers; a copy still running elsewhere

@@ -486,6 +486,33 @@ def test_a_worker_that_replaces_its_socket_is_served_on_the_new_one(cluster: Clu
 
 
 
+def test_a_job_sent_to_workers_already_gone_is_not_given_up_on(cluster: Cluster) -> None:
+    """Two workers vanish before the broker hears they are gone; a final then comes. Each send
+    to them fails (unreachable), so neither ever held the job: it waits for a worker that is
+    there and is decoded, instead of being answered FAILED as if two workers died decoding it."""
+    _patient_broker(cluster)
+    cluster.ingest = FakeIngest(cluster.cfg)
+    cluster.ingest.start()
+    ready = {"capacity": 1, "pid": 1, "model": "null"}
+    gone = [_replaced(cluster.cfg.broker_worker_endpoint, b"worker-%d-1" % i, ready) for i in (7, 8)]
+    cluster.wait_workers(2)
+    for sock in gone:
+        sock.close(linger=0)
+    time.sleep(0.3)  # the broker's socket sees both connections end; its patience (3 s) runs on
+    [final] = cluster.jobs(1)
+    cluster.ingest.submit([final])
+    wait_for(lambda: any(e["event"] == "broker.worker_lost" for e in cluster.log_events("broker")), 5, "a worker found gone")
+    worker = _replaced(cluster.cfg.broker_worker_endpoint, b"worker-9-1", ready)
+    try:
+        assert worker.poll(5000), f"the final never reached a live worker; the ingest got {cluster.ingest.answers()}"
+        kind, body = worker.recv_multipart()
+        assert kind == wire.JOBS and [j.job_id for j in wire.unpack_jobs(body)] == [final.job_id]
+        assert not cluster.ingest.answers()
+        assert not [e for e in cluster.log_events("broker") if e["event"] == "broker.job_given_up"]
+    finally:
+        worker.close(linger=0)
+
+
 @pytest.mark.parametrize(("name", "value"), [("started", "soon"), ("finished", math.inf)])
 def test_a_malformed_done_row_returns_its_credit_and_spoils_no_figure(cluster: Cluster, name: str, value: Any) -> None:
     """A worker's DONE row whose times are wrongly typed or infinite still frees the worker's

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -102,6 +102,22 @@ def test_older_partial_arriving_late_is_expired_not_queued() -> None:
     answers = q.push(older, NOW, front=True)
     assert [a.job_id for a in answers] == [older.job_id]
     assert [j.job_id for j in drain(q)[0]] == [newer.job_id]
+
+
+def test_a_requeued_partial_is_expired_when_its_segment_s_final_is_queued() -> None:
+    """A worker is lost while it decodes a stream's partial; the segment's final came meanwhile
+    and waits. That final supersedes the partial: re-queued at the front, the partial would be
+    decoded first, ahead of every final waiting, for text the final replaces."""
+    d = Dispatcher(queue())
+    partial = job("s", seg=2, end=16_000)
+    d.submit([partial], NOW)
+    _held_by_new_worker(d, b"a", partial)
+    final, other = job("s", final=True, seg=2, end=24_000), job("t", final=True)
+    d.submit([final, other], NOW)
+    assert [(a.job_id, a.status) for a in d.remove_worker(b"a", NOW)] == [(partial.job_id, EXPIRED)]
+    d.add_worker(b"b", capacity=3, now=NOW)
+    assert [j.job_id for j in d.dispatch(NOW)[0][b"b"]] == [final.job_id, other.job_id]
+    assert d._requeued == set()  # answered: a late result of it is a duplicate
 
 
 def test_final_supersedes_queued_partial_of_its_segment_and_finals_are_kept() -> None:
@@ -501,6 +517,28 @@ def test_job_rows_with_badly_typed_fields_are_refused_one_by_one() -> None:
         wire.unpack_jobs_checked(wire.pack({"jobs": rows}))
 
 
+def test_a_job_whose_audio_ends_before_it_starts_is_refused_and_prices_no_stream() -> None:
+    """A final row whose end comes before its start covers negative speech: taken in, it would
+    turn the finals' share of a stream negative while it is in the figures' window. It is
+    refused like any malformed row, and the share comes from the well-formed final alone."""
+    broker = Broker(settings.load())
+    try:
+        d = broker.dispatcher
+        d.add_worker(b"w", capacity=2, now=NOW)
+        d.realtime_use(NOW)
+        good = job("a", final=True, end=16_000)
+        backwards = replace(job("b", final=True, end=16_000), start=48_000)
+        jobs, bad = wire.unpack_jobs_checked(wire.pack([list(j.to_wire()) for j in (backwards, good)]))
+        assert [(b.job_id, b.field) for b in bad] == [(backwards.job_id, "end")]
+        d.submit(jobs, NOW)
+        d.complete(b"w", [JobResult(job_id=j.job_id, ingest=0, started=NOW, finished=NOW + 0.5, batch_size=1)
+                          for j in d.dispatch(NOW)[0][b"w"]])
+        broker._update_stream_share(d.realtime_use(NOW + 1.0))
+        assert broker.figures.share[1] == pytest.approx(0.5 / 1.0 / 1)  # 0.5 s per second of speech, one worker
+    finally:
+        broker.close()
+
+
 def test_a_push_that_fails_leaves_the_queue_as_it_was() -> None:
     """A job that does not compare with those queued (the wire checks keep such out) fails its
     own push only: the queue still serves what it held and what comes after."""
@@ -619,6 +657,20 @@ def test_saved_figures_come_back_for_the_same_model_only(tmp_path: Path) -> None
         assert broker.stream_share == 0.0
     finally:
         broker.close()
+
+
+def test_saved_figures_do_not_come_back_for_another_pool_or_partial_rate(tmp_path: Path) -> None:
+    """The share is of the workers' time, and its partials' part is per partial interval: one
+    saved with two workers is twice what a stream asks of four (a burst cut at half what fits),
+    and half what it asks of one; so is one saved at another partial rate. Those figures are
+    measured anew, not restored."""
+    def cfg(**over: dict[str, int]) -> settings.Config:
+        return settings.load(None, {"run_dir": str(tmp_path), "workers": {"processes": 2}, **over})
+
+    SavedFigures(cfg()).save(Figures([0.05, 0.15], [0.05, 0.3], [0.1, 0.6]), NOW)
+    assert SavedFigures(cfg()).load() == Figures([0.05, 0.15], [0.05, 0.3], [0.1, 0.6])
+    for other in (cfg(workers={"processes": 4}), cfg(workers={"processes": 1}), cfg(ingest={"partial_interval_ms": 250})):
+        assert SavedFigures(other).load() is None
 
 
 def test_figures_measured_on_after_a_restore_are_saved(tmp_path: Path) -> None:
