@@ -162,17 +162,18 @@ class AsyncClient:
         width = SAMPLE_BYTES.get(encoding, 1) * (channels if isinstance(channels, int) and channels > 0 else 1)
         core = StreamCore(msg.stream, priority=priority, frame_bytes=width, limits=self.limits, rate=rate)
         entry = Entry(core, msg, asyncio.get_running_loop().create_future(), asyncio.Queue())
+        self._liveness.deadline(self._streams, time.monotonic())  # owing nothing so far, the clock for this open starts now
         self._streams[msg.stream] = entry
         if not self._reconnecting:  # else the reconnect opens it with the others
             self._send(encode(msg))
         try:
             await asyncio.wait_for(asyncio.shield(entry.opened), self.timeout)
         except TimeoutError:
-            if self._streams.get(msg.stream) is entry:
-                del self._streams[msg.stream]
-                if not self._reconnecting:
-                    self._send(encode(End(msg.stream)))  # in case the server opens it late
+            self._abandon(entry)
             raise TimeoutError(f"stream {msg.stream}: no answer to open within {self.timeout:.1f}s") from None
+        except asyncio.CancelledError:  # the caller gave up (its own timeout): as if ours ran out
+            self._abandon(entry)
+            raise
         return AsyncStream(self, entry, msg)
 
     async def close(self) -> None:
@@ -218,6 +219,13 @@ class AsyncClient:
     def _sent(self, fut: asyncio.Future) -> None:
         if not fut.cancelled() and fut.exception() is not None:
             log.error("send failed: %r", fut.exception())
+
+    def _abandon(self, entry: Entry) -> None:
+        """An open the caller gave up on: forget it, and end it in case the server opens it late."""
+        if self._streams.get(entry.core.stream) is entry:
+            del self._streams[entry.core.stream]
+            if not self._reconnecting:
+                self._send(encode(End(entry.core.stream)))
 
     def _wake_senders(self) -> None:
         self._moved.set()
@@ -366,15 +374,26 @@ class AsyncClient:
             self._retry = asyncio.get_running_loop().call_later(max(at - now, 0.0), self._flush)
 
     async def _wait_sent(self, entry: Entry, target: int, timeout: float | None) -> None:
+        """Wait until input frame `target` is on the wire; `timeout` bounds each wait for this stream's credit.
+
+        Any stream's progress wakes the wait, so only this stream's restarts the clock.
+        """
         core = entry.core
+        last = core.cut
+        deadline = None if timeout is None else time.monotonic() + timeout
         while core.cut < target:
             if entry.failure is not None:
                 raise entry.failure
-            moved = self._moved
+            if core.cut != last and timeout is not None:
+                last = core.cut
+                deadline = time.monotonic() + timeout
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError(f"stream {core.stream}: no send credit for {timeout:.1f}s (window {core.window})")
             try:
-                await asyncio.wait_for(moved.wait(), timeout)
+                await asyncio.wait_for(self._moved.wait(), remaining)
             except TimeoutError:
-                raise TimeoutError(f"stream {core.stream}: no send credit for {timeout:.1f}s (window {core.window})") from None
+                pass  # the loop checks this stream's progress and the deadline
 
 
 class AsyncStream(StreamBase):

@@ -69,6 +69,7 @@ log = logging.getLogger(__name__)
 LINGER_MS = 500  # let the last `end`s reach the server when closing right after them
 HEARTBEAT_MS = 2000  # ZeroMQ-level pings on the ingest connection: a vanished peer shows as a disconnect
 HEARTBEAT_TIMEOUT_MS = 6000
+STOP_POLL_MS = 50  # how often a resume waiting on the front door looks whether close() was called
 
 
 def client_socket(ctx: zmq.Context, curve: Curve | None) -> zmq.Socket:
@@ -106,31 +107,44 @@ def close_ingest_socket(sock: zmq.Socket, monitor: zmq.Socket, linger: int | Non
     sock.close(linger)
 
 
-def request(ctx: zmq.Context, address: str, msg: Hello | Status, timeout: float, curve: Curve | None = None) -> ServerMessage:
-    """One request/reply on the front door, on a socket of its own (the front door is stateless)."""
+def request(ctx: zmq.Context, address: str, msg: Hello | Status, timeout: float, curve: Curve | None = None,
+            stop: threading.Event | None = None) -> ServerMessage:
+    """One request/reply on the front door, on a socket of its own (the front door is stateless).
+
+    `stop`, once set, ends the wait with StreamError('closed'): a client closed while it resumes
+    must not wait on a front door that is gone.
+    """
     sock = client_socket(ctx, curve)
     sock.linger = 0
     try:
         sock.connect(address)
         sock.send_multipart(encode(msg))
-        if not sock.poll(max(timeout, 0.0) * 1000):
-            raise TimeoutError(f"no answer from {address} within {timeout:.1f}s")
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while not sock.poll(STOP_POLL_MS if stop is not None else max(timeout, 0.0) * 1000):
+            if stop is not None and stop.is_set():
+                raise StreamError(CLOSED, "client closed")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no answer from {address} within {timeout:.1f}s")
         return decode_server(sock.recv_multipart())
     finally:
         sock.close()
 
 
-def handshake(ctx: zmq.Context, address: str, timeout: float, curve: Curve | None = None) -> Welcome:
-    """Hello until welcomed; `not_ready` is retried because a starting service answers it."""
+def handshake(ctx: zmq.Context, address: str, timeout: float, curve: Curve | None = None,
+              stop: threading.Event | None = None) -> Welcome:
+    """Hello until welcomed; `not_ready` is retried because a starting service answers it. `stop` as in `request`."""
     deadline = time.monotonic() + timeout
     delay = 0.05
     while True:
-        reply = request(ctx, address, Hello(), deadline - time.monotonic(), curve)
+        reply = request(ctx, address, Hello(), deadline - time.monotonic(), curve, stop)
         if isinstance(reply, Welcome):
             return reply
         if isinstance(reply, ErrorMsg):
             if reply.code == NOT_READY and time.monotonic() + delay < deadline:
-                time.sleep(delay)
+                if stop is None:
+                    time.sleep(delay)
+                elif stop.wait(delay):
+                    raise StreamError(CLOSED, "client closed")
                 delay = min(delay * 2, 1.0)
                 continue
             raise ServerError(reply.code, reply.message)
@@ -182,6 +196,7 @@ class Client:
         self._streams: dict[str, Entry] = {}  # IO thread only
         self._stopping = False
         self._closed = False
+        self._stop = threading.Event()  # close() was called: a resume in progress gives up at once
         self._failure: Exception | None = None
         self._thread = threading.Thread(target=self._run, name="streamasr-client-io", daemon=True)
         self._thread.start()
@@ -226,6 +241,7 @@ class Client:
         if self._closed:
             return
         self._closed = True
+        self._stop.set()
         self._commands.put(self._io_stop)
         self._wake()
         self._thread.join()
@@ -333,7 +349,8 @@ class Client:
     def _reconnect(self, why: str) -> None:
         """Hello again, connect to the ingest named, and re-open every stream where it is durable.
 
-        Raises StreamError('connection_lost') if the front door gives no welcome within `resume_timeout`.
+        Raises StreamError('connection_lost') if the front door gives no welcome within `resume_timeout`,
+        StreamError('closed') as soon as close() is called meanwhile.
         """
         log.warning("ingest %s lost (%s); resuming %d stream(s)", self.ingest, why, len(self._streams))
         close_ingest_socket(self._sock, self._monitor, linger=0)
@@ -341,12 +358,15 @@ class Client:
         delay = 0.1
         while True:
             try:
-                welcome = handshake(self._ctx, self.address, min(self.timeout, max(deadline - time.monotonic(), 0.1)), self._curve)
+                welcome = handshake(self._ctx, self.address, min(self.timeout, max(deadline - time.monotonic(), 0.1)),
+                                    self._curve, self._stop)
                 break
             except (TimeoutError, ServerError, ProtocolError) as exc:  # the front door may be restarting too
+                if self._stop.is_set():
+                    raise StreamError(CLOSED, "client closed") from None
                 if time.monotonic() + delay >= deadline:
                     raise StreamError(LOST, f"could not resume within {self.resume_timeout:.0f}s: {exc}") from None
-                time.sleep(delay)
+                self._stop.wait(delay)
                 delay = min(delay * 2, 1.0)
         self.ingest = ingest_endpoint(self.address, welcome.ingest)
         self._sock, self._monitor = ingest_socket(self._ctx, self.ingest, self._curve)
@@ -356,6 +376,8 @@ class Client:
         self._liveness.heard(time.monotonic())
 
     def _run_commands(self) -> None:
+        # an open or audio among them may make the ingest owe an answer: owing nothing so far, its clock starts now
+        self._liveness.deadline(self._streams, time.monotonic())
         while True:
             try:
                 fn = self._commands.get_nowait()

@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from client import AsyncClient, Client, StreamError, status
-from client.core import LOST
+from client.core import CLOSED, LOST
 from config import settings
 from conftest import ROOT
 from protocol.messages import (
@@ -279,10 +279,12 @@ class FakeIngest:
 
     `ingest` makes it a front door only, naming that ingest; `garble_hellos` are the hellos (1 for
     the first) it answers with bytes that are not msgpack; `refuse_reopens` answers an `open` of an
-    id it opened before `overloaded`, like a busy service refusing a resume.
+    id it opened before `overloaded`, like a busy service refusing a resume; `ready_delay` is how
+    long each `ready` takes, like a busy ingest's.
     """
 
-    def __init__(self, *, ingest: str | None = None, garble_hellos: tuple[int, ...] = (), refuse_reopens: bool = False) -> None:
+    def __init__(self, *, ingest: str | None = None, garble_hellos: tuple[int, ...] = (), refuse_reopens: bool = False,
+                 ready_delay: float = 0.0) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
@@ -290,6 +292,8 @@ class FakeIngest:
         self.ingest = ingest or self.address
         self.garble_hellos = garble_hellos
         self.refuse_reopens = refuse_reopens
+        self.ready_delay = ready_delay
+        self.held: list[tuple[float, list[bytes]]] = []  # (when, frames) of replies held back
         self.opened: set[str] = set()
         self.received: Counter[str] = Counter()
         self.stop = threading.Event()
@@ -298,6 +302,10 @@ class FakeIngest:
 
     def _serve(self) -> None:
         while not self.stop.is_set():
+            now = time.monotonic()
+            for _, frames in [item for item in self.held if item[0] <= now]:
+                self.sock.send_multipart(frames)
+            self.held = [item for item in self.held if item[0] > now]
             if not self.sock.poll(20):
                 continue
             ident, *frames = self.sock.recv_multipart()
@@ -313,6 +321,9 @@ class FakeIngest:
             elif isinstance(msg, Open):
                 self.opened.add(msg.stream)
                 reply = Ready(stream=msg.stream, window=RATE * 30)
+                if self.ready_delay:
+                    self.held.append((time.monotonic() + self.ready_delay, [ident, *encode(reply)]))
+                    continue
             else:
                 continue
             self.sock.send_multipart([ident, *encode(reply)])
@@ -502,6 +513,107 @@ def test_a_resume_the_service_keeps_refusing_fails_when_the_resume_timeout_runs_
 
         assert asyncio.run(main()).code == LOST
         assert fake.received["open"] >= 6  # each client: its open, then at least two refused re-opens
+    finally:
+        fake.close()
+
+
+def test_an_open_after_a_quiet_spell_is_not_taken_for_a_lost_ingest() -> None:
+    """The liveness clock starts when an answer becomes owed: an open on a client that owed nothing
+    for longer than `liveness` waits for its `ready`, it does not resume every stream at once."""
+    fake = FakeIngest(ready_delay=0.7)
+    try:
+        with Client(fake.address, timeout=3.0, liveness=1.0) as client:
+            time.sleep(1.5)
+            client.open("s")
+            time.sleep(0.3)
+            assert client.reconnects == 0
+
+        async def main() -> int:
+            async with AsyncClient(fake.address, timeout=3.0, liveness=1.0) as aclient:
+                await asyncio.sleep(1.5)
+                await aclient.open("a")
+                await asyncio.sleep(0.3)
+                return aclient.reconnects
+
+        assert asyncio.run(main()) == 0
+        assert fake.received["hello"] == 2 and fake.received["open"] == 2
+    finally:
+        fake.close()
+
+
+def test_closing_while_a_resume_waits_for_the_front_door_returns_at_once() -> None:
+    """With the whole service gone a resume says hello until `resume_timeout` runs out; close() must
+    not wait for that, and the streams fail as closed."""
+    fake = FakeIngest()
+    client = Client(fake.address, timeout=5.0, resume_timeout=30.0)
+    stream = client.open("s")
+    fake.close()  # the connection drops: the client starts resuming
+    time.sleep(1.0)
+    closer = threading.Thread(target=client.close, daemon=True)
+    closer.start()
+    closer.join(3.0)
+    assert not closer.is_alive(), "close() waits for the resume to give up"
+    with pytest.raises(StreamError) as failed:
+        drain(stream, timeout=1.0)
+    assert failed.value.code == CLOSED
+
+    async def main() -> float:
+        afake = FakeIngest()
+        aclient = await AsyncClient.connect(afake.address, timeout=5.0, resume_timeout=30.0)
+        await aclient.open("a")
+        afake.close()
+        await asyncio.sleep(1.0)
+        started = time.monotonic()
+        await aclient.close()
+        return time.monotonic() - started
+
+    assert asyncio.run(main()) < 3.0
+
+
+def test_an_open_its_caller_cancels_is_abandoned() -> None:
+    """An asyncio open given up by the caller's own timeout (its task cancelled) is forgotten and
+    ended, as one past the client's `timeout` is: the id can be opened again."""
+    fake = FakeIngest(ready_delay=0.5)
+
+    async def main() -> None:
+        async with AsyncClient(fake.address, timeout=3.0) as aclient:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(aclient.open("s"), 0.1)
+            await aclient.open("s")
+
+    try:
+        asyncio.run(main())
+        assert wait_for(lambda: fake.received["end"] == 1, 2.0), fake.received
+    finally:
+        fake.close()
+
+
+def test_a_batch_send_times_out_while_other_streams_move() -> None:
+    """`send(timeout=)` bounds the wait for this stream's window, as in the blocking client: audio another
+    stream sends meanwhile does not restart it."""
+    fake = FakeIngest()  # a 30 s window, never moved: the batch stream's last second waits for good
+
+    async def main() -> float:
+        async with AsyncClient(fake.address, timeout=3.0, liveness=60.0) as aclient:
+            batch = await aclient.open("b", priority="batch")
+            live = await aclient.open("r")
+
+            async def talk() -> None:
+                for _ in range(30):
+                    await live.send(np.zeros(RATE // 10, np.int16))
+                    await asyncio.sleep(0.1)
+
+            talker = asyncio.create_task(talk())
+            started = time.monotonic()
+            try:
+                with pytest.raises(TimeoutError):
+                    await batch.send(np.zeros(RATE * 31, np.int16), timeout=0.5)
+                return time.monotonic() - started
+            finally:
+                talker.cancel()
+
+    try:
+        assert asyncio.run(main()) < 1.5
     finally:
         fake.close()
 
