@@ -265,10 +265,9 @@ class StreamCore:
     one ignores the window. An `overloaded` refusal rewinds `next_seq` and stalls the stream
     until an ack moves the window (or a retry timer fires), then everything from the refused
     seq is resent in order. The server refuses audio after `end`, so `end` goes out only when
-    nothing is waiting to be (re)sent and, on a realtime stream, when everything is acked or
-    no refusal came for RETRY_S after the last send. A refusal that still arrives after `end`
-    (a slow round trip) is handled like any other: the server refuses that `end` too and keeps
-    the stream open, so the audio is resent and `end` sent again.
+    nothing is waiting to be (re)sent, right after the last audio: a refusal that arrives after
+    `end` is handled like any other, since the server refuses that `end` too and keeps the
+    stream open, so the audio is resent and `end` sent again.
 
     For resuming on a new connection it also keeps every message cut since the last `durable`
     point (`kept`): `rewind` turns that back into queued audio with seqs from 0, and `seg_base`
@@ -457,18 +456,16 @@ class StreamCore:
             self.next_seq += 1
             self.last_send = now
         if self.end_requested and not self.end_out:
-            if not self.batch and self.retained and now < self.last_send + RETRY_S:
-                # the server refuses audio after `end`, and a realtime stream can be refused: wait
-                # for the ack of what is out, or long enough for a refusal of it to have come
-                self.retry_at = self.last_send + RETRY_S
-                return out
+            # At once, acked or not: an `end` that crosses the refusal of earlier audio is refused
+            # too and leaves the stream open (`on_error` then resends, and `end` follows again), so
+            # waiting for the last ack would only hold the stream's last final back.
             out.append(self._end(now))
         return out
 
     def take_last(self, now: float) -> list[ClientMessage]:
         """`take` for a client that is closing: a requested `end` goes out now, whatever it waits for.
 
-        Nothing can be resent once the client is closed, so waiting for acks or a retry gains
+        Nothing can be resent once the client is closed, so waiting for a retry or a window gains
         nothing; an `end` held back would never go out, and the server would keep the stream
         until its idle timeout, its last segment never decoded. Refused audio gets its last try
         first; audio a batch stream has no window for is dropped.

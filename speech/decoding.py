@@ -385,6 +385,9 @@ class WhisperDecoder:
             logits = self.io.step(feed, group, into=0)
         out = []
         for i in range(n):
+            # Unlike Whisper's finalize, hypotheses the token cap cut are candidates only when none
+            # ended: a cut one is a loop more often than not, and a partial that hit the cap is
+            # decoded again on the full window instead.
             cands = finished[i] or [b for b in beams[i] if not b.done] or beams[i]
             if not finished[i]:
                 capped_i = capped[i]
