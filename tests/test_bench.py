@@ -48,7 +48,7 @@ def test_realtime_report_is_well_formed(tmp_path: Path) -> None:
     for key in ("config", "streams", "partial_latency_ms", "final_latency_ms", "jitter_ms", "throughput", "errors",
                 "refused_frames", "batches", "jobs", "processes", "generator", "wer", "command", "machine", "date"):
         assert key in s, key
-    assert s["streams"] == {"requested": 2, "opened": 2, "refused": {}, "closed": 2, "unfinished": 0, "with_finals": 2}
+    assert s["streams"] == {"requested": 2, "opened": 2, "refused": {}, "closed": 2, "cut": {}, "unfinished": 0, "with_finals": 2}
     assert s["partials"] > 0 and s["finals"] >= 2
     assert s["finals_revised"] == 0  # the null model's finals say what its partials said
     check_latency(s["partial_latency_ms"])
