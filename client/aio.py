@@ -47,7 +47,6 @@ from protocol.messages import (
     BAD_MESSAGE,
     INTERNAL,
     NOT_READY,
-    Closed,
     End,
     ErrorMsg,
     Hello,
@@ -423,18 +422,13 @@ class AsyncStream(StreamBase):
             self._client._flush()
 
     async def events(self, timeout: float | None = None) -> AsyncIterator[ServerMessage]:
-        """Partials, finals and errors as they arrive, ending with `closed`."""
-        while True:
+        """Partials, finals and errors as they arrive, ending with `closed` (as `Stream.events`)."""
+        while not self._events_over():
             try:
                 at, item = await asyncio.wait_for(self._entry.events.get(), timeout)
             except TimeoutError:
                 raise TimeoutError(f"stream {self.id}: no event within {timeout:.1f}s") from None
-            if isinstance(item, Exception):
-                raise item
-            self.received_at = at
-            yield item
-            if isinstance(item, Closed):
-                return
+            yield self._event(at, item)
 
     async def __aenter__(self) -> AsyncStream:
         return self

@@ -50,7 +50,6 @@ from protocol.messages import (
     BAD_MESSAGE,
     INTERNAL,
     NOT_READY,
-    Closed,
     End,
     ErrorMsg,
     Hello,
@@ -468,19 +467,15 @@ class Stream(StreamBase):
         """Partials, finals and errors as they arrive, ending with `closed`.
 
         Raises TimeoutError when nothing arrives for `timeout` seconds, and StreamError when
-        the client is closed or fails first.
+        the client is closed or fails first. Called again once it ended, it ends the same way at
+        once: nothing more will come.
         """
-        while True:
+        while not self._events_over():
             try:
                 at, item = self._entry.events.get(timeout=timeout)
             except queue.Empty:
                 raise TimeoutError(f"stream {self.id}: no event within {timeout:.1f}s") from None
-            if isinstance(item, Exception):
-                raise item
-            self.received_at = at
-            yield item
-            if isinstance(item, Closed):
-                return
+            yield self._event(at, item)
 
     def __enter__(self) -> Stream:
         return self

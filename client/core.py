@@ -620,6 +620,23 @@ class StreamBase:
         self._entry = entry
         self._queued = 0  # input frames handed over for sending
         self._ended = False
+        self._over: Closed | Exception | None = None  # how `events` ended: later calls end the same way at once
+
+    def _event(self, at: float, item: ServerMessage | Exception) -> ServerMessage:
+        """What `events` does with each item: an exception is raised, and remembered with `closed`."""
+        if isinstance(item, Exception):
+            self._over = item
+            raise item
+        if isinstance(item, Closed):
+            self._over = item
+        self.received_at = at
+        return item
+
+    def _events_over(self) -> bool:
+        """For `events` called again after it ended: raises its failure again, or True after `closed`."""
+        if isinstance(self._over, Exception):
+            raise self._over
+        return self._over is not None
 
     @property
     def window(self) -> int:

@@ -122,6 +122,8 @@ def test_many_streams_share_one_client(null_service) -> None:
             s.send(pcm)
             s.end()
         results = [drain(s) for s in streams]
+        # nothing more comes after `closed`: asking again ends at once instead of waiting out the timeout
+        assert list(streams[0].events(timeout=5)) == []
     for events in results:
         assert isinstance(events[-1], Closed) and events[-1].reason == "end"
         assert events[-1].audio_s == pytest.approx(len(pcm) / RATE, abs=0.01)
@@ -229,7 +231,9 @@ def test_async_client(null_service) -> None:
             for s in (realtime, batch):
                 await s.send(pcm)
                 await s.end()
-            return [[ev async for ev in s.events(timeout=60)] for s in (realtime, batch)]
+            events = [[ev async for ev in s.events(timeout=60)] for s in (realtime, batch)]
+            assert [ev async for ev in realtime.events(timeout=5)] == []  # ended: nothing more comes
+            return events
 
     for events in asyncio.run(main()):
         assert isinstance(events[-1], Closed) and events[-1].reason == "end"
@@ -374,6 +378,9 @@ def test_a_failed_resume_fails_the_streams_and_the_client_still_closes(monkeypat
     with pytest.raises(StreamError) as failed:
         drain(stream, timeout=10)
     assert failed.value.code == LOST
+    with pytest.raises(StreamError) as again:  # at once, not after the timeout: the stream is over
+        drain(stream, timeout=5)
+    assert again.value is failed.value
     client._thread.join(5)
     assert not client._thread.is_alive() and uncaught == []
     client.close()
@@ -388,6 +395,10 @@ def test_a_failed_resume_fails_the_streams_and_the_client_still_closes(monkeypat
             async for _ in astream.events(timeout=10):
                 pass
         assert failed.value.code == LOST
+        with pytest.raises(StreamError) as again:
+            async for _ in astream.events(timeout=5):
+                pass
+        assert again.value is failed.value
         await aclient.close()
         return aclient
 
