@@ -37,6 +37,10 @@ from protocol import messages as m
 from shm.pool import PoolExhausted, RingPool, ring_capacity
 
 DRAIN_BATCH = 512  # messages taken from one socket per loop iteration
+# At exit, the clients' last messages (a drained stream's final and `closed`, sent in the loop's
+# last turn) may still wait for ZeroMQ's I/O thread: this long is given for them to leave,
+# within the ingest's time to exit (streamasr.service.DRAIN_EXIT_S).
+CLOSE_LINGER_MS = 1000
 # A VAD round starts at most this often. A call costs ~0.1 ms however few chunks it holds, so
 # rounds started on every frame (2,000 a second at 200 streams) were mostly that fixed cost;
 # gathered over 10 ms they are ~60 chunks each. A chunk that could start or end a segment does
@@ -501,7 +505,7 @@ class IngestServer:
                                           segments=s.stats["finals"]))
             s.log.error("ingest.stream_abandoned_at_shutdown", pending_jobs=len(s.inflight), **s.figures())
         self.vad.close()
-        self.clients.close(linger=0)
+        self.clients.close(linger=CLOSE_LINGER_MS)
         self.results.close(linger=0)
         self.broker.close(linger=0)
         if self.auth is not None:

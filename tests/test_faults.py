@@ -205,6 +205,29 @@ def test_sigterm_drains_open_streams(service_factory: Any) -> None:
     assert broker.count("broker.worker_left") == 2 and "broker.worker_lost" not in broker
 
 
+def test_a_stream_abandoned_at_shutdown_is_told_so(service_factory: Any) -> None:
+    """A stop whose drain runs out (the only worker hangs on the stream's final) ends the ingest
+    with that stream still open: its client must get `closed` "shutdown", sent in the ingest's
+    last moments, rather than wait for an answer that will never come."""
+    from client import Client
+    from protocol.messages import Closed
+
+    service = service_factory(model="null", workers=1, ingest={"drain_timeout_s": 1.0})
+    [worker] = [p["pid"] for p in svc.processes(service.cfg) if p["name"].startswith("worker") and p["pid"]]
+    with Client(service.address, resume_timeout=5.0) as client:
+        stream = client.open(partials=False)
+        stream.send(read_wav(speech_files()[0]))
+        os.kill(worker, signal.SIGSTOP)  # the final the drain waits for is never decoded
+        try:
+            service.proc.send_signal(signal.SIGTERM)
+            events = list(stream.events(timeout=30))
+        finally:
+            os.kill(worker, signal.SIGCONT)
+    assert isinstance(events[-1], Closed) and events[-1].reason == "shutdown", events[-1:]
+    assert "ingest.stream_abandoned_at_shutdown" in service.logs("ingest-0")
+    assert service.proc.wait(60) == 0
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
