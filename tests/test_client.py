@@ -531,17 +531,17 @@ def test_a_resume_the_service_keeps_refusing_fails_when_the_resume_timeout_runs_
 def test_an_open_after_a_quiet_spell_is_not_taken_for_a_lost_ingest() -> None:
     """The liveness clock starts when an answer becomes owed: an open on a client that owed nothing
     for longer than `liveness` waits for its `ready`, it does not resume every stream at once."""
-    fake = FakeIngest(ready_delay=0.7)
+    fake = FakeIngest(ready_delay=0.5)  # well within `liveness` once its clock starts at the open
     try:
-        with Client(fake.address, timeout=3.0, liveness=1.0) as client:
-            time.sleep(1.5)
+        with Client(fake.address, timeout=5.0, liveness=2.0) as client:
+            time.sleep(2.5)
             client.open("s")
             time.sleep(0.3)
             assert client.reconnects == 0
 
         async def main() -> int:
-            async with AsyncClient(fake.address, timeout=3.0, liveness=1.0) as aclient:
-                await asyncio.sleep(1.5)
+            async with AsyncClient(fake.address, timeout=5.0, liveness=2.0) as aclient:
+                await asyncio.sleep(2.5)
                 await aclient.open("a")
                 await asyncio.sleep(0.3)
                 return aclient.reconnects
