@@ -172,15 +172,31 @@ _JOB_REQUIRED = sum(f.default is MISSING and f.default_factory is MISSING for f 
 assert set(_JOB_CHECKS) == set(_JOB_FIELDS), "a field added to Job needs its check here"
 
 
+def _first_wrong(checks: dict[str, tuple[Callable[[Any], bool], str]], names: tuple[str, ...],
+                 values: list[Any]) -> tuple[str, str] | None:
+    """The first of `values` (fields `names`, in order) that fails its check: its name and why."""
+    for name, value in zip(names, values):
+        valid, wanted = checks[name]
+        if not valid(value):
+            return name, f"{name} must be {wanted}, got {str(value)[:40]!r} ({type(value).__name__})"
+    return None
+
+
+def _rows(data: bytes, kind: str) -> list[Any]:
+    """The rows of a `kind` message from a peer, which must be a list."""
+    rows = unpack(data)
+    if not isinstance(rows, list):
+        raise ValueError(f"{kind} body is a {type(rows).__name__}, not a list")
+    return rows
+
+
 def check_job(row: Any) -> Job | BadJob:
     """The job a wire row describes, or what is wrong with it."""
     job_id = row[0] if isinstance(row, list) and row and _int(row[0]) else None
     if not isinstance(row, list) or not _JOB_REQUIRED <= len(row) <= len(_JOB_FIELDS):
         return BadJob(job_id, "row", f"not a list of {_JOB_REQUIRED} to {len(_JOB_FIELDS)} fields: {str(row)[:80]}")
-    for name, value in zip(_JOB_FIELDS, row):
-        valid, wanted = _JOB_CHECKS[name]
-        if not valid(value):
-            return BadJob(job_id, name, f"{name} must be {wanted}, got {str(value)[:40]!r} ({type(value).__name__})")
+    if wrong := _first_wrong(_JOB_CHECKS, _JOB_FIELDS, row):
+        return BadJob(job_id, *wrong)
     job = Job.from_wire(row)
     if job.end < job.start:  # negative speech: a final's would turn the admission share negative
         return BadJob(job_id, "end", f"end {job.end} is before start {job.start}")
@@ -189,12 +205,9 @@ def check_job(row: Any) -> Job | BadJob:
 
 def unpack_jobs_checked(data: bytes) -> tuple[list[Job], list[BadJob]]:
     """A JOBS message from a peer: its well-formed jobs, and what is wrong with the other rows."""
-    rows = unpack(data)
-    if not isinstance(rows, list):
-        raise ValueError(f"JOBS body is a {type(rows).__name__}, not a list")
     jobs: list[Job] = []
     bad: list[BadJob] = []
-    for row in rows:
+    for row in _rows(data, "JOBS"):
         checked = check_job(row)
         if isinstance(checked, Job):
             jobs.append(checked)
@@ -211,18 +224,24 @@ def unpack_results(data: bytes) -> list[JobResult]:
     return [JobResult.from_wire(row) for row in unpack(data)]
 
 
+_DONE_FIELDS = ("job_id", "ingest", "status", "batch_size", "started", "finished")
+_DONE_ROW = attrgetter(*_DONE_FIELDS)
+
+
 def pack_done(results: list[JobResult]) -> bytes:
     """What the broker needs of results that went to their ingests: no text, no segments."""
-    return pack([(r.job_id, r.ingest, r.status, r.batch_size, r.started, r.finished) for r in results])
+    return pack([_DONE_ROW(r) for r in results])
 
 
-_DONE_FIELDS = ("job_id", "ingest", "status", "batch_size", "started", "finished")
 _DONE_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "job_id": (_int, "an int"),
+    "ingest": (_int, "an int"),
     "status": (lambda v: _int(v) and v in (OK, EXPIRED, FAILED), f"OK ({OK}), EXPIRED ({EXPIRED}) or FAILED ({FAILED})"),
     "batch_size": (lambda v: _int(v) and v >= 0, "an int >= 0"),
     "started": (_finite, "a finite number"),
     "finished": (_finite, "a finite number"),
 }
+assert set(_DONE_CHECKS) == set(_DONE_FIELDS), "a field added to DONE needs its check here"
 
 
 def check_done(row: Any) -> tuple[JobResult | None, BadJob | None]:
@@ -232,25 +251,19 @@ def check_done(row: Any) -> tuple[JobResult | None, BadJob | None]:
     spoil for good); a row that names no job is only reported."""
     if not isinstance(row, list) or len(row) != len(_DONE_FIELDS):
         return None, BadJob(None, "row", f"not a list of {len(_DONE_FIELDS)} fields: {str(row)[:80]}")
+    if wrong := _first_wrong(_DONE_CHECKS, _DONE_FIELDS[:2], row[:2]):
+        return None, BadJob(None, *wrong)
     job_id, ingest = row[0], row[1]
-    if not (_int(job_id) and _int(ingest)):
-        name, value = ("job_id", job_id) if not _int(job_id) else ("ingest", ingest)
-        return None, BadJob(None, name, f"{name} must be an int, got {str(value)[:40]!r} ({type(value).__name__})")
-    for name, value in zip(_DONE_FIELDS[2:], row[2:]):
-        valid, wanted = _DONE_CHECKS[name]
-        if not valid(value):
-            return JobResult(job_id=job_id, ingest=ingest), BadJob(job_id, name, f"{name} must be {wanted}, got {str(value)[:40]!r} ({type(value).__name__})")
-    return JobResult(job_id=job_id, ingest=ingest, status=row[2], batch_size=row[3], started=row[4], finished=row[5]), None
+    if wrong := _first_wrong(_DONE_CHECKS, _DONE_FIELDS[2:], row[2:]):
+        return JobResult(job_id=job_id, ingest=ingest), BadJob(job_id, *wrong)
+    return JobResult(**dict(zip(_DONE_FIELDS, row))), None
 
 
 def unpack_done_checked(data: bytes) -> tuple[list[JobResult], list[BadJob]]:
     """A DONE message from a worker: the answers it reports, and what is wrong with its rows."""
-    rows = unpack(data)
-    if not isinstance(rows, list):
-        raise ValueError(f"DONE body is a {type(rows).__name__}, not a list")
     results: list[JobResult] = []
     bad: list[BadJob] = []
-    for row in rows:
+    for row in _rows(data, "DONE"):
         result, wrong = check_done(row)
         if result is not None:
             results.append(result)
