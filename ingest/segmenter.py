@@ -123,12 +123,10 @@ class Segmenter:
             if self.in_speech:
                 assert self.segment_start is not None
                 self._pos = max(self._pos, stream_end)
-                limit = self.segment_start + self.max_segment
-                if self._silence_from is None and self._pos > limit:
-                    # speech runs past the limit in the audio after the last chunk: cut there as
-                    # push would, so that audio still gets a segment (a pause gets none, as in push)
-                    closed = self._close(limit, forced=True)
-                    events += [closed, self._open(closed.end)]
+                if self._silence_from is None and self._pos - self.segment_start > self.max_segment:
+                    # speech runs past the limit in the audio after the last chunk: cut as push
+                    # does, so that audio still gets a segment (a pause gets none, as in push)
+                    events.extend(self._force_cut())
                 events.append(self._close(speech_end + self.pad, forced=False))
         self._end_speech()
         return events
