@@ -161,7 +161,7 @@ class AsyncClient:
         width = SAMPLE_BYTES.get(encoding, 1) * (channels if isinstance(channels, int) and channels > 0 else 1)
         core = StreamCore(msg.stream, priority=priority, frame_bytes=width, limits=self.limits, rate=rate)
         entry = Entry(core, msg, asyncio.get_running_loop().create_future(), asyncio.Queue())
-        self._liveness.deadline(self._streams, time.monotonic())  # owing nothing so far, the clock for this open starts now
+        self._liveness.restart_if_owed_nothing(self._streams, time.monotonic())  # the open is owed a `ready` from now
         self._streams[msg.stream] = entry
         if not self._reconnecting:  # else the reconnect opens it with the others
             self._send(encode(msg))

@@ -375,8 +375,8 @@ class Client:
         self._liveness.heard(time.monotonic())
 
     def _run_commands(self) -> None:
-        # an open or audio among them may make the ingest owe an answer: owing nothing so far, its clock starts now
-        self._liveness.deadline(self._streams, time.monotonic())
+        # an open or audio among them may make the ingest owe an answer
+        self._liveness.restart_if_owed_nothing(self._streams, time.monotonic())
         while True:
             try:
                 fn = self._commands.get_nowait()

@@ -593,12 +593,17 @@ class Liveness:
     def heard(self, now: float) -> None:
         self.heard_at = now
 
+    def restart_if_owed_nothing(self, streams: dict[str, Entry], now: float) -> bool:
+        """Whether the ingest owes nothing; if so the clock restarts, so that an answer owed from
+        now on (to an open about to be sent, say) is timed from now, not from the last message."""
+        if any(entry.core.waiting for entry in streams.values()):
+            return False
+        self.heard_at = now
+        return True
+
     def deadline(self, streams: dict[str, Entry], now: float) -> float | None:
-        """When the ingest is due to be declared dead; None while it owes nothing (the clock restarts)."""
-        if not any(entry.core.waiting for entry in streams.values()):
-            self.heard_at = now
-            return None
-        return self.heard_at + self.interval
+        """When the ingest is due to be declared dead; None while it owes nothing."""
+        return None if self.restart_if_owed_nothing(streams, now) else self.heard_at + self.interval
 
 
 def due(streams: dict[str, Entry]) -> float | None:
