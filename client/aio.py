@@ -29,6 +29,7 @@ from client.core import (
     LOST,
     RESUME_TIMEOUT_S,
     SAMPLE_BYTES,
+    Abandoned,
     Entry,
     IngestLost,
     Liveness,
@@ -111,6 +112,7 @@ class AsyncClient:
         self._reconnecting = False
         self._reader: asyncio.Task[None] | None = None
         self._streams: dict[str, Entry] = {}
+        self._abandoned = Abandoned()
         self._moved = asyncio.Event()  # set (and replaced) whenever audio goes out or a stream ends
         self._retry: asyncio.TimerHandle | None = None
         self._failure: Exception | None = None
@@ -163,7 +165,7 @@ class AsyncClient:
         entry = Entry(core, msg, asyncio.get_running_loop().create_future(), asyncio.Queue())
         self._liveness.restart_if_owed_nothing(self._streams, time.monotonic())  # the open is owed a `ready` from now
         self._streams[msg.stream] = entry
-        if not self._reconnecting:  # else the reconnect opens it with the others
+        if not self._reconnecting and not self._abandoned.hold(msg.stream):  # else sent by the reconnect, or once released
             self._send(encode(msg))
         try:
             await asyncio.wait_for(asyncio.shield(entry.opened), self.timeout)
@@ -178,7 +180,9 @@ class AsyncClient:
     async def close(self) -> None:
         """Stop reading; open streams fail with StreamError('closed').
 
-        Streams ended before send their `end` first, and it is given LINGER_MS to leave.
+        Streams ended before send their `end` first, and it is given LINGER_MS to leave. The
+        context is terminated on a thread: against an ingest that is gone with messages queued,
+        ZeroMQ waits out that linger, and the event loop's other tasks must not wait with it.
         """
         if self._closed:
             return
@@ -194,7 +198,7 @@ class AsyncClient:
                 pass
         self._fail_all(StreamError(CLOSED, "client closed"))
         self._disconnect(LINGER_MS)
-        self._ctx.term()
+        await asyncio.to_thread(self._ctx.term)
 
     async def __aenter__(self) -> AsyncClient:
         await self.start()
@@ -221,10 +225,12 @@ class AsyncClient:
 
     def _abandon(self, entry: Entry) -> None:
         """An open the caller gave up on: forget it, and end it in case the server opens it late."""
-        if self._streams.get(entry.core.stream) is entry:
-            del self._streams[entry.core.stream]
-            if not self._reconnecting:
-                self._send(encode(End(entry.core.stream)))
+        sid = entry.core.stream
+        if self._streams.get(sid) is entry:
+            del self._streams[sid]
+            if not self._abandoned.forget(sid) and not self._reconnecting:
+                self._send(encode(End(sid)))
+                self._abandoned.add(sid)
 
     def _wake_senders(self) -> None:
         self._moved.set()
@@ -311,7 +317,7 @@ class AsyncClient:
         except ProtocolError as exc:
             log.warning("ignoring a server message: %s", exc.message)  # e.g. a type from a newer server
             return
-        if route(self._streams, msg, now):
+        if not self._abandoned.answered(msg) and route(self._streams, msg, now):
             self._wake_senders()
         self._flush()
 
@@ -320,6 +326,7 @@ class AsyncClient:
         log.warning("ingest %s lost (%s); resuming %d stream(s)", self.ingest, why, len(self._streams))
         self._reconnecting = True
         self._disconnect(0)
+        self._abandoned.clear()  # the old connection's answers will not come; held opens go with the resume
         deadline = time.monotonic() + self.resume_timeout
         delay = 0.1
         while True:
@@ -355,6 +362,8 @@ class AsyncClient:
             return
         now = time.monotonic()
         self._liveness.deadline(self._streams, now)  # owing nothing before these sends, the clock starts now
+        for entry in self._abandoned.released(self._streams):
+            self._send(encode(entry.request))
         moved = False
         for entry in self._streams.values():
             if entry.core.reopen_at is not None and now >= entry.core.reopen_at:

@@ -32,6 +32,7 @@ from client.core import (
     LOST,
     RESUME_TIMEOUT_S,
     SAMPLE_BYTES,
+    Abandoned,
     Entry,
     IngestLost,
     Liveness,
@@ -193,6 +194,7 @@ class Client:
         self._wake_w.setblocking(False)
         self._progress = threading.Condition()  # notified when audio goes out or a stream fails
         self._streams: dict[str, Entry] = {}  # IO thread only
+        self._abandoned = Abandoned()  # IO thread only
         self._stopping = False
         self._closed = False
         self._stop = threading.Event()  # close() was called: a resume in progress gives up at once
@@ -353,6 +355,7 @@ class Client:
         """
         log.warning("ingest %s lost (%s); resuming %d stream(s)", self.ingest, why, len(self._streams))
         close_ingest_socket(self._sock, self._monitor, linger=0)
+        self._abandoned.clear()  # the old connection's answers will not come; held opens go with the resume
         deadline = time.monotonic() + self.resume_timeout
         delay = 0.1
         while True:
@@ -392,13 +395,17 @@ class Client:
             entry.opened.set_exception(ValueError(f"stream {msg.stream!r} is already open on this client"))
             return
         self._streams[msg.stream] = entry
-        self._sock.send_multipart(encode(msg))
+        if not self._abandoned.hold(msg.stream):  # else sent once released, in _flush
+            self._sock.send_multipart(encode(msg))
 
     def _io_abandon(self, entry: Entry) -> None:
         """An open the caller gave up on: forget it, and end it in case the server opens it late."""
-        if self._streams.get(entry.core.stream) is entry:
-            del self._streams[entry.core.stream]
-            self._sock.send_multipart(encode(End(entry.core.stream)))
+        sid = entry.core.stream
+        if self._streams.get(sid) is entry:
+            del self._streams[sid]
+            if not self._abandoned.forget(sid):
+                self._sock.send_multipart(encode(End(sid)))
+                self._abandoned.add(sid)
 
     def _receive(self) -> None:
         while True:
@@ -413,13 +420,15 @@ class Client:
             except ProtocolError as exc:
                 log.warning("ignoring a server message: %s", exc.message)  # e.g. a type from a newer server
                 continue
-            if route(self._streams, msg, now):
+            if not self._abandoned.answered(msg) and route(self._streams, msg, now):
                 with self._progress:
                     self._progress.notify_all()
 
     def _flush(self, last: bool = False) -> None:
         """Send what flow control allows now; `last` (closing): every requested `end` too, held or not."""
         now = time.monotonic()
+        for entry in self._abandoned.released(self._streams):
+            self._sock.send_multipart(encode(entry.request))
         moved = False
         for entry in self._streams.values():
             if entry.core.reopen_at is not None and now >= entry.core.reopen_at:

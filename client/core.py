@@ -521,6 +521,56 @@ class Entry:
             self.events.put_nowait((now, failure))
 
 
+class Abandoned:
+    """Opens the caller gave up on, from the `end` sent after them until the server answers it.
+
+    On one connection the server answers in order: such an open's late `ready` (or its refusal),
+    then `closed` (or `unknown_stream`) for its `end`. Until then whatever comes for the id is
+    about that open, so an open of the same id again is held back and sent after it: sent at
+    once, it would take the first open's late `ready` for its own, and its `closed` would end it.
+    Owned by the socket's owner; a new connection starts with none (`clear`).
+    """
+
+    def __init__(self) -> None:
+        self.ids: set[str] = set()  # abandoned opens whose `end` the server has not answered
+        self.held: set[str] = set()  # opens of those ids again, not sent yet
+
+    def add(self, sid: str) -> None:
+        self.ids.add(sid)
+
+    def hold(self, sid: str) -> bool:
+        """Whether a new open of `sid` must wait for the abandoned one's answer (then it is held)."""
+        if sid in self.ids:
+            self.held.add(sid)
+        return sid in self.ids
+
+    def forget(self, sid: str) -> bool:
+        """A held open given up on in its turn: True if it was never sent (nothing to end)."""
+        if sid in self.held:
+            self.held.discard(sid)
+            return True
+        return False
+
+    def answered(self, msg: ServerMessage) -> bool:
+        """Whether `msg` is news of an abandoned open (then no open stream's); its last news settles it."""
+        sid = getattr(msg, "stream", None)
+        if sid not in self.ids:
+            return False
+        if isinstance(msg, Closed) or (isinstance(msg, ErrorMsg) and msg.code == UNKNOWN_STREAM):
+            self.ids.discard(sid)
+        return True
+
+    def released(self, streams: dict[str, Entry]) -> list[Entry]:
+        """Held opens whose abandoned open is settled: to be sent now."""
+        ready = [sid for sid in self.held if sid not in self.ids]
+        self.held.difference_update(ready)
+        return [streams[sid] for sid in ready if sid in streams]
+
+    def clear(self) -> None:
+        self.ids.clear()
+        self.held.clear()
+
+
 def route(streams: dict[str, Entry], msg: ServerMessage, now: float) -> bool:
     """Apply one message from the ingest to its stream; True when a stream closed (wake its senders).
 

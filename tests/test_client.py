@@ -25,7 +25,9 @@ from protocol.messages import (
     BAD_FORMAT,
     OVERLOADED,
     UNKNOWN_MODEL,
+    UNKNOWN_STREAM,
     Closed,
+    End,
     ErrorMsg,
     Final,
     Hello,
@@ -278,13 +280,14 @@ def test_transcribe_reports_unreadable_files(null_service, tmp_path, capsys) -> 
 
 
 class FakeIngest:
-    """One ROUTER on a thread, front door and ingest at once: it welcomes, opens every stream and
-    swallows audio and `end` unanswered, like an ingest still connected but wedged.
+    """One ROUTER on a thread, front door and ingest at once: it welcomes, opens every stream,
+    swallows audio unanswered, like an ingest still connected but wedged, and answers `end` with
+    `closed` (`unknown_stream` for a stream it has not open), in order after the replies it holds.
 
     `ingest` makes it a front door only, naming that ingest; `garble_hellos` are the hellos (1 for
     the first) it answers with bytes that are not msgpack; `refuse_reopens` answers an `open` of an
     id it opened before `overloaded`, like a busy service refusing a resume; `ready_delay` is how
-    long each `ready` takes, like a busy ingest's.
+    long the first `ready` of each id takes, like a busy ingest's.
     """
 
     def __init__(self, *, ingest: str | None = None, garble_hellos: tuple[int, ...] = (), refuse_reopens: bool = False,
@@ -299,7 +302,9 @@ class FakeIngest:
         self.ready_delay = ready_delay
         self.held: list[tuple[float, list[bytes]]] = []  # (when, frames) of replies held back
         self.opened: set[str] = set()
+        self.live: set[str] = set()  # opened and not ended
         self.received: Counter[str] = Counter()
+        self.log: list[str] = []  # "<type> <stream>" of each open and end received
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
@@ -323,14 +328,27 @@ class FakeIngest:
             elif isinstance(msg, Open) and self.refuse_reopens and msg.stream in self.opened:
                 reply = ErrorMsg(code=OVERLOADED, message="the service is busy", stream=msg.stream)
             elif isinstance(msg, Open):
+                self.log.append(f"open {msg.stream}")
+                first = msg.stream not in self.opened
                 self.opened.add(msg.stream)
+                self.live.add(msg.stream)
                 reply = Ready(stream=msg.stream, window=RATE * 30)
-                if self.ready_delay:
+                if self.ready_delay and first:
                     self.held.append((time.monotonic() + self.ready_delay, [ident, *encode(reply)]))
                     continue
+            elif isinstance(msg, End):
+                self.log.append(f"end {msg.stream}")
+                if msg.stream in self.live:
+                    self.live.discard(msg.stream)
+                    reply = Closed(stream=msg.stream)
+                else:
+                    reply = ErrorMsg(code=UNKNOWN_STREAM, message="no such stream", stream=msg.stream)
             else:
                 continue
-            self.sock.send_multipart([ident, *encode(reply)])
+            if self.held:  # answers leave in order
+                self.held.append((max(at for at, _ in self.held), [ident, *encode(reply)]))
+            else:
+                self.sock.send_multipart([ident, *encode(reply)])
         self.sock.close()
 
     def close(self) -> None:
@@ -413,9 +431,9 @@ def wait_for(cond, timeout: float) -> bool:
 
 
 def test_closing_right_after_end_still_sends_it() -> None:
-    """A realtime `end` waits for the ack of the last audio; a client closed meanwhile must send it
-    anyway, or the server keeps the stream until its idle timeout and never decodes its last segment."""
-    fake = FakeIngest()  # never acks: `end` is held back for as long as a refusal might still come
+    """A client closed right after `end` must still get it out (its socket lingers), or the server
+    keeps the stream until its idle timeout and never decodes its last segment."""
+    fake = FakeIngest()  # never acks: the audio and the `end` are still unanswered when the client closes
     try:
         with Client(fake.address) as client:
             with client.open("s") as stream:
@@ -552,6 +570,45 @@ def test_an_open_after_a_quiet_spell_is_not_taken_for_a_lost_ingest() -> None:
         fake.close()
 
 
+def test_async_close_against_an_ingest_that_stops_reading_leaves_the_event_loop_running() -> None:
+    """close() gives queued messages the socket's linger to leave; with a frozen ingest they never
+    do, and the other tasks on the loop (a service's other clients, its timers) must run meanwhile."""
+    ingest = subprocess.Popen([sys.executable, "-c", FROZEN_INGEST], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+
+    async def main(address: str) -> tuple[float, float]:
+        aclient = await AsyncClient.connect(address, timeout=5.0, liveness=60.0)
+        stream = await aclient.open("s")
+        os.kill(ingest.pid, signal.SIGSTOP)
+        await stream.send(np.zeros(RATE * 1000, np.int16))  # far past every buffer on the way
+        ticks: list[float] = []
+
+        async def tick() -> None:
+            while True:
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.01)
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        await aclient.close()
+        ended = time.monotonic()
+        ticker.cancel()
+        during = [started, *(t for t in ticks if started < t < ended), ended]
+        return ended - started, max(b - a for a, b in zip(during, during[1:]))
+
+    try:
+        front = FakeIngest(ingest=f"tcp://127.0.0.1:{int(ingest.stdout.readline())}")
+        try:
+            took, longest_stall = asyncio.run(main(front.address))
+        finally:
+            front.close()
+    finally:
+        ingest.kill()
+        ingest.wait()
+    assert took >= 0.4, f"close() took {took:.3f}s: the queued audio left, nothing was waited for"
+    assert longest_stall < took / 2, f"the event loop stalled {longest_stall:.3f}s of close()'s {took:.3f}s"
+
+
 def test_closing_while_a_resume_waits_for_the_front_door_returns_at_once() -> None:
     """With the whole service gone a resume says hello until `resume_timeout` runs out; close() must
     not wait for that, and the streams fail as closed."""
@@ -595,6 +652,38 @@ def test_an_open_its_caller_cancels_is_abandoned() -> None:
     try:
         asyncio.run(main())
         assert wait_for(lambda: fake.received["end"] == 1, 2.0), fake.received
+    finally:
+        fake.close()
+
+
+def test_an_id_whose_open_timed_out_opens_again_as_a_new_stream() -> None:
+    """The server answers a given-up open late (`ready`), then its `end` (`closed`). An open of the
+    same id meanwhile must wait for those, not take them for its own: else it returns at once and
+    the stream is closed under the caller, who never ended it."""
+    fake = FakeIngest(ready_delay=1.5)
+    try:
+        with Client(fake.address, timeout=1.0) as client:
+            with pytest.raises(TimeoutError):
+                client.open("s")
+            stream = client.open("s")
+            with pytest.raises(TimeoutError):  # the first open's `closed` is not this stream's
+                next(stream.events(timeout=1.5))
+            stream.end()
+            assert isinstance(next(stream.events(timeout=5)), Closed)
+        assert fake.log == ["open s", "end s", "open s", "end s"]
+
+        async def main() -> None:
+            async with AsyncClient(fake.address, timeout=1.0) as aclient:
+                with pytest.raises(TimeoutError):
+                    await aclient.open("a")
+                astream = await aclient.open("a")
+                with pytest.raises(TimeoutError):
+                    await anext(astream.events(timeout=1.5))
+                await astream.end()
+                assert isinstance(await anext(astream.events(timeout=5)), Closed)
+
+        asyncio.run(main())
+        assert fake.log[4:] == ["open a", "end a", "open a", "end a"]
     finally:
         fake.close()
 
