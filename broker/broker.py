@@ -40,7 +40,29 @@ log = structlog.get_logger()
 DRAIN_MAX = 512  # messages taken from one socket per loop turn, so heartbeats stay on time
 SHARE_WINDOW_S = 5.0  # the per-stream demand is measured over this long, at least
 LOADED_BUSY = 0.5  # decodes in a tick the workers were this busy cost what they cost near capacity
+# What decodes cost with the workers busy is kept through quiet spells (and across restarts), so
+# it is taken only from this many decodes of a kind in a window's busy ticks: one decode that
+# stalls (a descheduled core) can be the only "busy" tick of a lightly loaded service.
+MIN_LOADED_DECODES = 5
+# and a tick's longest decode counts at most this many times the mean of the window's others
+OUTLIER_RATIO = 3.0
 STATUS_NAMES = {OK: "done", EXPIRED: "expired", FAILED: "failed"}  # `status` label of jobs_total
+
+
+def typical_cost(ticks: list[RealtimeUse], kind: int, least: int) -> float | None:
+    """Mean seconds a decode of `kind` (0 partial, 1 final) took in `ticks`, from at least `least`
+    decodes (else None), each tick's longest counted at most OUTLIER_RATIO times the mean of the
+    others: one decode that stalled says little of what the next will cost."""
+    decoded = sum(u.decoded[kind] for u in ticks)
+    if not decoded or decoded < least:
+        return None
+    total = sum(u.decode_s[kind] for u in ticks)
+    kept = total
+    if decoded > 1:
+        for u in ticks:
+            others = (total - u.longest[kind]) / (decoded - 1)
+            kept -= max(0.0, u.longest[kind] - OUTLIER_RATIO * others)
+    return kept / decoded
 
 
 @dataclass(slots=True)
@@ -473,10 +495,10 @@ class Broker:
         loaded = [u for u in ticks if u.busy >= LOADED_BUSY]
         figures = self.figures
         for final in (0, 1):
-            for costs, among in ((figures.decode_cost, ticks), (figures.loaded_cost, loaded)):
-                decoded = sum(u.decoded[final] for u in among)
-                if decoded:
-                    costs[final] = sum(u.decode_s[final] for u in among) / decoded
+            for costs, among, least in ((figures.decode_cost, ticks, 1), (figures.loaded_cost, loaded, MIN_LOADED_DECODES)):
+                cost = typical_cost(among, final, least)
+                if cost is not None:
+                    costs[final] = cost
         cost = [busy or idle for busy, idle in zip(figures.loaded_cost, figures.decode_cost)]
         stream_capacity = 0.0  # worker-seconds times the streams speaking in them
         stream_spans = 0

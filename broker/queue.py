@@ -187,7 +187,7 @@ class RealtimeUse:
 
     `decode_s` / `decoded` give what a partial and a final cost to decode (index 0 partials,
     1 finals; a batch's time split evenly among its jobs, so batch jobs sharing it are not
-    counted), `asked` how many of each realtime streams asked for, `speaking` which streams
+    counted), `longest` the longest single decode of each (one that stalled shows there), `asked` how many of each realtime streams asked for, `speaking` which streams
     asked for a partial (one is due every partial interval of speech; a final comes after the
     speech, at the pause) and `final_speech_s` how much speech the finals asked for cover.
     Demand is counted when asked, not when served: a saturated pool serves fewer jobs than
@@ -198,6 +198,7 @@ class RealtimeUse:
     workers: int = 0
     decode_s: list[float] = field(default_factory=lambda: [0.0, 0.0])
     decoded: list[int] = field(default_factory=lambda: [0, 0])
+    longest: list[float] = field(default_factory=lambda: [0.0, 0.0])
     asked: list[int] = field(default_factory=lambda: [0, 0])
     speaking: set[tuple[int, str]] = field(default_factory=set)  # (ingest, stream key)
     final_speech_s: float = 0.0
@@ -393,6 +394,7 @@ class Dispatcher:
                     seconds = (result.finished - result.started) / max(1, result.batch_size)
                     self._use.decode_s[job.final] += seconds
                     self._use.decoded[job.final] += 1
+                    self._use.longest[job.final] = max(self._use.longest[job.final], seconds)
             if key in self._answered:
                 # A duplicate: no copy of the job may stay queued or remembered as due an answer.
                 self._requeued.discard(key)

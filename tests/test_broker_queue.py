@@ -14,7 +14,7 @@ from structlog.testing import capture_logs
 from broker import jobs as wire
 from broker.figures import FILE, SAVE_EVERY_S, Figures, SavedFigures
 from broker.jobs import BATCH, EXPIRED, FAILED, OK, REALTIME, Job, JobResult
-from broker.broker import Broker, _decode_cost
+from broker.broker import MIN_LOADED_DECODES, OUTLIER_RATIO, Broker, _decode_cost, typical_cost
 from broker.queue import MAX_WORKER_LOSSES, Dispatcher, JobQueue, RealtimeUse, job_key
 from config import settings
 
@@ -631,6 +631,47 @@ def test_stream_share_is_what_a_speaking_stream_asks_for_not_the_backlog() -> No
         assert broker.stream_share <= steady  # the new stream asks for what a stream asks, not for the backlog
     finally:
         broker.close()
+
+
+def test_one_stalled_decode_does_not_price_every_stream_at_its_cost() -> None:
+    """What decodes cost with the workers busy is kept through quiet spells. On a lightly loaded
+    service one final that stalls (5 s where they take 0.4) makes its tick "busy" by itself; priced
+    from it, one speaking stream would ask for most of the workers, and every second realtime
+    open would be refused until the service is busy again, which the refusals prevent."""
+    def light(final_s: float | None) -> RealtimeUse:
+        """A second of one stream speaking: two partials of 0.1 s, and maybe a final for its last 3 s."""
+        use = _speaking({"a"})
+        if final_s is not None:
+            use.decode_s[1], use.decoded[1], use.longest[1] = final_s, 1, final_s
+            use.asked[1], use.final_speech_s = 1, 3.0
+        use.longest[0] = 0.1
+        return use
+
+    busy = RealtimeUse(seconds=1.0, workers=2, decode_s=[0.6, 0.8], decoded=[6, 2], longest=[0.1, 0.4], asked=[20, 5],
+                       speaking={(0, f"s{i}") for i in range(10)}, final_speech_s=10.0)
+    shares = []
+    for stall in (None, 5.0):
+        broker = Broker(settings.load())
+        try:
+            for _ in range(5):
+                broker._update_stream_share(busy)
+            loaded = list(broker.figures.loaded_cost)
+            for second in range(18):  # a final every third second; after the busy spell has left the window, one stalls
+                final = (stall or 0.4) if second == 6 else 0.4 if second % 3 == 0 else None
+                broker._update_stream_share(light(final))
+            assert broker.figures.loaded_cost == pytest.approx(loaded)
+            shares.append(broker.stream_share)
+        finally:
+            broker.close()
+    assert shares[1] == pytest.approx(shares[0])
+
+    # among many decodes of a busy window, the stalled one counts at most OUTLIER_RATIO times the others
+    window = [_speaking({f"s{i}" for i in range(10)}, partial_s=0.05) for _ in range(3)]
+    window[1].decode_s[0] += 3.0
+    window[1].decoded[0] += 1
+    window[1].longest[0] = 3.0
+    assert typical_cost(window, 0, MIN_LOADED_DECODES) == pytest.approx((60 * 0.05 + OUTLIER_RATIO * 0.05) / 61)
+    assert typical_cost(window[:1], 1, MIN_LOADED_DECODES) is None  # no final decoded
 
 
 def test_saved_figures_come_back_for_the_same_model_only(tmp_path: Path) -> None:
