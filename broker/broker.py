@@ -118,6 +118,7 @@ class Broker:
         ))
         self.ingests: dict[int, IngestState] = {}
         self._register_asked: dict[int, float] = {}  # ingest index -> when it was last told to register again
+        self._worker_asked: dict[bytes, float] = {}  # unregistered worker -> when it was last told to register
         # Admission figure sent to every ingest each tick: how long realtime jobs wait for a model,
         # smoothed over ticks. It is the delay queueing adds for admitted streams right now.
         self.load = 0.0
@@ -241,9 +242,14 @@ class Broker:
         if ident.endswith(wire.HEARTBEAT_SUFFIX):
             worker = ident[: -len(wire.HEARTBEAT_SUFFIX)]
             link = self.worker_links.get(worker)
-            if link is not None:  # a worker this broker does not know hears nothing back, and registers again
+            if link is not None:
                 link.seen = now
                 self._heartbeat_heard.add(worker)
+            elif now - self._worker_asked.get(worker, -math.inf) >= self._interval_s:
+                # a worker this broker does not know (it restarted, or gave up on the worker as
+                # silent) is asked to register, at most once a heartbeat interval: jobs wait meanwhile
+                self._worker_asked[worker] = now
+                self._send(self._worker_sock, ident, [wire.REGISTER])
             if kind != wire.HEARTBEAT:
                 log.warning("broker.bad_worker_message", worker=ident.decode(errors="replace"), error=f"{kind[:16]!r} on the heartbeat socket")
             return
@@ -258,6 +264,10 @@ class Broker:
                     ident, int(info["capacity"]), now, pid=int(info.get("pid", 0)), model=str(info.get("model", "")), cost=cost,
                 ))
                 self.worker_links[ident] = Link(seen=now)
+                self._worker_asked.pop(ident, None)
+                # at once, not at the next tick: it tells the worker its READY arrived, after which
+                # a REGISTER from a broker means that broker is new or forgot it (see workers.worker)
+                self._send(self._worker_sock, wire.heartbeat_identity(ident), [wire.HEARTBEAT])
                 log.info("broker.worker_ready", worker=ident.decode(errors="replace"), capacity=info["capacity"], model=info.get("model"),
                          decode_cost=cost, stream_share_prior=round(sum(self.share_prior), 4))
                 self._figures_changed()
@@ -429,6 +439,8 @@ class Broker:
         self.metrics.set("admission_wait_seconds", self.load)
         self.metrics.set("admission_busy_ratio", self.busy)
         self.metrics.set("admission_stream_share", self.stream_share)
+        for ident in [w for w, asked in self._worker_asked.items() if now - asked > self._patience_s]:
+            del self._worker_asked[ident]  # not heard from since: gone
         for ident, link in list(self.worker_links.items()):
             if now - link.seen > self._patience_s:
                 self._lose_worker(ident, "silent", now)

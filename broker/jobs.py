@@ -24,6 +24,8 @@ HEARTBEAT = b"HB"
 # broker -> ingest, answering any message but READY from an ingest it has not registered (it gave
 # up on a silent one, dropping its queued jobs, or it restarted): send READY and every job still
 # waited for. Without it such an ingest, hearing the broker's answers, would never register again.
+# broker -> worker, on its heartbeat socket, answering a heartbeat from a worker it has not
+# registered: send READY again now, not after the broker's silence outlasts the worker's patience.
 REGISTER = b"REGISTER"
 HEARTBEAT_SUFFIX = b"+hb"  # a worker's heartbeat socket is its job socket's identity plus this
 

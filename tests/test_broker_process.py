@@ -422,6 +422,35 @@ def test_broker_restart_workers_reregister(running: Cluster) -> None:
     assert_exactly_once(running.wait_answers(jobs), jobs)
 
 
+def test_a_restarted_broker_asks_its_workers_to_register_at_once(cluster: Cluster) -> None:
+    """A broker restarted within the workers' patience (supervisord restarts one within a second)
+    does not know them, and would send them nothing until that patience ran out: the jobs of every
+    stream would wait. It answers their first heartbeats with REGISTER instead."""
+    cfg = replace(cluster.cfg, broker=replace(cluster.cfg.broker, heartbeat_ms=500, liveness=40))  # patience 20 s
+    cluster.cfg = cfg
+    cluster.config_file.write_text(settings.dump(cfg))
+    cluster.start_broker()
+    for index in (0, 1):
+        cluster.start_worker(index)
+    cluster.ingest = FakeIngest(cfg)
+    cluster.ingest.start()
+    cluster.wait_workers(2)
+    time.sleep(0.5)  # the heartbeat answering each READY reaches its worker
+    cluster.procs["broker"].kill()
+    cluster.procs["broker"].wait()
+    cluster.start_broker()
+    cluster.ingest.register()
+    cluster.wait_workers(2, timeout=15)  # before the patience could have run out
+    jobs = cluster.jobs(20)
+    cluster.ingest.submit(jobs)
+    assert_exactly_once(cluster.wait_answers(jobs), jobs)
+    for name in ("worker0", "worker1"):
+        events = [e["event"] for e in cluster.log_events(name)]
+        assert "worker.broker_silent" not in events
+        assert events.count("worker.broker_asks_to_register") == 1, events
+    assert sum(e["event"] == "broker.worker_ready" for e in cluster.log_events("broker")) == 4  # two per broker
+
+
 def test_workers_up_before_the_broker_wait_for_it(cluster: Cluster) -> None:
     """Workers started before the broker keep their first connection: a broker that is not up
     yet is not a silent one, and a needless reconnect could strand jobs sent meanwhile."""

@@ -46,7 +46,7 @@ log = structlog.get_logger()
 
 _PIPE = "inproc://worker-io"
 STOP = b"STOP"  # main -> IO thread: close and exit
-REGISTER = b"REGISTER"  # IO -> main thread: the broker was silent and is back, or new: send READY again
+REGISTER = b"REGISTER"  # IO -> main thread: the broker was silent, or is new or forgot us: send READY again
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 2.0
 FLUSH_S = 1.0  # at shutdown, how long results may wait for the broker and the ingests
@@ -134,9 +134,10 @@ class Watchdog:
 class Heartbeats(threading.Thread):
     """The IO thread: heartbeats to and from the broker on a socket of their own, and reconnection.
 
-    A broker that stays silent past its patience is gone or restarted (a new broker does not
-    know this worker and sends it nothing): the socket is replaced, with backoff, and the main
-    thread told to send READY again on its job socket. Every tick also runs the main thread's
+    A broker that stays silent past its patience is gone: the socket is replaced, with backoff,
+    and the main thread told to send READY again on its job socket. A broker that does not know
+    this worker (it restarted, or gave the worker up as silent) answers its heartbeats with
+    REGISTER instead, and the main thread is told at once. Every tick also runs the main thread's
     watchdog, if given.
     """
 
@@ -174,6 +175,10 @@ class Heartbeats(threading.Thread):
         reached: float | None = None
         sent = reconnect_at = 0.0
         backoff = BACKOFF_MIN_S
+        # A broker's heartbeat came since the last READY: a REGISTER now means that broker is
+        # gone or forgot us. Before one, the READY may still be on its way (heartbeats and jobs
+        # travel on two sockets), and a second one would hand back the jobs sent in between.
+        registered = False
         poller = zmq.Poller()
         poller.register(self._pipe, zmq.POLLIN)
         poller.register(sock, zmq.POLLIN)
@@ -191,7 +196,7 @@ class Heartbeats(threading.Thread):
                 if now >= reconnect_at:
                     sock = _dealer(self._ctx, self._endpoint, self._identity)
                     poller.register(sock, zmq.POLLIN)
-                    heard, reached = now, None
+                    heard, reached, registered = now, None, False
                     self._pipe.send(REGISTER)
                 continue
             if sock in events:
@@ -199,7 +204,13 @@ class Heartbeats(threading.Thread):
                 backoff = BACKOFF_MIN_S
                 while sock.poll(0):
                     kind = sock.recv_multipart()[0]
-                    if kind != wire.HEARTBEAT:
+                    if kind == wire.HEARTBEAT:
+                        registered = True
+                    elif kind == wire.REGISTER and registered:
+                        log.info("worker.broker_asks_to_register")
+                        registered = False
+                        self._pipe.send(REGISTER)
+                    elif kind != wire.REGISTER:
                         log.warning("worker.unknown_message", kind=kind[:16])
             if now - sent >= self._interval_s / 2:
                 try:
