@@ -525,9 +525,10 @@ class Collector:
                                "last_seen_s": None}
         for inc in self._live.values():
             silent = now - inc.seen
-            row = rows.setdefault(inc.process, {"name": inc.process, "program": program_of(inc.process),
-                                                "state": "SILENT" if silent > SILENT_AFTER_S else "RUNNING",
+            row = rows.setdefault(inc.process, {"name": inc.process, "program": program_of(inc.process), "state": "RUNNING",
                                                 "pid": inc.pid, "uptime_s": time.time() - inc.started})
+            if silent > SILENT_AFTER_S and row["state"] == "RUNNING" and row["pid"] == inc.pid:
+                row["state"] = "SILENT"  # supervisord sees it run, but a process that stopped publishing is hung
             row["last_seen_s"] = round(silent, 1)
         for row in rows.values():
             row["restarts"] = self._restarts.get(row["name"], 0)

@@ -730,9 +730,19 @@ def plot(path: str, runs: list[tuple[dict[str, Any], dict[str, np.ndarray]]]) ->
 # ---------------------------------------------------------------------------------- CLI
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default in its help, except where the help names its own or there is none (a
+    flag, an option unset unless given): `(default: False)` after "(default)" contradicts it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="streamasr bench", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=_HelpFormatter)
     p.add_argument("--streams", type=int, default=1, help="concurrent streams")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of audio per stream (whole clips, so a little more)")
     pace = p.add_mutually_exclusive_group()

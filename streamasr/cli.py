@@ -32,8 +32,10 @@ def _config(args: argparse.Namespace) -> Config:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="TOML config file (default: $STREAMASR_CONFIG, else the embedded default)")
-    p.add_argument("--instance", help="instance name: namespaces shm segments and the run directory")
+    p.add_argument("--config", help="TOML config file over the embedded default (default: $STREAMASR_CONFIG); its "
+                                    "relative paths are taken from its own directory")
+    p.add_argument("--instance", help="instance name (default: the config's, \"default\"): namespaces shm segments and "
+                                      "the run directory (the config's run_dir, else /tmp/streamasr-<instance>)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wait", type=float, default=0, metavar="SECONDS", help="wait up to this long for readiness")
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("stop", help="stop a running instance (open streams are finished first)")
+    p = sub.add_parser("stop", help="stop a running instance (open streams are ended first, what they sent transcribed)")
     _common(p)
     p.set_defaults(func=cmd_stop)
 

@@ -26,10 +26,14 @@ FIRST_FRAME_WAIT_S = 2.5  # a local collector hears every process within one pub
 
 
 def main(cfg: Config, once: bool = False, url: str | None = None) -> int:
-    """Show the instance's figures (one frame with `once`); `url` is the dashboard's, default on 127.0.0.1."""
-    url = url or f"http://127.0.0.1:{cfg.metrics.dashboard_port}/"
+    """Show the instance's figures (one frame with `once`); `url` is the dashboard's, default on 127.0.0.1
+    at the config's port, where only this instance's own dashboard counts: another instance's may
+    hold that port while this one is not running."""
     console = Console()
-    if _fetch(url) is not None:
+    given = url is not None
+    url = url or f"http://127.0.0.1:{cfg.metrics.dashboard_port}/"
+    snap = _fetch(url)
+    if snap is not None and (given or snap.get("instance") == cfg.instance):
         return _show(console, lambda: _fetch(url), f"dashboard {url}", once)
     collector = Collector(cfg)
     try:

@@ -38,6 +38,17 @@ def check_latency(stats: dict[str, Any]) -> None:
     assert stats["p50"] <= stats["p90"] <= stats["p99"] <= stats["p99_9"] <= stats["max"]
 
 
+def test_help_states_each_default_once_and_none_that_is_not_one() -> None:
+    """An operator reads the defaults off `--help`: "(default)" after --realtime must not be followed
+    by "(default: False)", nor an option unset unless given say "(default: None)"."""
+    proc = subprocess.run([sys.executable, "-m", "streamasr.cli", "bench", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert "(default: False)" not in text and "(default: None)" not in text, text
+    assert "(default: 2)" in text and "(default: 0.0)" in text  # --workers, --ramp: a default of 0 is still one
+
+
 def test_realtime_report_is_well_formed(tmp_path: Path) -> None:
     settings = tmp_path / "null.toml"
     # The model comes from --config when --model is not given; the cap is not applied: without a

@@ -40,6 +40,15 @@ def _streamasr(*args: str, cwd: Path = ROOT, timeout: float = 120) -> subprocess
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+def test_serve_help_says_where_the_run_directory_is() -> None:
+    """The run directory holds the logs, sockets and effective config an operator looks for; `--help`
+    is where a new one looks first."""
+    proc = _streamasr("serve", "--help")
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert "run_dir" in text and str(settings.Config(instance="<instance>").run_path) in text, text
+
+
 @pytest.mark.parametrize(("args", "named"), [
     (["--instance", "prod.eu"], "instance must be 1 to 64 letters, digits, '_' or '-', not 'prod.eu'"),
     (["--instance", "a/b"], "instance must be 1 to 64 letters, digits, '_' or '-', not 'a/b'"),
@@ -168,8 +177,10 @@ def test_a_setting_that_cannot_work_is_refused_before_anything_starts(tmp_path: 
 
 
 def test_an_unknown_model_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    base = free_ports(3)  # ports another instance holds would be refused first
     config = tmp_path / "streamasr.toml"
-    config.write_text(f'run_dir = "{tmp_path / "run"}"\ninstance = "badmodel"\n')
+    config.write_text(f'run_dir = "{tmp_path / "run"}"\ninstance = "badmodel"\n[ingest]\naddress = "tcp://127.0.0.1:{base}"\n'
+                      f'port_base = {base + 1}\n[metrics]\ndashboard_port = {base + 2}\n')
     for command in ("serve", "export"):
         done = _streamasr(command, "--config", str(config), "--model", "whisper-huge.xx")
         assert done.returncode == 2

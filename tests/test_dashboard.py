@@ -8,6 +8,7 @@ against the real service (supervisord's own dashboard) under `streamasr bench`.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -170,6 +171,22 @@ def test_top_prints_one_frame_from_the_dashboard_or_its_own_collector(fake_insta
         assert "already bound" in capsys.readouterr().out
 
 
+def test_top_does_not_take_another_instances_dashboard_for_its_own(fake_instance, tmp_path: Path, capsys) -> None:
+    """Two instances' configs may name one dashboard port, which only a running one holds: `top` of
+    the other must not show the running one's figures as its own."""
+    config_file, names = fake_instance
+    with running_dashboard(config_file) as url:
+        port = int(url.rstrip("/").rsplit(":", 1)[1])
+        own = settings.load(config_file, {"metrics": {"dashboard_port": port}})
+        other = settings.load(instance_config(tmp_path)[1], {"metrics": {"dashboard_port": port}})
+        wait_for(lambda: len(json.loads(get(url + "api/snapshot")[1])["processes"]) == 3, what="the dashboard's view")
+        assert top.main(own, once=True) == 0
+        assert "via dashboard" in capsys.readouterr().out  # its own, at the config's port
+        assert top.main(other, once=True) == 0
+        frame = capsys.readouterr().out
+        assert "via collector" in frame and other.instance in frame and not any(name in frame for name in names), frame
+
+
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium (apt-get install chromium)")
 def test_page_in_headless_chromium(fake_instance, tmp_path: Path) -> None:
     config_file, names = fake_instance
@@ -235,3 +252,28 @@ def test_full_service_dashboard_under_bench(service_factory, tmp_path: Path) -> 
     decoded = counters(url, "streamasr_worker_jobs")
     # kept per worker, not summed; an idle-fast null model may leave one worker with all the jobs
     assert decoded and {dict(labels)["worker"] for labels in decoded} <= {"worker-0", "worker-1"}, decoded
+
+
+def test_a_supervised_process_that_stops_publishing_is_shown_silent(service_factory) -> None:
+    """supervisord still calls a hung process RUNNING: the page must say it has gone quiet."""
+    svc = service_factory(model="null", workers=1, ingest={"stall_after_s": 0})  # no stall watch to end it
+    url = f"http://127.0.0.1:{svc.cfg.metrics.dashboard_port}/"
+
+    def ingest_row() -> dict | None:
+        try:
+            rows = json.loads(get(url + "api/snapshot")[1])["processes"]
+        except OSError:
+            return None
+        return next((p for p in rows if p["name"] == "ingest-0" and p["last_seen_s"] is not None), None)
+
+    pid = wait_for(ingest_row, timeout=30, what="the ingest in the dashboard's snapshot")["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        # shown SILENT once it has not published for 3 s, and before the collector drops it at 10 s
+        silent = wait_for(lambda: (row := ingest_row()) and row["state"] == "SILENT" and row, timeout=9,
+                          what="the stopped ingest shown SILENT")
+        assert silent["pid"] == pid and silent["last_seen_s"] > 3
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_for(lambda: (row := ingest_row()) and row["state"] == "RUNNING" and row["last_seen_s"] < 3,
+             timeout=10, what="the resumed ingest shown RUNNING")
