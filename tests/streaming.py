@@ -45,6 +45,7 @@ class Refused(Exception):
     def __init__(self, error: m.ErrorMsg):
         super().__init__(f"{error.code}: {error.message}")
         self.code = error.code
+        self.error = error
 
 
 class ConnectionLost(Exception):
@@ -59,7 +60,9 @@ class StreamResult:
     errors: list[m.ErrorMsg] = field(default_factory=list)
     closed: m.Closed | None = None
     refused: str | None = None  # error code of a refused open
+    refusal: m.ErrorMsg | None = None  # the error it was refused with, as the client got it
     resumes: list[int] = field(default_factory=list)  # offsets the stream was re-opened at
+    overloaded: int = 0  # audio messages refused for room (`overloaded`), resent after the next ack
     first_final_at: float | None = None
 
     @property
@@ -130,6 +133,7 @@ class StreamClient:
                 return self.result
             except Refused as exc:
                 self.result.refused = exc.code
+                self.result.refusal = exc.error
                 self.answered.set()
                 return self.result
             except ConnectionLost:
@@ -216,6 +220,7 @@ class StreamClient:
                     if msg.code == m.UNKNOWN_STREAM:
                         raise ConnectionLost("the ingest no longer knows the stream (it restarted)")
                     if msg.code == m.OVERLOADED and msg.seq is not None and msg.seq in sent_at and msg.seq < seq:
+                        self.result.overloaded += 1
                         pos, seq = sent_at[msg.seq], msg.seq  # resend from the refused frame after the next ack
                         window = min(window, pos)
                         ended = False  # an `end` sent after the refused frame is sent again after it

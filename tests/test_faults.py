@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -22,7 +23,7 @@ import pytest
 from conftest import Service, running
 from shm import pool
 from streamasr import service as svc
-from streaming import StreamClient, StreamResult, read_wav, speech_files, stream_many, wait_for
+from streaming import CHUNK_FRAMES, RATE, StreamClient, StreamResult, read_wav, speech_files, stream_many, wait_for
 
 GAP = np.zeros(12_000, np.int16).tobytes()  # 0.75 s of silence: a pause ends a segment
 FAULT_SPEED = 3.0  # three times real time: long enough to hit streams mid-flight
@@ -96,13 +97,33 @@ def assert_unchanged(results: dict[str, StreamResult], baseline: dict[str, list[
         assert finals(result) == baseline[name], (name, result.resumes)
 
 
+def holds_a_job(service: Service, worker_id: str) -> bool:
+    return any(w["id"] == worker_id and w["inflight"] > 0 for w in svc.status(service.cfg).get("workers", []))
+
+
+def log_events(service: Service, program: str, event: str) -> list[dict[str, Any]]:
+    return [e for e in map(json.loads, (line for line in service.logs(program).splitlines() if line.startswith("{")))
+            if e["event"] == event]
+
+
 def test_worker_killed_mid_job(asr: Service, corpus: dict[str, bytes], baseline: dict[str, list[tuple[float, float, str]]]) -> None:
     killed: dict[str, Any] = {}
 
     def kill_busy_worker() -> None:
-        worker = wait_for(lambda: busy_worker(asr), 120, "a worker holding a job", interval=0.02)
-        os.kill(worker["pid"], signal.SIGKILL)
-        killed.update(worker)
+        # A worker seen busy may have answered by the time a signal lands: it is stopped first, so
+        # that it cannot answer, and killed only if the broker still counts a job on it (asked
+        # twice: an answer sent just before the stop has reached the broker by the second reply).
+        while True:
+            worker = wait_for(lambda: busy_worker(asr), 120, "a worker holding a job", interval=0.02)
+            os.kill(worker["pid"], signal.SIGSTOP)
+            try:
+                if holds_a_job(asr, worker["id"]) and holds_a_job(asr, worker["id"]):
+                    os.kill(worker["pid"], signal.SIGKILL)
+                    killed.update(worker)
+                    return
+            finally:
+                if not killed:
+                    os.kill(worker["pid"], signal.SIGCONT)
 
     killer = threading.Thread(target=kill_busy_worker, daemon=True)
     killer.start()
@@ -112,7 +133,9 @@ def test_worker_killed_mid_job(asr: Service, corpus: dict[str, bytes], baseline:
     assert_unchanged(results, baseline)
     name = "worker-" + killed["id"].split("-")[1]
     restarted(asr, name, killed["pid"])
-    assert "broker.worker_lost" in asr.logs("broker")
+    # the broker gave the killed worker up and queued its job again for the other
+    lost = [e for e in log_events(asr, "broker", "broker.worker_lost") if e["worker"] == killed["id"]]
+    assert len(lost) == 1 and lost[0]["requeued"] >= 1, lost
 
 
 def test_broker_killed(asr: Service, corpus: dict[str, bytes], baseline: dict[str, list[tuple[float, float, str]]]) -> None:
@@ -174,26 +197,59 @@ def test_ingest_killed_client_resumes(asr: Service, corpus: dict[str, bytes], ba
 
 
 def test_sigterm_drains_open_streams(service_factory: Any) -> None:
-    service = service_factory(model="null", workers=2)
+    # a worker may be held up for a second here and not be given up for lost
+    service = service_factory(model="null", workers=2, broker={"heartbeat_ms": 1000, "liveness": 10})
+    workers = [p["pid"] for p in svc.processes(service.cfg) if p["name"].startswith("worker-")]
+    assert len(workers) == 2
     files = speech_files()
     buffers = {f"drain{i}": concat(files[i::3]) for i in range(3)}
+    # the same audio streamed whole, with no stop: the segments the drained streams must match
+    whole = {name.removeprefix("whole-"): finals(r) for name, r in
+             stream_many(service.address, {f"whole-{n}": pcm for n, pcm in buffers.items()}, speed=None, partials=False).items()}
     stopping = threading.Event()
+
+    def resume_workers() -> None:
+        try:
+            wait_for(lambda: "ingest.draining" in service.logs("ingest-0"), 30, "the drain to begin")
+            time.sleep(1.0)  # the drain waits on the finals while the clients send 2 s of audio more
+        finally:
+            for pid in workers:
+                os.kill(pid, signal.SIGCONT)
 
     def stop_midway(client: StreamClient, pos: int) -> None:
         # SIGTERM to supervisord, as `streamasr stop` sends it. (The CLI itself polls the pid,
-        # which stays a zombie here until this test, its parent, reaps it.)
+        # which stays a zombie here until this test, its parent, reaps it.) The workers are held
+        # up for a while, so that audio arrives after the drain began and before it ends.
         if pos > client.total // 3 and not stopping.is_set():
             stopping.set()
+            for pid in workers:
+                os.kill(pid, signal.SIGSTOP)
             service.proc.send_signal(signal.SIGTERM)
+            threading.Thread(target=resume_workers, daemon=True).start()
 
     pids = [p["pid"] for p in svc.processes(service.cfg) if p["pid"]]
     results = stream_many(service.address, buffers, speed=2.0, partials=False, on_progress=stop_midway)
     for name, result in results.items():
-        assert result.closed is not None and result.closed.reason == "shutdown", (name, result.closed)
-        # what the service accepted before the stop was transcribed and delivered
-        assert result.finals and result.closed.segments == len(result.finals), (name, result)
-        # audio the client kept sending after the drain began is refused, never dropped silently
-        assert all(e.code == "bad_message" and "after end" in e.message for e in result.errors), result.errors
+        closed = result.closed
+        assert closed is not None and closed.reason == "shutdown", (name, closed)
+        taken = round(closed.audio_s * RATE)  # input frames the service accepted before the stop
+        assert 0 < taken < len(buffers[name]) // 2 and taken % CHUNK_FRAMES == 0, (name, closed)
+        # what the service accepted before the stop was transcribed and delivered: every segment
+        # the stop left whole as in the run without it, then the one it cut into, ended at the cut
+        got, want = finals(result), whole[name]
+        done = [f for f in want if f[1] <= closed.audio_s]
+        assert got[: len(done)] == done, (name, closed.audio_s, got, want)
+        assert all(end <= closed.audio_s + 0.01 for _, end, _ in got), (name, closed.audio_s, got)
+        cut = [f for f in want if f[0] + 1.0 <= closed.audio_s < f[1]]  # a second of it in before the stop
+        if cut:
+            assert len(got) == len(done) + 1 and got[-1][0] == cut[0][0], (name, closed.audio_s, got, want)
+        assert closed.segments == len(result.finals), (name, result)
+        # audio the client kept sending after the drain began is refused, never dropped silently:
+        # each message the service read before `closed` was taken or refused by its seq, the
+        # refusals starting at the first message not taken
+        assert result.errors and all(e.code == "bad_message" and "after end" in e.message for e in result.errors), result.errors
+        first = taken // CHUNK_FRAMES
+        assert [e.seq for e in result.errors] == list(range(first, first + len(result.errors))), (name, taken, result.errors)
     # within supervisord's stop timeouts (ingest drains first, then workers, then the broker)
     assert service.proc.wait(60) == 0
     for pid in pids:

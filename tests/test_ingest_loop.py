@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import zmq
 
+from broker import jobs
 from config import settings
 from ingest.server import IngestServer
 from ingest.session import Session
@@ -112,7 +113,8 @@ def test_a_broker_away_never_blocks_the_loop(server: IngestServer) -> None:
     """What the ingest sends to a broker that is away (dead, or restarting) queues until the link
     is given up for lost; past ZeroMQ's default limit of 1,000 messages, a send would block the
     loop, and every client with it. Here no broker was ever there, and the heartbeats the loop
-    sends, 2,000 of them, must all leave at once."""
+    sends, 2,000 of them, must all leave at once: queued, not dropped, so a broker that comes up
+    gets the registration and every one of them, in order."""
 
     def blocked(_signum: int, _frame: object) -> None:
         raise TimeoutError("a send to the absent broker blocked")  # interrupts the send
@@ -127,3 +129,18 @@ def test_a_broker_away_never_blocks_the_loop(server: IngestServer) -> None:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+    broker = zmq.Context.instance().socket(zmq.ROUTER)
+    broker.setsockopt(zmq.LINGER, 0)
+    broker.bind(server.cfg.broker_ingest_endpoint)
+    got: list[list[bytes]] = []
+    try:
+        while len(got) < 2001 and broker.poll(10_000):
+            got.append(broker.recv_multipart())
+        assert not broker.poll(200), "more than the registration and the heartbeats sent"
+    finally:
+        broker.close()
+    assert len(got) == 2001, f"{len(got)} of the registration and 2,000 heartbeats reached the broker"
+    assert {ident for ident, *_ in got} == {b"ingest-0"}
+    assert [kind for _, kind, _ in got] == [jobs.READY] + [jobs.HEARTBEAT] * 2000
+    assert all(jobs.unpack(body)["streams"] == 0 for _, _, body in got[1:])

@@ -212,11 +212,16 @@ def test_prometheus_text_parses_and_counters_increase(instance, publishers, coll
     assert {s.labels["process"] for s in families["streamasr_process_threads"].samples} == {"worker-0", "ingest-0"}
     buckets = [s for s in families["streamasr_batch_size"].samples if s.name.endswith("_bucket")]
     assert [s.value for s in buckets] == sorted(s.value for s in buckets)  # cumulative
-    time.sleep(1.5)
-    second = samples(collector.prometheus().decode())
-    for key, value in samples(first).items():
-        if key[0] in ("streamasr_jobs_total", "streamasr_busy_seconds_total", "streamasr_partial_latency_seconds_count"):
-            assert second[key] > value, key
+    growing = {key: value for key, value in samples(first).items()
+               if key[0] in ("streamasr_jobs_total", "streamasr_busy_seconds_total", "streamasr_partial_latency_seconds_count")}
+    assert {key[0] for key in growing} == {"streamasr_jobs_total", "streamasr_busy_seconds_total",
+                                           "streamasr_partial_latency_seconds_count"}, sorted(growing)
+
+    def all_grown() -> bool:
+        second = samples(collector.prometheus().decode())
+        return all(second[key] > value for key, value in growing.items())
+
+    wait_for(all_grown, what=f"each of {sorted(growing)} to increase")
 
 
 def test_window_figures_count_only_what_happened_since_a_process_was_first_heard(instance) -> None:
@@ -224,17 +229,24 @@ def test_window_figures_count_only_what_happened_since_a_process_was_first_heard
     collector of its own) hears each process's whole history in its first snapshot: the windowed
     rate and latency figures count only what was recorded after that, not the history at once."""
     cfg, _ = instance
-    collector = Collector(cfg, window=60.0).start()
+    collector = Collector(cfg, window=60.0)
+
+    def refreshed(after: dict[str, Any]) -> dict[str, Any]:
+        """The first view the collector builds after `after` (it rebuilds it once a second)."""
+        return wait_for(lambda: (view := collector.snapshot()) is not after and view, what="the collector's next refresh")
+
+    unstarted = collector.snapshot()
+    collector.start()
     broker = ProcessMetrics(cfg, "broker", interval=0.1)
     try:
         for _ in range(5000):  # an hour of service before the collector started
             broker.inc("jobs_total", kind="partial", status="done")
             broker.observe("partial_latency_seconds", 2.0)
-        time.sleep(0.5)  # the collector's first figures are taken before it hears anyone
+        refreshed(unstarted)  # the collector's first figures are taken before it hears anyone
         broker.start()
-        wait_for(lambda: "broker" in processes(collector), what="the broker's first snapshot")
-        time.sleep(1.5)  # a refresh or two with the history in
-        snap = collector.snapshot()
+        heard = wait_for(lambda: next((v for v in [collector.snapshot()] if "broker" in {p["name"] for p in v["processes"]}), None),
+                         what="the broker's first snapshot")
+        snap = refreshed(refreshed(heard))  # a refresh or two with the history in
         assert snap["throughput"]["jobs_per_s"] == 0, snap["throughput"]
         assert snap["latency"]["partial"]["count"] == 0, snap["latency"]["partial"]
         for _ in range(7):
@@ -292,14 +304,27 @@ def test_collector_ignores_malformed_snapshots_and_refuses_a_second_bind(instanc
     sock = zmq.Context.instance().socket(zmq.PUB)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint(cfg))
-    time.sleep(0.3)
-    for junk in (b"\xc1not msgpack", msgpack.packb([1, 2]), msgpack.packb({"v": 1, "process": "x"}),
-                 msgpack.packb({"v": 1, "process": "x", "incarnation": "i", "pid": "no", "started": 0, "time": 0,
-                                "counters": [], "gauges": [], "histograms": []}),
-                 msgpack.packb({"v": 1, "process": "x", "incarnation": "i", "pid": float("inf"), "started": 0, "time": 0,
-                                "counters": [], "gauges": [], "histograms": []})):
-        sock.send(junk)
-    sock.close()
+
+    def heard(process: str) -> None:
+        """A good snapshot of `process` on this socket, sent until the collector shows it."""
+        good = msgpack.packb(ProcessMetrics(cfg, process).snapshot())
+        wait_for(lambda: sock.send(good) or process in processes(collector), what=f"the good snapshot of {process!r}")
+
+    try:
+        # The collector hears this socket before any junk goes (a PUB drops what it sends before
+        # the subscription arrives), and hears it through: what follows the junk on the same
+        # connection arrives after it, so once "after" is shown every piece of junk was read.
+        heard("before")
+        for junk in (b"\xc1not msgpack", msgpack.packb([1, 2]), msgpack.packb({"v": 1, "process": "x"}),
+                     msgpack.packb({"v": 1, "process": "x", "incarnation": "i", "pid": "no", "started": 0, "time": 0,
+                                    "counters": [], "gauges": [], "histograms": []}),
+                     msgpack.packb({"v": 1, "process": "x", "incarnation": "i", "pid": float("inf"), "started": 0, "time": 0,
+                                    "counters": [], "gauges": [], "histograms": []})):
+            sock.send(junk)
+        heard("after")
+    finally:
+        sock.close()
+    assert "x" not in processes(collector)
     publishers(config_file, "broker")
     wait_for(lambda: "broker" in processes(collector), what="a good publisher after junk")
     assert "x" not in processes(collector)

@@ -78,13 +78,20 @@ def test_realtime_admission_control(service_factory: Any, figure: str) -> None:
     assert opener.refused is not None and opener.refused.refused == m.OVERLOADED
     admitted = len(opener.threads)
     assert admitted >= 1
+    # the client is told which figure refused it, and what it can do instead
+    refusal = opener.refused.refusal
+    assert refusal is not None and refusal.stream == opener.refused.stream, refusal
+    assert {"load": "realtime streams wait", "busy": "% busy"}[figure] in refusal.message, refusal.message
+    assert "priority batch" in refusal.message, refusal.message
     logs = service.logs("ingest-0")
     assert "ingest.open_refused" in logs
-    assert {"load": "realtime streams wait", "busy": "% busy"}[figure] in logs  # the figure that refused it
+    assert {"load": "realtime streams wait", "busy": "% busy"}[figure] in logs  # and the operator, in the log
 
-    # a batch stream is still taken while realtime ones are refused; credits pace it
+    # a batch stream is still taken while realtime ones are refused; credits pace it: sent as
+    # fast as its window allows, none of its audio is refused for room
     batch = StreamClient(service.address, pcm, "batch", speed=None, priority="batch", timeout=300).run()
     assert batch.refused is None and batch.errors == [] and batch.closed is not None and batch.finals
+    assert batch.closed.reason == "end" and batch.overloaded == 0, batch
 
     opener.admitted_finish()
     print(f"admitted {admitted} realtime streams, refused the next at {figure} {peak:.2f}")
@@ -132,6 +139,7 @@ def test_a_burst_is_cut_where_one_stream_s_share_says(service_factory: Any) -> N
     # admit_max_busy, 0.8), earlier when the burst's own streams are measured dearer meanwhile;
     # one more may pass if they were measured cheaper
     assert 1 <= admitted <= 0.8 / share + 1, (admitted, share)
+    assert opener.refused.refusal is not None and "% busy" in opener.refused.refusal.message, opener.refused.refusal
     assert "% busy" in service.logs("ingest-0")
     opener.admitted_finish()
     print(f"burst: admitted {admitted} realtime streams at a share of {share:.3f} per stream "
@@ -163,6 +171,7 @@ def test_a_fresh_service_cuts_a_burst_at_its_workers_start_up_price(service_fact
     # the next stream would pass admit_max_busy (0.8) at the prior; one more may pass if the
     # burst's first seconds were measured cheaper meanwhile
     assert 1 <= admitted <= 0.8 / prior + 1, (admitted, prior)
+    assert opener.refused.refusal is not None and "% busy" in opener.refused.refusal.message, opener.refused.refusal
     opener.admitted_finish()
     saved_file = service.cfg.run_path / figures.FILE
     wait_for(lambda: saved_file.exists() and min(json.loads(saved_file.read_text())["share"]) > 0, 10, "the streams' own figures saved")
@@ -298,7 +307,8 @@ def test_soak_returns_to_baseline(service_factory: Any) -> None:
     welcome = hello(service.address)
     for round_ in range(10):
         results = stream_many(service.address, {f"r{round_}-{i}": pcm for i in range(8)}, speed=None)
-        assert all(r.errors == [] and r.closed is not None for r in results.values())
+        for r in results.values():
+            assert r.errors == [] and r.closed is not None and r.closed.reason == "end" and r.finals, r
         # a client that vanishes mid-stream: the idle sweep must give its ring back
         gone = _dealer(welcome.ingest)
         gone.send_multipart(m.encode(m.Open(stream="gone")))

@@ -215,12 +215,18 @@ def test_bad_input_gets_clear_errors_and_nothing_dies(null_svc) -> None:
     assert isinstance(err, m.ErrorMsg) and err.code == m.BAD_FORMAT and err.seq == 0
     bad.send(m.Audio(stream="odd", seq=5, data=b"\0\0"))
     err = bad.recv()
-    assert isinstance(err, m.ErrorMsg) and err.code == m.OUT_OF_ORDER
+    assert isinstance(err, m.ErrorMsg) and err.code == m.OUT_OF_ORDER and (err.stream, err.seq) == ("odd", 5)
+    assert "expected seq 0" in err.message, err.message  # the refused frame took no place in the sequence
 
     good.send(m.End(stream="good"))
     events = good.until_closed()
     finals = [e for e in events if isinstance(e, m.Final)]
     assert finals and all(f.text == null_svc.cfg.model.null_text for f in finals)
+    # the good stream saw none of it: no error, and all its audio taken
+    assert not [e for e in events if isinstance(e, m.ErrorMsg)], events
+    closed = events[-1]
+    assert isinstance(closed, m.Closed) and closed.reason == "end", closed
+    assert closed.audio_s == pytest.approx(_duration(FILES[0]), abs=0.001) and closed.segments == len(finals), closed
     assert _pids(null_svc) == before, "a process restarted"
     good.close()
     bad.close()
@@ -236,6 +242,8 @@ def test_client_that_vanishes_is_closed_and_others_are_unaffected(null_svc) -> N
     other.send(m.End(stream="other"))
     events = other.until_closed()
     assert any(isinstance(e, m.Final) for e in events)
+    assert not [e for e in events if isinstance(e, m.ErrorMsg)], events
+    assert events[-1].reason == "end" and events[-1].audio_s == pytest.approx(_duration(FILES[1]), abs=0.001), events[-1]
     deadline = time.monotonic() + 30
     closed: list[dict] = []
     while time.monotonic() < deadline and not closed:  # this stream's close: other tests' streams idle out too

@@ -84,7 +84,9 @@ def test_batch_reads_the_named_samples(pool: RingPool, worker: Worker) -> None:
     worker.backend = Recording()
     results = worker.process([job(pool, ring.slot, ring.generation, 100, 900, 1), job(pool, ring.slot, ring.generation, 0, 50, 2)])
     assert [(r.job_id, r.status, r.text, r.batch_size) for r in results] == [(1, OK, "800", 2), (2, OK, "50", 2)]
+    assert len(worker.backend.seen) == 2
     np.testing.assert_array_equal(worker.backend.seen[0], samples[100:900])
+    np.testing.assert_array_equal(worker.backend.seen[1], samples[0:50])
     assert all(r.worker == worker.identity and r.finished >= r.started > 0 for r in results)
 
 
@@ -312,6 +314,21 @@ def test_the_io_thread_ends_a_worker_stuck_in_its_model(pool: RingPool, worker: 
             time.sleep(self.seconds)  # releases the GIL, as a native call does
             return [DecodeResult(text="x") for _ in requests]
 
+    class Stuck(Backend):
+        """A call that stays inside (releasing the GIL, as a hung native call does) until the
+        watchdog ends the process; here the stand-in for os._exit only records it, so the call
+        then returns, and says when."""
+
+        def __init__(self) -> None:
+            self.returned = 0.0
+
+        def transcribe_batch(self, requests: Sequence[DecodeRequest]) -> list[DecodeResult]:
+            give_up = time.monotonic() + 60
+            while not exits.statuses and time.monotonic() < give_up:
+                time.sleep(0.01)
+            self.returned = time.monotonic()
+            return [DecodeResult(text="x") for _ in requests]
+
     try:
         heartbeats.start()
         worker.backend = Sleeps(0.05)
@@ -319,11 +336,12 @@ def test_the_io_thread_ends_a_worker_stuck_in_its_model(pool: RingPool, worker: 
             worker.process([job(pool, ring.slot, ring.generation, 0, 100)])
         time.sleep(0.7)  # idle past the limit: nothing runs, nothing to watch
         assert exits.statuses == []
-        worker.backend = Sleeps(1.5)
+        worker.backend = stuck = Stuck()
         started = time.monotonic()
         worker.process([job(pool, ring.slot, ring.generation, 0, 100, 99)])
-        assert exits.statuses[:1] == [STUCK_EXIT_STATUS]
-        assert 0.5 <= exits.at[0] - started < 1.5  # on a tick past the limit, while the call was inside
+        assert exits.statuses[:1] == [STUCK_EXIT_STATUS], "the IO thread never ended the stuck call"
+        # on a tick past the limit, never before it, and while the call was inside
+        assert started + 0.5 <= exits.at[0] <= stuck.returned
     finally:
         pipe.send(STOP)
         heartbeats.join(5)
