@@ -137,6 +137,9 @@ class Session:
         """Take one audio frame; False means it was refused (an error is in the outbox)."""
         self.last_activity = time.monotonic()
         if self.ending:
+            if self.close_reason == "shutdown":  # the client sent no `end`: the service ended the stream
+                return self._refuse(m.NOT_READY, "the service is shutting down: the stream was ended at the audio "
+                                                 "taken before, which is being transcribed", msg.seq)
             return self._refuse(m.BAD_MESSAGE, "audio after end", msg.seq)
         if msg.seq < self.next_seq:
             self.resent = True  # a resend of audio already accepted: acknowledge, do not store twice
