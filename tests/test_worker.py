@@ -26,7 +26,7 @@ from shm import RingPool, reclaim
 from shm.ring import Ring
 from speech.backend import Backend, DecodeRequest, DecodeResult
 from speech.null_backend import NullBackend
-from workers.worker import _PIPE, STOP, STUCK_EXIT_STATUS, Heartbeats, Watchdog, Worker, _ResultLinks
+from workers.worker import _PIPE, REGISTER, STOP, STUCK_EXIT_STATUS, Heartbeats, Watchdog, Worker, _ResultLinks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -289,6 +289,51 @@ def test_process_is_watched_for_the_length_of_its_backend_call(pool: RingPool, w
         worker.process([job(pool, ring.slot, ring.generation, 0, 100, 41), job(pool, ring.slot, ring.generation, 0, 50, 42)])
     assert exits.statuses == [STUCK_EXIT_STATUS]
     assert [(e["batch"], e["jobs"]) for e in logs if e["event"] == "worker.stuck"] == [(2, [41, 42])]
+
+
+@pytest.mark.parametrize("answered", [True, False])
+def test_a_broker_that_does_not_know_the_worker_gets_its_ready_again(answered: bool) -> None:
+    """A broker answers the heartbeats of a worker it has not registered with REGISTER, as
+    broker.py does (at most once a heartbeat interval). Once a heartbeat has answered the
+    worker's READY, the IO thread tells the main thread at once to send READY again. Before that
+    it waits, since the READY may be on its way; but a READY that never arrives (the broker that
+    had it died) must not leave the worker unknown for good: the REGISTERs are not taken for
+    hearing the broker, its patience runs out and the sockets are replaced, READY with them."""
+    run = Path(tempfile.mkdtemp(prefix="sasr-"))  # short: ipc paths are limited to about 100 bytes
+    cfg = settings.load(None, {"run_dir": str(run), "instance": f"t{uuid.uuid4().hex[:8]}",
+                               "broker": {"heartbeat_ms": 100, "liveness": 3}})
+    interval = cfg.broker.heartbeat_ms / 1000
+    ctx = zmq.Context()
+    broker = ctx.socket(zmq.ROUTER)
+    broker.bind(cfg.broker_worker_endpoint)
+    pipe = ctx.socket(zmq.PAIR)
+    pipe.bind(_PIPE)
+    heartbeats = Heartbeats(ctx, cfg, b"worker-test")
+    try:
+        with capture_logs() as logs:
+            heartbeats.start()
+            assert broker.poll(5000)
+            ident = broker.recv_multipart()[0]
+            if answered:
+                broker.send_multipart([ident, wire.HEARTBEAT])  # what answers a READY
+            asked = -1.0
+            deadline = time.monotonic() + 5.0
+            while not pipe.poll(0) and time.monotonic() < deadline:
+                if broker.poll(20):
+                    broker.recv_multipart()
+                if time.monotonic() - asked >= interval:  # the broker no longer knows the worker
+                    asked = time.monotonic()
+                    broker.send_multipart([ident, wire.REGISTER])
+            assert pipe.poll(0) and pipe.recv() == REGISTER, "the main thread was never told to register again"
+        events = [e["event"] for e in logs]
+        assert events == (["worker.broker_asks_to_register"] if answered else ["worker.broker_silent"]), events
+    finally:
+        pipe.send(STOP)
+        heartbeats.join(5)
+        pipe.close(linger=0)
+        broker.close(linger=0)
+        ctx.term()
+        shutil.rmtree(run, ignore_errors=True)
 
 
 def test_the_io_thread_ends_a_worker_stuck_in_its_model(pool: RingPool, worker: Worker) -> None:

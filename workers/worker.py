@@ -200,17 +200,21 @@ class Heartbeats(threading.Thread):
                     self._pipe.send(REGISTER)
                 continue
             if sock in events:
-                heard = now
-                backoff = BACKOFF_MIN_S
                 while sock.poll(0):
                     kind = sock.recv_multipart()[0]
+                    if kind == wire.REGISTER and not registered:
+                        # not hearing: a broker that never answers our READY (it was lost on
+                        # the way) must still be taken for silent, and the sockets replaced
+                        continue
+                    heard = now
+                    backoff = BACKOFF_MIN_S
                     if kind == wire.HEARTBEAT:
                         registered = True
-                    elif kind == wire.REGISTER and registered:
+                    elif kind == wire.REGISTER:
                         log.info("worker.broker_asks_to_register")
                         registered = False
                         self._pipe.send(REGISTER)
-                    elif kind != wire.REGISTER:
+                    else:
                         log.warning("worker.unknown_message", kind=kind[:16])
             if now - sent >= self._interval_s / 2:
                 try:
