@@ -358,7 +358,9 @@ class Collector:
         """Drop silent processes, read resources, supervisord and GPUs, and rebuild the view."""
         now = time.monotonic()
         with self._lock:
-            for inc in [i for i in self._live.values() if now - i.seen > self.stale_after]:
+            # one that supervisord still runs under the same pid is hung, not gone: kept, to be shown SILENT
+            running = {(p["name"], p["pid"]) for p in self._supervisor if p.get("statename") == "RUNNING"}
+            for inc in [i for i in self._live.values() if now - i.seen > self.stale_after and (i.process, i.pid) not in running]:
                 self._retire(inc)
             publishing = {i.process: i.pid for i in self._live.values()}
         supervisor, supervisor_error = self._read_supervisor()

@@ -23,6 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from config import settings
+from metrics.collector import STALE_AFTER_S
 from streamasr import top
 from streaming import wait_for
 from test_metrics import ROOT, instance_config, start_publisher
@@ -269,10 +270,14 @@ def test_a_supervised_process_that_stops_publishing_is_shown_silent(service_fact
     pid = wait_for(ingest_row, timeout=30, what="the ingest in the dashboard's snapshot")["pid"]
     os.kill(pid, signal.SIGSTOP)
     try:
-        # shown SILENT once it has not published for 3 s, and before the collector drops it at 10 s
-        silent = wait_for(lambda: (row := ingest_row()) and row["state"] == "SILENT" and row, timeout=9,
+        # shown SILENT once it has not published for 3 s, and still SILENT past the 10 s after which
+        # the collector drops a process it hears no more: supervisord still runs this one
+        silent = wait_for(lambda: (row := ingest_row()) and row["state"] == "SILENT" and row, timeout=30,
                           what="the stopped ingest shown SILENT")
         assert silent["pid"] == pid and silent["last_seen_s"] > 3
+        later = wait_for(lambda: (row := ingest_row()) and row["last_seen_s"] > STALE_AFTER_S + 1 and row, timeout=30,
+                         what="the stopped ingest silent past the collector's limit")
+        assert later["state"] == "SILENT" and later["pid"] == pid, later
     finally:
         os.kill(pid, signal.SIGCONT)
     wait_for(lambda: (row := ingest_row()) and row["state"] == "RUNNING" and row["last_seen_s"] < 3,
