@@ -525,7 +525,9 @@ class Abandoned:
     """Opens the caller gave up on, from the `end` sent after them until the server answers it.
 
     On one connection the server answers in order: such an open's late `ready` (or its refusal),
-    then `closed` (or `unknown_stream`) for its `end`. Until then whatever comes for the id is
+    then `closed` (or `unknown_stream`) for its `end`; a stream the service closes itself in
+    between (a shutdown) is answered `closed`, then `unknown_stream` for the `end`, which `route`
+    drops as news of no open. Until then whatever comes for the id is
     about that open, so an open of the same id again is held back and sent after it: sent at
     once, it would take the first open's late `ready` for its own, and its `closed` would end it.
     Owned by the socket's owner; a new connection starts with none (`clear`).
@@ -593,6 +595,10 @@ def route(streams: dict[str, Entry], msg: ServerMessage, now: float) -> bool:
             entry.opened.set_result(None)
     elif isinstance(msg, Ack):
         core.on_ack(msg)
+    elif isinstance(msg, ErrorMsg) and msg.code == UNKNOWN_STREAM and not entry.opened.done():
+        # no answer to an open: the late answer to the `end` of an earlier, given-up open of this
+        # id (after the service had closed it itself, say at a shutdown: see Abandoned)
+        return False
     elif isinstance(msg, ErrorMsg) and not entry.opened.done():
         del streams[sid]
         entry.opened.set_exception(StreamError(msg.code, msg.message, sid))

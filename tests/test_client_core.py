@@ -360,6 +360,18 @@ def entry(c: StreamCore) -> Entry:
     return Entry(c, Open(stream="s", rate=100, prompt="names"), fut, queue.SimpleQueue())
 
 
+def test_an_open_not_answered_yet_is_not_failed_by_unknown_stream() -> None:
+    """`unknown_stream` never answers an open: one that arrives for an open still waiting is the
+    late answer to the `end` of an earlier open of the id (given up on, then closed by the service
+    at a shutdown before that `end` came), and must not fail this one."""
+    waiting = Entry(core(), Open(stream="s", rate=100), Future(), queue.SimpleQueue())
+    streams = {"s": waiting}
+    assert route(streams, ErrorMsg(code=UNKNOWN_STREAM, message="no such stream", stream="s", seq=None), 1.0) is False
+    assert streams == {"s": waiting} and not waiting.opened.done()
+    route(streams, Ready("s", window=1000), 1.1)
+    assert waiting.opened.done() and waiting.opened.exception() is None
+
+
 def test_only_audio_from_durable_on_is_kept_and_resent_with_fresh_seqs() -> None:
     c = core(max_frame_bytes=200)
     c.push(bytes(range(200)) * 3)  # 300 frames: messages end at 100, 200, 300
