@@ -246,10 +246,13 @@ def test_sigterm_drains_open_streams(service_factory: Any) -> None:
         assert closed.segments == len(result.finals), (name, result)
         # audio the client kept sending after the drain began is refused, never dropped silently:
         # each message the service read before `closed` was taken or refused by its seq, the
-        # refusals starting at the first message not taken
-        assert result.errors and all(e.code == "not_ready" and "shutting down" in e.message for e in result.errors), result.errors
+        # refusals starting at the first message not taken (a stream with no segment open at the
+        # drain is closed at once, before the frames behind the stop are read: it has none)
+        assert all(e.code == "not_ready" and "shutting down" in e.message for e in result.errors), result.errors
         first = taken // CHUNK_FRAMES
         assert [e.seq for e in result.errors] == list(range(first, first + len(result.errors))), (name, taken, result.errors)
+    # the workers held up, the drain outlasts the frames sent behind the stop for streams mid-segment
+    assert any(result.errors for result in results.values()), results
     # within supervisord's stop timeouts (ingest drains first, then workers, then the broker)
     assert service.proc.wait(60) == 0
     for pid in pids:
