@@ -19,6 +19,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import structlog
 import zmq
 
@@ -44,25 +45,21 @@ LOADED_BUSY = 0.5  # decodes in a tick the workers were this busy cost what they
 # it is taken only from this many decodes of a kind in a window's busy ticks: one decode that
 # stalls (a descheduled core) can be the only "busy" tick of a lightly loaded service.
 MIN_LOADED_DECODES = 5
-# and a tick's longest decode counts at most this many times the mean of the window's others
-OUTLIER_RATIO = 3.0
+# and no decode counts for more than this many times the median of its kind in the window: a
+# partial of a long segment legitimately costs a few times a short one's, a stall tens of times
+OUTLIER_RATIO = 4.0
 STATUS_NAMES = {OK: "done", EXPIRED: "expired", FAILED: "failed"}  # `status` label of jobs_total
 
 
 def typical_cost(ticks: list[RealtimeUse], kind: int, least: int) -> float | None:
     """Mean seconds a decode of `kind` (0 partial, 1 final) took in `ticks`, from at least `least`
-    decodes (else None), each tick's longest counted at most OUTLIER_RATIO times the mean of the
-    others: one decode that stalled says little of what the next will cost."""
-    decoded = sum(u.decoded[kind] for u in ticks)
-    if not decoded or decoded < least:
+    decodes (else None), each counted at most OUTLIER_RATIO times their median: decodes that
+    stalled (a descheduled core, a batch held up together) say little of what the next will cost,
+    as long as they are fewer than half."""
+    costs = np.fromiter((c for u in ticks for c in u.costs[kind]), dtype=np.float64)
+    if not len(costs) or len(costs) < least:
         return None
-    total = sum(u.decode_s[kind] for u in ticks)
-    kept = total
-    if decoded > 1:
-        for u in ticks:
-            others = (total - u.longest[kind]) / (decoded - 1)
-            kept -= max(0.0, u.longest[kind] - OUTLIER_RATIO * others)
-    return kept / decoded
+    return float(np.minimum(costs, OUTLIER_RATIO * np.median(costs)).mean())
 
 
 @dataclass(slots=True)

@@ -185,9 +185,9 @@ class JobQueue:
 class RealtimeUse:
     """Realtime work over one interval, the broker's second admission figure in the raw.
 
-    `decode_s` / `decoded` give what a partial and a final cost to decode (index 0 partials,
+    `costs` holds the seconds each partial and each final took to decode (index 0 partials,
     1 finals; a batch's time split evenly among its jobs, so batch jobs sharing it are not
-    counted), `longest` the longest single decode of each (one that stalled shows there), `asked` how many of each realtime streams asked for, `speaking` which streams
+    counted), `asked` how many of each realtime streams asked for, `speaking` which streams
     asked for a partial (one is due every partial interval of speech; a final comes after the
     speech, at the pause) and `final_speech_s` how much speech the finals asked for cover.
     Demand is counted when asked, not when served: a saturated pool serves fewer jobs than
@@ -196,9 +196,7 @@ class RealtimeUse:
 
     seconds: float = 0.0
     workers: int = 0
-    decode_s: list[float] = field(default_factory=lambda: [0.0, 0.0])
-    decoded: list[int] = field(default_factory=lambda: [0, 0])
-    longest: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    costs: tuple[list[float], list[float]] = field(default_factory=lambda: ([], []))
     asked: list[int] = field(default_factory=lambda: [0, 0])
     speaking: set[tuple[int, str]] = field(default_factory=set)  # (ingest, stream key)
     final_speech_s: float = 0.0
@@ -208,7 +206,7 @@ class RealtimeUse:
         """Share of the workers' time realtime decodes took (0..1)."""
         if not self.seconds or not self.workers:
             return 0.0
-        return min(1.0, sum(self.decode_s) / (self.seconds * self.workers))
+        return min(1.0, (sum(self.costs[0]) + sum(self.costs[1])) / (self.seconds * self.workers))
 
 
 @dataclass(slots=True)
@@ -392,9 +390,7 @@ class Dispatcher:
                     self._waited = max(self._waited, result.started - since)
                 if job.priority == REALTIME and result.finished > result.started > 0:
                     seconds = (result.finished - result.started) / max(1, result.batch_size)
-                    self._use.decode_s[job.final] += seconds
-                    self._use.decoded[job.final] += 1
-                    self._use.longest[job.final] = max(self._use.longest[job.final], seconds)
+                    self._use.costs[job.final].append(seconds)
             if key in self._answered:
                 # A duplicate: no copy of the job may stay queued or remembered as due an answer.
                 self._requeued.discard(key)
