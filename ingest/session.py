@@ -137,9 +137,13 @@ class Session:
         """Take one audio frame; False means it was refused (an error is in the outbox)."""
         self.last_activity = time.monotonic()
         if self.ending:
-            if self.close_reason == "shutdown":  # the client sent no `end`: the service ended the stream
+            # the client may have sent no `end`: the service ends a stream at a shutdown, and one idle too long
+            if self.close_reason == "shutdown":
                 return self._refuse(m.NOT_READY, "the service is shutting down: the stream was ended at the audio "
                                                  "taken before, which is being transcribed", msg.seq)
+            if self.close_reason == "idle_timeout":
+                return self._refuse(m.BAD_MESSAGE, f"audio after the stream was ended: none came for "
+                                                   f"{self.cfg.ingest.idle_timeout_s:g} s (ingest.idle_timeout_s)", msg.seq)
             return self._refuse(m.BAD_MESSAGE, "audio after end", msg.seq)
         if msg.seq < self.next_seq:
             self.resent = True  # a resend of audio already accepted: acknowledge, do not store twice

@@ -160,6 +160,22 @@ def test_a_batch_stream_inside_its_window_is_never_refused(pool: RingPool, rate:
     assert errors(s) == [] and s.ring.written == len(resampled(rate, accepted))
 
 
+@pytest.mark.parametrize(("reason", "code", "says"), [
+    ("end", m.BAD_MESSAGE, "audio after end"),
+    ("shutdown", m.NOT_READY, "the service is shutting down"),
+    ("idle_timeout", m.BAD_MESSAGE, "none came for 30 s (ingest.idle_timeout_s)"),
+])
+def test_audio_after_the_stream_ended_is_refused_saying_who_ended_it(pool: RingPool, reason: str, code: str, says: str) -> None:
+    """Only the first is the client's own doing: a shutdown or the idle timeout ended the others,
+    and the refusal must not read as if the client had sent `end` before its audio."""
+    s = session(pool)
+    assert s.accept_audio(m.Audio(stream="s", seq=0, data=tone(1600, 16000)))
+    s.end(reason)
+    assert not s.accept_audio(m.Audio(stream="s", seq=1, data=tone(1600, 16000, 1600)))
+    [err] = errors(s)
+    assert (err.code, err.stream, err.seq) == (code, "s", 1) and says in err.message, err
+
+
 def test_end_writes_the_whole_remainder_of_a_full_ring(pool: RingPool) -> None:
     """A ring filled to refusal with 100 ms frames, then with smaller ones: the resampler still
     holds a block, and end() writes all of it."""
