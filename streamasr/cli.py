@@ -203,6 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ModelError) as exc:  # before any process started: the operator's to fix
         print(f"streamasr {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except SystemExit as exc:  # what cannot start here and now (a port taken, no room in /dev/shm): said the same way
+        if not isinstance(exc.code, str):
+            raise
+        print(f"streamasr {args.command}: error: {exc.code}", file=sys.stderr)
+        return 1
     except BrokenPipeError:  # the reader went away (`streamasr status | head`): nothing left to tell it
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not raise again
         return 1

@@ -215,7 +215,8 @@ def test_an_address_in_use_is_refused_before_anything_starts(tmp_path: Path) -> 
     finally:
         holder.close(linger=0)
     assert done.returncode == 1
-    assert f"cannot bind tcp://127.0.0.1:{base + 1} (Address already in use)" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert f"streamasr serve: error: cannot bind tcp://127.0.0.1:{base + 1} (Address already in use)" in done.stderr \
+        and "Traceback" not in done.stderr, done.stderr  # said as the settings' refusals are
     assert not (tmp_path / "run").exists()
 
 
