@@ -61,6 +61,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"  worker {w.get('id')}: model {w.get('model')}, in flight {w.get('inflight')}, done {w.get('jobs_done')}")
         for i in report.get("ingests", []):
             print(f"  ingest {i.get('index')}: {i.get('endpoint')}, streams {i.get('streams')}")
+        if report.get("ready") and not service.complete(report):
+            expected = report["expected"]
+            print(f"  registered: {len(report.get('ingests', []))} of {expected['ingests']} ingest processes, "
+                  f"{len(report.get('workers', []))} of {expected['workers']} workers")
         if "realtime" in report:
             cap = f" (cap {report['realtime_cap']})" if report.get("realtime_cap") else ""
             prior = " (the workers' start-up price: nothing measured above it yet)" \

@@ -211,7 +211,8 @@ def status(cfg: Config) -> dict[str, Any]:
         return {"instance": cfg.instance, "address": cfg.ingest.address, "running": False, "ready": False, "processes": [],
                 "supervisor_error": f"not running (no supervisord of this instance in {cfg.run_path})"}
     cfg = saved_config(cfg)
-    report: dict[str, Any] = {"instance": cfg.instance, "address": cfg.ingest.address, "running": True}
+    report: dict[str, Any] = {"instance": cfg.instance, "address": cfg.ingest.address, "running": True,
+                              "expected": {"ingests": cfg.ingest.processes, "workers": cfg.worker_count}}
     try:
         report["processes"] = [
             {"name": p["name"], "group": p["group"], "state": p["statename"], "pid": p["pid"], "uptime_s": p["now"] - p["start"] if p["pid"] else 0}
@@ -230,11 +231,20 @@ def status(cfg: Config) -> dict[str, Any]:
     return report
 
 
+def complete(report: dict[str, Any]) -> bool:
+    """Every ingest process and worker the instance runs has registered with the broker."""
+    expected = report.get("expected", {})
+    return len(report.get("ingests", [])) >= expected.get("ingests", 0) and len(report.get("workers", [])) >= expected.get("workers", 0)
+
+
 def wait_ready(cfg: Config, timeout: float) -> dict[str, Any]:
+    """The report once the service is ready with its whole pool registered, or at `timeout`:
+    the front door is ready with one ingest and one worker, and a script that waits to send load
+    wants it spread over all of them."""
     deadline = time.monotonic() + timeout
     while True:
         report = status(cfg)
-        if report.get("ready") or time.monotonic() > deadline:
+        if (report.get("ready") and complete(report)) or time.monotonic() > deadline:
             return report
         time.sleep(0.25)
 

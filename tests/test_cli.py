@@ -153,6 +153,55 @@ def test_ops_commands_follow_the_running_instance_from_anywhere(tmp_path: Path) 
     assert not pool.segments(instance)
 
 
+def test_status_wait_waits_for_every_ingest_and_worker_the_instance_runs(tmp_path: Path) -> None:
+    """The front door is ready with one ingest and one worker; `status --wait` is what a script
+    runs before it sends load, which should find every ingest process registered to spread over.
+    Until then it waits, and at its end it says what is missing."""
+    base = free_ports(4)
+    instance = f"pool{uuid.uuid4().hex[:8]}"
+    config = tmp_path / "streamasr.toml"
+    config.write_text(f'instance = "{instance}"\nrun_dir = "{tmp_path / "run"}"\n[ingest]\naddress = "tcp://127.0.0.1:{base}"\n'
+                      f"port_base = {base + 1}\nprocesses = 2\n[metrics]\ndashboard_port = {base + 3}\n[workers]\nprocesses = 1\n")
+    cfg = settings.load(config)
+    serve = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "serve", "--config", str(config), "--model", "null"], cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    reaper = threading.Thread(target=serve.wait, daemon=True)
+    reaper.start()
+
+    def pid_of(name: str) -> int | None:
+        try:
+            return next((p["pid"] for p in service.processes(cfg) if p["name"] == name and p["pid"]), None)
+        except OSError:  # supervisord's socket not there yet
+            return None
+
+    try:
+        deadline = time.monotonic() + 60
+        while (held := pid_of("ingest-1")) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert held is not None, "ingest-1 never started"
+        os.kill(held, signal.SIGSTOP)  # started, not registered yet: it takes a second to load
+        try:
+            while not ((report := service.status(cfg)).get("ready")) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert [i["index"] for i in report["ingests"]] == [0], report
+            done = _streamasr("status", "--config", str(config), "--wait", "2")
+            assert done.returncode == 0, done.stdout  # ready: the front door serves
+            assert "registered: 1 of 2 ingest processes, 1 of 1 workers" in done.stdout, done.stdout
+        finally:
+            os.kill(held, signal.SIGCONT)
+        done = _streamasr("status", "--config", str(config), "--wait", "60", "--json")
+        report = json.loads(done.stdout)
+        assert done.returncode == 0 and report["expected"] == {"ingests": 2, "workers": 1}, report
+        assert sorted(i["index"] for i in report["ingests"]) == [0, 1] and len(report["workers"]) == 1, report
+        assert _streamasr("stop", "--config", str(config)).returncode == 0
+        reaper.join(10)
+    finally:
+        if serve.poll() is None:
+            serve.send_signal(signal.SIGTERM)
+            serve.wait(60)
+    assert not pool.segments(instance)
+
+
 @pytest.mark.parametrize(("setting", "named"), [
     ('[model]\nmax_batch = "4"\n', "model.max_batch must be an integer, not '4'"),
     ('[model]\nprecision = "fp16"\n', "model.precision must be one of 'fp32', 'int8', not 'fp16'"),
