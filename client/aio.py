@@ -225,12 +225,8 @@ class AsyncClient:
 
     def _abandon(self, entry: Entry) -> None:
         """An open the caller gave up on: forget it, and end it in case the server opens it late."""
-        sid = entry.core.stream
-        if self._streams.get(sid) is entry:
-            del self._streams[sid]
-            if not self._abandoned.forget(sid) and not self._reconnecting:
-                self._send(encode(End(sid)))
-                self._abandoned.add(sid)
+        if self._abandoned.give_up(self._streams, entry, connected=not self._reconnecting):
+            self._send(encode(End(entry.core.stream)))
 
     def _wake_senders(self) -> None:
         self._moved.set()

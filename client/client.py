@@ -400,12 +400,8 @@ class Client:
 
     def _io_abandon(self, entry: Entry) -> None:
         """An open the caller gave up on: forget it, and end it in case the server opens it late."""
-        sid = entry.core.stream
-        if self._streams.get(sid) is entry:
-            del self._streams[sid]
-            if not self._abandoned.forget(sid):
-                self._sock.send_multipart(encode(End(sid)))
-                self._abandoned.add(sid)
+        if self._abandoned.give_up(self._streams, entry, connected=True):  # the IO thread resumes in one go
+            self._sock.send_multipart(encode(End(entry.core.stream)))
 
     def _receive(self) -> None:
         while True:

@@ -527,31 +527,35 @@ class Abandoned:
     On one connection the server answers in order: such an open's late `ready` (or its refusal),
     then `closed` (or `unknown_stream`) for its `end`; a stream the service closes itself in
     between (a shutdown) is answered `closed`, then `unknown_stream` for the `end`, which `route`
-    drops as news of no open. Until then whatever comes for the id is
-    about that open, so an open of the same id again is held back and sent after it: sent at
-    once, it would take the first open's late `ready` for its own, and its `closed` would end it.
-    Owned by the socket's owner; a new connection starts with none (`clear`).
+    drops as news of no open. Until then whatever comes for the id is about that open, so an
+    open of the same id again is held back and sent after it: sent at once, it would take the
+    first open's late `ready` for its own, and its `closed` would end it. Owned by the socket's
+    owner; a new connection starts with none (`clear`).
     """
 
     def __init__(self) -> None:
         self.ids: set[str] = set()  # abandoned opens whose `end` the server has not answered
         self.held: set[str] = set()  # opens of those ids again, not sent yet
 
-    def add(self, sid: str) -> None:
-        self.ids.add(sid)
+    def give_up(self, streams: dict[str, Entry], entry: Entry, connected: bool) -> bool:
+        """The caller gave up on `entry`'s open: forget it. True when an `end` must follow it on
+        the connection (`connected`: none is being made anew), the open having been sent."""
+        sid = entry.core.stream
+        if streams.get(sid) is not entry:
+            return False
+        del streams[sid]
+        if sid in self.held:  # never sent: nothing to end
+            self.held.discard(sid)
+            return False
+        if connected:
+            self.ids.add(sid)
+        return connected
 
     def hold(self, sid: str) -> bool:
         """Whether a new open of `sid` must wait for the abandoned one's answer (then it is held)."""
         if sid in self.ids:
             self.held.add(sid)
         return sid in self.ids
-
-    def forget(self, sid: str) -> bool:
-        """A held open given up on in its turn: True if it was never sent (nothing to end)."""
-        if sid in self.held:
-            self.held.discard(sid)
-            return True
-        return False
 
     def answered(self, msg: ServerMessage) -> bool:
         """Whether `msg` is news of an abandoned open (then no open stream's); its last news settles it."""
