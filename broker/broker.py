@@ -57,7 +57,7 @@ def typical_cost(ticks: list[RealtimeUse], kind: int, least: int) -> float | Non
     stalled (a descheduled core, a batch held up together) say little of what the next will cost,
     as long as they are fewer than half."""
     costs = np.fromiter((c for u in ticks for c in u.costs[kind]), dtype=np.float64)
-    if not len(costs) or len(costs) < least:
+    if len(costs) < max(least, 1):
         return None
     return float(np.minimum(costs, OUTLIER_RATIO * np.median(costs)).mean())
 
@@ -114,8 +114,7 @@ class Broker:
             final_deadline_s=cfg.broker.final_deadline_ms / 1000,
         ))
         self.ingests: dict[int, IngestState] = {}
-        self._register_asked: dict[int, float] = {}  # ingest index -> when it was last told to register again
-        self._worker_asked: dict[bytes, float] = {}  # unregistered worker -> when it was last told to register
+        self._register_asked: dict[bytes, float] = {}  # peer identity -> when it was last told to register (again)
         # Admission figure sent to every ingest each tick: how long realtime jobs wait for a model,
         # smoothed over ticks. It is the delay queueing adds for admitted streams right now.
         self.load = 0.0
@@ -242,11 +241,8 @@ class Broker:
             if link is not None:
                 link.seen = now
                 self._heartbeat_heard.add(worker)
-            elif now - self._worker_asked.get(worker, -math.inf) >= self._interval_s:
-                # a worker this broker does not know (it restarted, or gave up on the worker as
-                # silent) is asked to register, at most once a heartbeat interval: jobs wait meanwhile
-                self._worker_asked[worker] = now
-                self._send(self._worker_sock, ident, [wire.REGISTER])
+            else:  # a worker this broker does not know (it restarted, or gave it up as silent): jobs wait meanwhile
+                self._ask_to_register(self._worker_sock, ident, now)
             if kind != wire.HEARTBEAT:
                 log.warning("broker.bad_worker_message", worker=ident.decode(errors="replace"), error=f"{kind[:16]!r} on the heartbeat socket")
             return
@@ -261,7 +257,7 @@ class Broker:
                     ident, int(info["capacity"]), now, pid=int(info.get("pid", 0)), model=str(info.get("model", "")), cost=cost,
                 ))
                 self.worker_links[ident] = Link(seen=now)
-                self._worker_asked.pop(ident, None)
+                self._register_asked.pop(wire.heartbeat_identity(ident), None)
                 # at once, not at the next tick: it tells the worker its READY arrived, after which
                 # a REGISTER from a broker means that broker is new or forgot it (see workers.worker)
                 self._send(self._worker_sock, wire.heartbeat_identity(ident), [wire.HEARTBEAT])
@@ -335,7 +331,8 @@ class Broker:
             if index is None:
                 raise ValueError("identity is not ingest-<index>")
             if state is None and kind != wire.READY:
-                self._ask_to_register(index, kind, now)
+                if self._ask_to_register(self._ingest_sock, ingest_identity(index), now):
+                    log.info("broker.ingest_unregistered", ingest=index, kind=kind[:16].decode(errors="replace"))
             if kind == wire.READY:
                 self._register_ingest(index, wire.unpack(body[0]), now)
             elif kind == wire.JOBS:
@@ -368,20 +365,20 @@ class Broker:
         self._answer([JobResult(job_id=job.job_id, ingest=index, status=FAILED, error=f"refused by the broker: {job.error}")
                       for job in bad if job.job_id is not None])
 
-    def _ask_to_register(self, index: int, kind: bytes, now: float) -> None:
-        """Tell an ingest this broker has not registered (given up on as silent, or heard first
-        after a restart) to register again and re-send what it waits for: its other messages
-        (heartbeats, expired answers to its jobs) keep it taking the broker for alive, so it
-        would not reconnect by itself. At most once per heartbeat interval: what the ingest
-        sent before its READY arrives needs no answer of its own."""
-        if now - self._register_asked.get(index, -math.inf) < self._interval_s:
-            return
-        self._register_asked[index] = now
-        log.info("broker.ingest_unregistered", ingest=index, kind=kind[:16].decode(errors="replace"))
-        self._send(self._ingest_sock, ingest_identity(index), [wire.REGISTER])
+    def _ask_to_register(self, sock: zmq.Socket, ident: bytes, now: float) -> bool:
+        """Tell a peer this broker has not registered (given up on as silent, or heard first after
+        a restart) to register again; True if told now. Its messages (an ingest's heartbeats and
+        the answers to its jobs, a worker's heartbeats) keep it taking the broker for alive, so it
+        would not reconnect before its patience ran out, if ever. At most once per heartbeat
+        interval: what the peer sent before its READY arrives needs no answer of its own."""
+        if now - self._register_asked.get(ident, -math.inf) < self._interval_s:
+            return False
+        self._register_asked[ident] = now
+        self._send(sock, ident, [wire.REGISTER])
+        return True
 
     def _register_ingest(self, index: int, info: dict[str, Any], now: float) -> None:
-        self._register_asked.pop(index, None)
+        self._register_asked.pop(ingest_identity(index), None)
         pid = int(info.get("pid", 0))
         old = self.ingests.get(index)
         if old is not None and old.pid != pid:
@@ -436,8 +433,8 @@ class Broker:
         self.metrics.set("admission_wait_seconds", self.load)
         self.metrics.set("admission_busy_ratio", self.busy)
         self.metrics.set("admission_stream_share", self.stream_share)
-        for ident in [w for w, asked in self._worker_asked.items() if now - asked > self._patience_s]:
-            del self._worker_asked[ident]  # not heard from since: gone
+        for ident in [p for p, asked in self._register_asked.items() if now - asked > self._patience_s]:
+            del self._register_asked[ident]  # not heard from since: gone
         for ident, link in list(self.worker_links.items()):
             if now - link.seen > self._patience_s:
                 self._lose_worker(ident, "silent", now)
