@@ -22,7 +22,6 @@ import signal
 import sys
 import threading
 import time
-import wave
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -32,6 +31,7 @@ from client import Client, StreamError
 from config import settings
 from protocol.messages import OVERLOADED, Closed, ErrorMsg, Final
 from streamasr import service, testdata
+from streamasr.loadgen import Clip, load_clips
 
 RATE = 16_000
 FRAME = RATE // 10
@@ -54,18 +54,6 @@ class Outcome:
     @property
     def passed(self) -> bool:
         return self.failure is None and self.closed == "end" and self.finals > 0 and not self.errors
-
-
-def clips() -> list[np.ndarray]:
-    out = []
-    for u in testdata.utterances():
-        if u.path.endswith(".wav"):
-            with wave.open(u.path) as w:
-                if w.getframerate() == RATE and w.getnchannels() == 1:
-                    out.append(np.frombuffer(w.readframes(w.getnframes()), np.int16))
-    if not out:
-        raise SystemExit(f"no 16 kHz dev-set speech under {testdata.data_dir()} (apt-get install pocketsphinx-testdata)")
-    return out
 
 
 def stream_until(address: str, index: int, speech: list[np.ndarray], until: float, outcomes: list[Outcome], lock: threading.Lock) -> None:
@@ -132,7 +120,9 @@ def main() -> int:
     cfg = service.saved_config(settings.load(args.config, {"instance": args.instance} if args.instance else None))
     if not service.status(cfg).get("ready"):
         raise SystemExit(f"instance {cfg.instance!r} is not running or not ready")
-    speech = clips()
+    speech = load_clips([Clip(u.name, u.path, u.reference) for u in testdata.utterances()], RATE)
+    if not speech:
+        raise SystemExit(f"no dev-set speech under {testdata.data_dir()} (apt-get install pocketsphinx-testdata)")
     until = time.monotonic() + args.duration
     outcomes: list[Outcome] = []
     log: list[str] = []

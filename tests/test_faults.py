@@ -101,9 +101,9 @@ def holds_a_job(service: Service, worker_id: str) -> bool:
     return any(w["id"] == worker_id and w["inflight"] > 0 for w in svc.status(service.cfg).get("workers", []))
 
 
-def log_events(service: Service, program: str, event: str) -> list[dict[str, Any]]:
-    return [e for e in map(json.loads, (line for line in service.logs(program).splitlines() if line.startswith("{")))
-            if e["event"] == event]
+def log_events(service: Service, program: str) -> list[dict[str, Any]]:
+    """Every JSON line of a program's log."""
+    return [json.loads(line) for line in service.logs(program).splitlines() if line.startswith("{")]
 
 
 def test_worker_killed_mid_job(asr: Service, corpus: dict[str, bytes], baseline: dict[str, list[tuple[float, float, str]]]) -> None:
@@ -134,7 +134,7 @@ def test_worker_killed_mid_job(asr: Service, corpus: dict[str, bytes], baseline:
     name = "worker-" + killed["id"].split("-")[1]
     restarted(asr, name, killed["pid"])
     # the broker gave the killed worker up and queued its job again for the other
-    lost = [e for e in log_events(asr, "broker", "broker.worker_lost") if e["worker"] == killed["id"]]
+    lost = [e for e in log_events(asr, "broker") if e["event"] == "broker.worker_lost" and e["worker"] == killed["id"]]
     assert len(lost) == 1 and lost[0]["requeued"] >= 1, lost
 
 
@@ -191,7 +191,7 @@ def test_ingest_killed_client_resumes(asr: Service, corpus: dict[str, bytes], ba
     assert pool.segments(asr.cfg.instance) == [segment]
     assert (pool.SHM_DIR / segment).stat().st_ino != inode
     # and said so, on a line an operator finds by the ingest's index as all of that process's lines
-    lines = [json.loads(line) for line in asr.logs("ingest-0").splitlines() if line.startswith("{")]
+    lines = log_events(asr, "ingest-0")
     assert any(e["event"] == "shm.leftover_unlinked" for e in lines)
     assert all(e.get("ingest") == 0 for e in lines), [e for e in lines if e.get("ingest") != 0][:3]
 
