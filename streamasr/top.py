@@ -1,7 +1,8 @@
 """`streamasr top`: the dashboard's figures in a terminal, refreshed every second.
 
 An instance has one collector (it binds the metrics endpoint). When the dashboard is up, `top` reads
-its snapshot over HTTP; otherwise it runs a collector itself for as long as it runs.
+its snapshot over HTTP; otherwise it runs a collector itself for as long as it runs, in the
+instance's run directory: an instance without one has never started, and `top` leaves it so.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def main(cfg: Config, once: bool = False, url: str | None = None) -> int:
     snap = _fetch(url)
     if snap is not None and (given or snap.get("instance") == cfg.instance):
         return _show(console, lambda: _fetch(url), f"dashboard {url}", once)
+    if not cfg.run_path.is_dir():  # nothing of the instance publishes there; a collector would make it
+        console.print(f"[red]instance {cfg.instance!r} is not running[/red] (no run directory {cfg.run_path})")
+        return 1
     collector = Collector(cfg)
     try:
         collector.start()

@@ -124,7 +124,8 @@ def counters(url: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
 @pytest.fixture
 def fake_instance(tmp_path: Path) -> Iterator[tuple[Path, list[str]]]:
     """An instance whose 'processes' are three publishers of made-up figures."""
-    _, config_file = instance_config(tmp_path)
+    cfg, config_file = instance_config(tmp_path)
+    cfg.run_path.mkdir(mode=0o700)  # as `serve` prepares it
     pubs = [start_publisher(config_file, name) for name in ("broker", "ingest-0", "worker-0")]
     yield config_file, [p.name for p in pubs]
     for p in pubs:
@@ -180,12 +181,21 @@ def test_top_does_not_take_another_instances_dashboard_for_its_own(fake_instance
         port = int(url.rstrip("/").rsplit(":", 1)[1])
         own = settings.load(config_file, {"metrics": {"dashboard_port": port}})
         other = settings.load(instance_config(tmp_path)[1], {"metrics": {"dashboard_port": port}})
+        other.run_path.mkdir()  # it ran once, and is not running now
         wait_for(lambda: len(json.loads(get(url + "api/snapshot")[1])["processes"]) == 3, what="the dashboard's view")
         assert top.main(own, once=True) == 0
         assert "via dashboard" in capsys.readouterr().out  # its own, at the config's port
         assert top.main(other, once=True) == 0
         frame = capsys.readouterr().out
         assert "via collector" in frame and other.instance in frame and not any(name in frame for name in names), frame
+
+
+def test_top_of_an_instance_that_never_started_says_so_and_creates_nothing(tmp_path: Path, capsys) -> None:
+    """`top --instance typo` must not leave a run directory behind that later looks like an instance."""
+    cfg = instance_config(tmp_path)[0]
+    assert top.main(cfg, once=True, url="http://127.0.0.1:9/") == 1
+    assert f"instance {cfg.instance!r} is not running" in capsys.readouterr().out
+    assert not cfg.run_path.exists()
 
 
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium (apt-get install chromium)")
