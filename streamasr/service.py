@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import psutil
 import zmq
 from supervisor.xmlrpc import SupervisorTransport
 
@@ -54,13 +55,26 @@ def stop_timeout() -> float:
 
 
 def supervisord_pid(cfg: Config) -> int | None:
-    """Pid of this instance's running supervisord, if any."""
+    """Pid of this instance's running supervisord, if any. The pid file alone does not say: one
+    that a killed supervisord left behind (a crash, a reboot with the run directory kept) may
+    name a pid the system has since given to another program, which `stop` would then signal
+    and `serve` would take for this instance running. So the process must be supervisord on
+    this service's supervisord.conf, for this run directory where its environment is readable."""
     try:
         pid = int((cfg.run_path / "supervisord.pid").read_text())
-        os.kill(pid, 0)
-        return pid
-    except (OSError, ValueError):
+        proc = psutil.Process(pid)
+        cmdline = proc.cmdline()
+    except (OSError, ValueError, psutil.Error):
         return None
+    if str(SUPERVISORD_CONF) not in cmdline or not any(Path(arg).name == "supervisord" for arg in cmdline):
+        return None
+    try:
+        run_dir = proc.environ().get("STREAMASR_RUN_DIR")
+    except psutil.AccessDenied:  # another user's supervisord: its command line is all there is to go on
+        return pid
+    except psutil.Error:
+        return None
+    return pid if run_dir is not None and Path(run_dir).resolve() == cfg.run_path.resolve() else None
 
 
 def unbindable_addresses(cfg: Config) -> list[str]:

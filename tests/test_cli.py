@@ -91,11 +91,9 @@ def test_stop_waits_as_long_as_supervisord_may_take(tmp_path: Path) -> None:
     assert waits["ingest"] == 12 and sum(waits.values()) == 37
     cfg = settings.load(None, {"run_dir": str(tmp_path / "run"), "instance": f"stop{uuid.uuid4().hex[:8]}"})
     cfg.run_path.mkdir()
-    slow = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
-                             "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(32), sys.exit(0)))\n"
-                             "print('ready', flush=True)\ntime.sleep(600)\n"], stdout=subprocess.PIPE, text=True)
+    slow = _a_process(tmp_path / "supervisord", "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(32), sys.exit(0)))",
+                      args=["-n", "-c", str(service.SUPERVISORD_CONF)], env={"STREAMASR_RUN_DIR": str(cfg.run_path)})
     try:
-        assert slow.stdout is not None and slow.stdout.readline() == "ready\n"
         threading.Thread(target=slow.wait, daemon=True).start()  # reaped once it exits, as supervisord's parent would
         (cfg.run_path / "supervisord.pid").write_text(str(slow.pid))
         config = tmp_path / "streamasr.toml"
@@ -108,6 +106,43 @@ def test_stop_waits_as_long_as_supervisord_may_take(tmp_path: Path) -> None:
         if slow.poll() is None:
             slow.send_signal(signal.SIGKILL)
         slow.wait()
+
+
+def _a_process(script: Path, setup: str, args: list[str] | None = None, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """A Python program at `script` that runs `setup`, then sleeps; started and ready once this returns."""
+    script.write_text(f"import signal, sys, time\n{setup}\nprint('ready', flush=True)\ntime.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, str(script), *(args or [])], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    return proc
+
+
+def test_a_stale_pid_file_naming_another_program_is_not_taken_for_the_instance(tmp_path: Path) -> None:
+    """A supervisord killed outright leaves its pid file, and the system may give that pid to any
+    program later: `stop` must not signal it, `status` must not call the instance running, and
+    `serve` must not refuse to start as if it were."""
+    cfg = settings.load(None, {"run_dir": str(tmp_path / "run"), "instance": f"stale{uuid.uuid4().hex[:8]}"})
+    cfg.run_path.mkdir()
+    config = tmp_path / "streamasr.toml"
+    config.write_text(settings.dump(cfg))
+    # The instance's own variables do not make a program its supervisord; nor does another
+    # instance's supervisord command line (its run directory is elsewhere).
+    other = _a_process(tmp_path / "other.py", "", env={"STREAMASR_RUN_DIR": str(cfg.run_path)})
+    elsewhere = _a_process(tmp_path / "supervisord", "", args=["-n", "-c", str(service.SUPERVISORD_CONF)],
+                           env={"STREAMASR_RUN_DIR": str(tmp_path / "another-run")})
+    try:
+        for proc in (other, elsewhere):
+            (cfg.run_path / "supervisord.pid").write_text(str(proc.pid))
+            done = _streamasr("stop", "--config", str(config))
+            assert done.returncode == 1 and "is not running" in done.stderr, done.stderr
+            assert proc.poll() is None, "stop signalled a program that is not the instance's supervisord"
+            report = json.loads(_streamasr("status", "--json", "--config", str(config)).stdout)
+            assert report["running"] is False
+            assert service.supervisord_pid(cfg) is None  # what `serve` refuses "already running" by
+    finally:
+        for proc in (other, elsewhere):
+            proc.kill()
+            proc.wait()
 
 
 def test_ops_commands_follow_the_running_instance_from_anywhere(tmp_path: Path) -> None:
