@@ -506,15 +506,20 @@ class Broker:
                 if cost is not None:
                     costs[final] = cost
         cost = [busy or idle for busy, idle in zip(figures.loaded_cost, figures.decode_cost)]
+        # Partials asked for in ticks with no worker-seconds (every worker restarting, the
+        # broker's first tick) are not part of the share: counted against the seconds of the
+        # ticks that had workers, they would price a stream at several times its cost, and
+        # admission would refuse streams for a window after the workers are back.
+        served = [u for u in ticks if u.seconds * u.workers]
         stream_capacity = 0.0  # worker-seconds times the streams speaking in them
         stream_spans = 0
-        for start in range(0, len(ticks), self._span_ticks):
-            span = ticks[start:start + self._span_ticks]
+        for start in range(0, len(served), self._span_ticks):
+            span = served[start:start + self._span_ticks]
             speaking = len(set().union(*(u.speaking for u in span)))
             stream_capacity += sum(u.seconds * u.workers for u in span) * speaking
             stream_spans += speaking
         if stream_capacity and 2 * stream_spans >= self._window_spans:
-            figures.share[0] = sum(u.asked[0] for u in ticks) * cost[0] / stream_capacity
+            figures.share[0] = sum(u.asked[0] for u in served) * cost[0] / stream_capacity
         speech_s = sum(u.final_speech_s for u in ticks)
         if speech_s and use.workers:
             figures.share[1] = sum(u.asked[1] for u in ticks) * cost[1] / speech_s / use.workers

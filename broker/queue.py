@@ -111,6 +111,9 @@ class JobQueue:
                 # would otherwise always hold the latest deadline and never be served
                 order = min(order, (*queued.order[:4], order[4]))
                 since = min(since, queued.since)
+                # and a segment whose first partial never ran still has no text on screen: its
+                # replacement is the one that gets the quick first look (quick_first_partial)
+                job.first = job.first or (old.first and old.seg == job.seg)
             elif not job.final:  # a re-queued partial older than the one waiting
                 answers.append(expired(job, "superseded by a newer partial"))
                 return answers

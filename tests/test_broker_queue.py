@@ -569,6 +569,23 @@ def test_superseding_partial_keeps_the_streams_place_in_line() -> None:
     assert order[0] is newer  # the newest audio runs, at the oldest request's place
 
 
+def test_a_partial_replacing_a_segment_s_first_one_gets_the_quick_first_look() -> None:
+    """With partial_window = "full", a segment's first partial is still decoded on the short
+    window (quick_first_partial), so its first words reach the screen sooner. Replaced in the
+    queue under load, the first partial never ran; its replacement is what the segment shows
+    first, and must keep that quick look instead of a full-window decode (slower, and dearer
+    when the workers are already behind)."""
+    q = queue()
+    q.push(replace(job("s", seg=3, end=8_000), first=True), NOW)
+    q.push(replace(job("t", seg=0, end=8_000), first=True), NOW)
+    q.push(job("s", seg=3, end=16_000), NOW)
+    q.push(job("t", seg=1, end=24_000), NOW)  # the next segment's partial: its own first is yet to come
+    assert {j.stream: j.first for j in drain(q)[0]} == {"s": True, "t": False}
+    q.push(job("s", seg=4, end=8_000), NOW)  # a later partial of a segment already shown
+    q.push(job("s", seg=4, end=16_000), NOW)
+    assert [j.first for j in drain(q)[0]] == [False]
+
+
 def test_realtime_wait_counts_from_the_streams_oldest_superseded_partial() -> None:
     """The admission figure is how stale a stream's text is: a partial that replaced older ones
     has waited since the first of them, however new its own audio."""
@@ -858,5 +875,28 @@ def test_stream_share_is_priced_at_what_decodes_cost_with_the_workers_busy() -> 
         for _ in range(5):  # one stream again, on idle workers
             broker._update_stream_share(_speaking({"a"}))
         assert broker.stream_share == pytest.approx(2 * 0.25 / 2) and broker.stream_share > 2 * alone
+    finally:
+        broker.close()
+
+
+def test_partials_asked_while_no_worker_serves_do_not_price_a_stream() -> None:
+    """Every worker restarting at once (a deploy, a crash of all): the streams go on asking
+    for partials, with no worker-seconds to serve them. Those asks are no measure of what a
+    stream costs; counted against the seconds of the ticks that had workers, they priced each
+    stream at up to a window's ticks times its share, and admission refused streams for
+    seconds after the workers were back (and a broker restarted then restored that price)."""
+    broker = Broker(settings.load())
+    try:
+        ten = {f"s{i}" for i in range(10)}
+        for _ in range(5):
+            broker._update_stream_share(_speaking(ten))
+        steady = broker.stream_share
+        assert steady == pytest.approx(0.2 / 2)
+        for _ in range(8):  # no worker: the partials wait in the queue, none decoded
+            broker._update_stream_share(replace(_speaking(ten), workers=0, costs=([], [])))
+            assert broker.stream_share == pytest.approx(steady)
+        for _ in range(6):  # the workers are back
+            broker._update_stream_share(_speaking(ten))
+            assert broker.stream_share == pytest.approx(steady)
     finally:
         broker.close()
