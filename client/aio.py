@@ -408,7 +408,7 @@ class AsyncStream(StreamBase):
         self._client = client
 
     async def send(self, pcm: bytes | np.ndarray, timeout: float | None = None) -> None:
-        """Queue audio; a batch stream waits until all of it is within the window and sent."""
+        """Queue audio; a batch stream waits until all of it is within the window and sent (as `Stream.send`)."""
         self._client._check()
         data = self._prepare(pcm)
         if not data:

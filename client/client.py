@@ -452,7 +452,8 @@ class Stream(StreamBase):
         """Queue audio; a batch stream blocks until all of it is within the window and sent.
 
         `timeout` bounds how long a batch stream waits for the window to move (None: until the
-        stream or client closes).
+        stream or client closes). Raises ValueError for audio the server would refuse (see
+        `client.core.to_pcm`): sent, it would stop the stream taking any more.
         """
         data = self._prepare(pcm)
         if not data:

@@ -21,6 +21,7 @@ import numpy as np
 
 from protocol.messages import (
     BAD_FORMAT,
+    MAX_F32_SAMPLE,
     MAX_PROMPT_CHARS,
     NOT_READY,
     OUT_OF_ORDER,
@@ -115,7 +116,8 @@ def to_pcm(pcm: bytes | bytearray | memoryview | np.ndarray, encoding: str, chan
     """`pcm` as interleaved bytes in `encoding`; the caller may reuse its buffer afterwards.
 
     bytes are taken as already encoded (and not copied); arrays may be float (-1..1) or int16,
-    shaped (frames,) interleaved or (frames, channels).
+    shaped (frames,) interleaved or (frames, channels). Raises ValueError for audio the server
+    would refuse: not whole frames, or f32le samples that are NaN, infinite or beyond ±MAX_F32_SAMPLE.
     """
     width = SAMPLE_BYTES[encoding]
     if isinstance(pcm, np.ndarray):
@@ -139,6 +141,12 @@ def to_pcm(pcm: bytes | bytearray | memoryview | np.ndarray, encoding: str, chan
         data = bytes(pcm)
     if len(data) % (width * channels):
         raise ValueError(f"{len(data)} bytes is not a whole number of {channels}-channel {encoding} frames")
+    if encoding == "f32le" and data:
+        # the server refuses such a message bad_format and every later one out_of_order (it can
+        # never be resent as it is): the stream would take no more audio. min and max carry a NaN.
+        samples = np.frombuffer(data, "<f4")
+        if not (samples.min() >= -MAX_F32_SAMPLE and samples.max() <= MAX_F32_SAMPLE):
+            raise ValueError(f"f32le samples must be finite and within ±{MAX_F32_SAMPLE:g} (full scale is ±1)")
     return data
 
 
@@ -327,8 +335,8 @@ class StreamCore:
         self.ready = True
         self.window = window
         self.resume_by = None
-        if window > 0:  # a message bigger than the server's whole buffer could never be accepted
-            self.max_frames = max(1, min(self.max_frames, window // 4))
+        if window > self.offset:  # a message bigger than the server's whole buffer could never be accepted
+            self.max_frames = max(1, min(self.max_frames, (window - self.offset) // 4))
 
     def on_ack(self, ack: Ack) -> None:
         self.accepted = ack.samples

@@ -108,7 +108,7 @@ class IngestConfig:
     # Total over the service; 0 = as many as the rings hold (processes x shm.streams_per_ingest).
     # Each ingest process takes its share, rounded up.
     max_streams: int = setting(0, lo=0)
-    idle_timeout_s: float = setting(30.0, lo=0.1)  # a stream silent this long is closed (vanished client)
+    idle_timeout_s: float = setting(30.0, lo=0.1)  # a stream sent no audio this long, with room in its window, is closed (vanished client)
     drain_timeout_s: float = 8.0  # on SIGTERM, time to finish open streams (below supervisord's stopwaitsecs)
     # Admission: a realtime open is refused (`overloaded`) while the broker's load figure — how
     # long realtime streams wait for a model, in seconds, smoothed — is above this. 0 = never.

@@ -8,17 +8,13 @@ from __future__ import annotations
 import numpy as np
 import soxr
 
-from protocol.messages import RATES
+from protocol.messages import MAX_F32_SAMPLE, RATES
 
 TARGET_RATE = 16000
 ENCODINGS = ("pcm_s16le", "f32le")
 
 _DTYPES = {"pcm_s16le": np.dtype("<i2"), "f32le": np.dtype("<f4")}
 S16_SCALE = np.float32(1 / 32768)
-# Largest f32le sample magnitude taken. Full scale is ±1; the bound leaves room for overshoot
-# and rules out overflow in the channel mix-down and the resampler, which a merely finite
-# check does not (two samples near float32's max sum to infinity). NaN fails the comparison too.
-F32_LIMIT = 16.0
 
 
 class AudioFormatError(ValueError):
@@ -51,8 +47,8 @@ def decode_pcm(payload: bytes | memoryview, encoding: str, channels: int, out: n
     raw = np.frombuffer(payload, dtype=dtype)
     # min and max carry any NaN or out-of-range sample, without the per-sample mask a check of
     # every sample would allocate
-    if encoding == "f32le" and raw.size and not (raw.min() >= -F32_LIMIT and raw.max() <= F32_LIMIT):
-        raise AudioFormatError(f"f32le samples must lie within ±{F32_LIMIT:g} (full scale is ±1); "
+    if encoding == "f32le" and raw.size and not (raw.min() >= -MAX_F32_SAMPLE and raw.max() <= MAX_F32_SAMPLE):
+        raise AudioFormatError(f"f32le samples must lie within ±{MAX_F32_SAMPLE:g} (full scale is ±1); "
                                "this frame holds NaN, infinity or a value beyond that")
     if channels == 1 and encoding == "f32le":
         return raw.astype(np.float32, copy=False)

@@ -409,7 +409,7 @@ class IngestServer:
     def _sweep(self, now: float) -> None:
         """Close streams whose client went quiet: their accepted audio is still transcribed."""
         for key, s in self.sessions.items():
-            if not s.ending and now - s.last_activity > self.cfg.ingest.idle_timeout_s:
+            if not s.ending and s.check_idle(now):
                 s.log.warning("ingest.stream_idle", idle_s=round(now - s.last_activity, 1))
                 s.end("idle_timeout")
                 self._changed(key)

@@ -78,6 +78,7 @@ class Session:
         self.log = structlog.get_logger().bind(ingest=ingest_index, stream=opened.stream, key=key)
         self.next_seq = 0
         self.in_frames = 0  # input frames (per channel) accepted
+        self.largest = 0  # input frames of the longest message accepted: what the client waits for room for
         self.vad_pos = 0  # 16 kHz samples already classified by VAD
         self.segments: dict[int, _Segment] = {}
         self.open_segment: _Segment | None = None
@@ -171,6 +172,7 @@ class Session:
         self.next_seq += 1
         self.refused_from = None
         self.in_frames += frames
+        self.largest = max(self.largest, frames)
         return True
 
     def _refuse(self, code: str, message: str, seq: int) -> bool:
@@ -412,6 +414,20 @@ class Session:
             return m.Ack(stream=self.opened.stream, seq=self.next_seq - 1, samples=self.offset + self.in_frames, window=window,
                          durable=self.durable())
         return None
+
+    def check_idle(self, now: float) -> bool:
+        """Whether the client sent no audio for `ingest.idle_timeout_s` while it had room to: it is gone.
+
+        A batch client whose next message does not fit the window it was told of waits for the
+        service, as long as the finals that free its ring wait behind others' (longer than the
+        timeout, under load): that time is not the client's, so its clock starts again from `now`
+        while it waits. One that vanished there is closed once an ack has given it room again:
+        up to 1 s of it, which a ring holding a whole segment always comes to.
+        """
+        if self.acked_window - (self.offset + self.in_frames) < min(self.largest, self.rate):
+            self.last_activity = now
+            return False
+        return now - self.last_activity > self.cfg.ingest.idle_timeout_s
 
     def _maybe_close(self) -> None:
         if self.closed or not self.ending or self.open_segment is not None or self.inflight or self.segments:

@@ -19,6 +19,11 @@ PRIORITIES = ("realtime", "batch")
 MAX_STREAM_ID = 64
 MAX_PROMPT_CHARS = 1000
 MAX_OFFSET = 2**48  # input frames: years of audio at 48 kHz
+# Largest f32le sample magnitude taken (full scale is ±1; NaN and infinity are refused too,
+# bad_format). The bound leaves room for overshoot and rules out overflow in the ingest's channel
+# mix-down and resampler, which a merely finite check does not (two samples near float32's
+# max sum to infinity).
+MAX_F32_SAMPLE = 16.0
 
 # error codes (ErrorMsg.code)
 BAD_MESSAGE = "bad_message"  # not msgpack, not a map, unknown type, wrong field types

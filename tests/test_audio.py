@@ -7,7 +7,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from ingest.audio import F32_LIMIT, RATES, AudioFormatError, Resampler, decode_pcm
+from ingest.audio import RATES, AudioFormatError, Resampler, decode_pcm
+from protocol.messages import MAX_F32_SAMPLE
 
 
 def test_s16_is_scaled_to_unit_range() -> None:
@@ -72,8 +73,8 @@ def test_frames_cost_no_array() -> None:
         (np.array([0.5, -np.inf, 0.25], dtype="<f4").tobytes(), "f32le", 1),
         (np.array([3e38, 3e38, -3e38, -3e38], dtype="<f4").tobytes(), "f32le", 2),  # finite, but mixes down to inf
         (np.array([0.5, 3e38, -3e38], dtype="<f4").tobytes(), "f32le", 1),  # finite, but the resampler makes NaN
-        (np.array([0.0, F32_LIMIT * 1.01], dtype="<f4").tobytes(), "f32le", 1),
-        (np.array([-F32_LIMIT * 1.01, 0.0], dtype="<f4").tobytes(), "f32le", 2),
+        (np.array([0.0, MAX_F32_SAMPLE * 1.01], dtype="<f4").tobytes(), "f32le", 1),
+        (np.array([-MAX_F32_SAMPLE * 1.01, 0.0], dtype="<f4").tobytes(), "f32le", 2),
     ],
 )
 def test_malformed_audio_is_rejected(payload: bytes, encoding: str, channels: int) -> None:
@@ -82,7 +83,7 @@ def test_malformed_audio_is_rejected(payload: bytes, encoding: str, channels: in
 
 
 def test_f32_overshoot_within_the_bound_is_audio() -> None:
-    x = np.array([[F32_LIMIT, -F32_LIMIT], [1.5, 2.5], [-3.0, -1.0]], dtype="<f4")
+    x = np.array([[MAX_F32_SAMPLE, -MAX_F32_SAMPLE], [1.5, 2.5], [-3.0, -1.0]], dtype="<f4")
     np.testing.assert_allclose(decode_pcm(x.tobytes(), "f32le", 2), [0.0, 2.0, -2.0])
     np.testing.assert_array_equal(decode_pcm(x.tobytes(), "f32le", 1), x.reshape(-1))
 

@@ -143,6 +143,26 @@ def test_formats_are_converted_to_the_opened_encoding(null_service) -> None:
     assert isinstance(closed, Closed) and closed.audio_s == pytest.approx(len(pcm) / RATE, abs=0.01)
 
 
+def test_float_audio_the_server_would_refuse_is_refused_at_send_and_the_stream_carries_on(null_service) -> None:
+    """One f32le message with a NaN (a glitch upstream) refused by the server would make it refuse every
+    later message `out_of_order`, for good: the client refuses it at `send` and the stream takes the rest."""
+    good = np.zeros(RATE // 10, np.float32)
+    glitch = good.copy()
+    glitch[7] = np.nan
+    with Client(null_service.address) as client:
+        stream = client.open(encoding="f32le", partials=False)
+        stream.send(good)
+        for bad in (glitch, np.full(4, 17.0, np.float32).tobytes(), np.full(4, np.inf, np.float32)):
+            with pytest.raises(ValueError):
+                stream.send(bad)
+        for _ in range(5):
+            stream.send(good)
+        stream.end()
+        events = drain(stream)
+    assert not [e for e in events if isinstance(e, ErrorMsg)], events
+    assert isinstance(events[-1], Closed) and events[-1].audio_s == pytest.approx(0.6)
+
+
 def test_open_refusals_raise_stream_errors(null_service) -> None:
     with Client(null_service.address) as client:
         with pytest.raises(StreamError) as err:

@@ -334,6 +334,9 @@ def test_to_pcm_converts_arrays_to_the_opened_encoding() -> None:
     (np.zeros((4, 2), np.int16), "pcm_s16le", 1),
     (np.zeros(4, np.int32), "pcm_s16le", 1),
     (np.zeros((2, 2, 2), np.float32), "f32le", 2),
+    (np.array([0.0, np.nan], np.float32), "f32le", 1),  # the server refuses NaN, infinity and beyond ±16
+    (np.array([0.0, -np.inf], np.float64), "f32le", 1),
+    (np.array([16.5], np.float32).tobytes(), "f32le", 1),
 ])
 def test_to_pcm_refuses_what_does_not_fit_the_stream(pcm: object, encoding: str, channels: int) -> None:
     with pytest.raises(ValueError):
@@ -391,6 +394,19 @@ def test_only_audio_from_durable_on_is_kept_and_resent_with_fresh_seqs() -> None
     assert seqs(out) == [0, 1, 2, "end"]  # `end` again, on the new connection
     assert b"".join(bytes(m.data) for m in out[:-1]) == (bytes(range(200)) * 3)[300:] + b"\1" * 20
     assert c.log.pairs() == [(100, 1.0), (200, 1.0), (300, 1.0), (310, 2.0)]  # resends keep their first times
+
+
+def test_a_resumed_stream_cuts_its_messages_to_the_new_ingests_buffer() -> None:
+    """A resumed stream's window counts from its offset: the buffer the new ingest has for it is
+    the window less the offset, and a message bigger than that could never be accepted there."""
+    c = core("realtime", max_frame_bytes=10_000, window=4000)  # messages of up to 1000 frames
+    c.push(b"\0" * 2000)
+    c.take(1.0)
+    c.on_ack(Ack("s", seq=0, samples=1000, window=5000, durable=800))
+    entry(c).resume(until=60.0)
+    c.on_ready(800 + 400)  # this ingest keeps 400 frames of the stream
+    c.push(b"\0" * 2000)
+    assert max(len(m.data) // 2 for m in c.take(2.0)) <= 100
 
 
 def test_audio_resent_after_a_resume_is_owed_an_ack() -> None:

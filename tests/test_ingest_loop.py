@@ -11,7 +11,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,11 +20,12 @@ import zmq
 
 from broker import jobs
 from config import settings
-from ingest.server import IngestServer
+from ingest.server import IngestServer, _drain
 from ingest.session import Session
 from protocol import messages as m
 from shm import pool
 from streamasr.service import free_ports
+from streaming import wait_for
 
 FRAME = 1600  # 100 ms at 16 kHz
 
@@ -62,6 +63,7 @@ def server(tmp_path: Path) -> Iterator[IngestServer]:
     cfg = settings.load(None, {
         "instance": instance, "run_dir": str(tmp_path / instance),
         "ingest": {"address": f"tcp://127.0.0.1:{base}", "port_base": base + 1, "drain_timeout_s": 1.0},
+        "shm": {"streams_per_ingest": 4, "ring_seconds": 26.0},  # the smallest rings settings allow
     })
     server = IngestServer(cfg, 0)
     yield server
@@ -144,3 +146,53 @@ def test_a_broker_away_never_blocks_the_loop(server: IngestServer) -> None:
     assert {ident for ident, *_ in got} == {b"ingest-0"}
     assert [kind for _, kind, _ in got] == [jobs.READY] + [jobs.HEARTBEAT] * 2000
     assert all(jobs.unpack(body)["streams"] == 0 for _, _, body in got[1:])
+
+
+def serve_until(server: IngestServer, sock: zmq.Socket, done: Callable[[list[m.ServerMessage]], bool]) -> list[m.ServerMessage]:
+    """Turn the clients' part of the ingest's loop until its client has got what `done` waits for."""
+    got: list[m.ServerMessage] = []
+
+    def turn() -> bool:
+        _drain(server.clients, server._on_client, copy=False)
+        server._flush()
+        while sock.poll(0):
+            got.append(m.decode_server(sock.recv_multipart()))
+        return done(got)
+
+    wait_for(turn, what="the ingest's answer", interval=0.01)
+    return got
+
+
+def test_a_batch_stream_waiting_for_its_window_is_not_closed_as_idle(server: IngestServer) -> None:
+    """A batch client must not send past its window, and under load the window may not move for
+    longer than `idle_timeout_s` (its finals wait behind everyone else's). That wait is the
+    service's: the stream must stay open, and only the client's own silence, once the service
+    has given it room again, counts towards the idle timeout."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(server.endpoint)
+    try:
+        sock.send_multipart(m.encode(m.Open(stream="b", priority="batch")))
+        [ready] = serve_until(server, sock, bool)
+        assert isinstance(ready, m.Ready)
+        sent = ready.window // FRAME  # 100 ms messages while they fit: the next one waits for room
+        for seq in range(sent):
+            sock.send_multipart(m.encode(m.Audio(stream="b", seq=seq, data=bytes(2 * FRAME))))
+        serve_until(server, sock, lambda got: any(isinstance(a, m.Ack) and a.samples == sent * FRAME for a in got))
+        [session] = server.sessions.values()
+        assert session.window() == ready.window
+        idle = server.cfg.ingest.idle_timeout_s
+        waited = time.monotonic() + 2 * idle  # no room for twice the idle timeout: the service is behind
+        server._sweep(waited)
+        assert not session.ending, "closed as idle while it waited for its window"
+
+        server._run_vad(time.monotonic())  # the service catches up: the silence is classified, the ring freed
+        server._flush()
+        [ack] = serve_until(server, sock, bool)
+        assert isinstance(ack, m.Ack) and ack.window > ready.window
+        server._sweep(waited)
+        assert not session.ending, "room it was just told of is not idleness"
+        server._sweep(waited + idle + 1)  # the client never uses it: it is gone
+        assert session.ending and session.close_reason == "idle_timeout"
+    finally:
+        sock.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -12,7 +13,7 @@ from structlog.testing import capture_logs
 
 from broker.jobs import FAILED, OK, JobResult
 from config import settings
-from ingest.audio import F32_LIMIT, Resampler, decode_pcm
+from ingest.audio import Resampler, decode_pcm
 from ingest.session import SAMPLE_RATE, Session
 from ingest.vad import CHUNK
 from metrics.registry import ProcessMetrics
@@ -235,7 +236,7 @@ def test_stereo_f32_that_would_mix_down_to_infinity_is_refused(pool: RingPool) -
     for value in (3e38, -3e38):
         assert not s.accept_audio(m.Audio(stream="s", seq=0, data=np.full((CHUNK, 2), value, "<f4").tobytes()))
         [err] = errors(s)
-        assert (err.code, err.seq) == (m.BAD_FORMAT, 0) and f"{F32_LIMIT:g}" in err.message
+        assert (err.code, err.seq) == (m.BAD_FORMAT, 0) and f"{m.MAX_F32_SAMPLE:g}" in err.message
         s.outbox.clear()
     assert s.ring.written == 0 and s.in_frames == 0
 
@@ -255,7 +256,7 @@ def test_huge_f32_at_44k_is_refused_before_the_resampler(pool: RingPool) -> None
         assert s.accept_audio(m.Audio(stream="s", seq=seq, data=loud.tobytes()))
     s.end()
     audio = s.ring.view(0, s.ring.written)
-    assert errors(s) == [] and np.isfinite(audio).all() and np.abs(audio).max() < 2 * F32_LIMIT
+    assert errors(s) == [] and np.isfinite(audio).all() and np.abs(audio).max() < 2 * m.MAX_F32_SAMPLE
 
 
 # ------------------------------------------------------------------ finals
@@ -355,3 +356,29 @@ def test_a_resend_of_accepted_audio_is_acked(pool: RingPool) -> None:
     assert ack is not None and (ack.seq, ack.samples) == (1, 1920)
     assert s.due_ack() is None  # once
     assert s.in_frames == 1920 and s.ring.written == 1920
+
+
+# ------------------------------------------------------------------ idle
+
+
+@pytest.fixture
+def small_pool() -> Iterator[RingPool]:
+    """Rings of 2 s, with room for a 1 s message however much of them stays protected."""
+    yield from rings(2 * SAMPLE_RATE)
+
+
+def test_a_client_gone_after_a_message_bigger_than_its_ring_frees_again_is_closed_as_idle(small_pool: RingPool) -> None:
+    """The idle clock waits while the client's next message does not fit its window, since it
+    waits for the service; but a ring never frees what it keeps protected behind the audio (the
+    pad before speech, the window's headroom), so a client that once sent a message nearly the
+    ring's size would wait forever. Up to 1 s of room is the most it is taken to wait for: once
+    gone, it counts as idle, and its stream is closed and its ring freed."""
+    s = session(small_pool)
+    frames = 2 * SAMPLE_RATE - 3000  # 1.8 s: it fits the empty ring
+    assert s.accept_audio(m.Audio(stream="s", seq=0, data=bytes(2 * frames)))
+    while s.vad_chunk_due(CHUNK):  # the service catches up: silence, nothing pending
+        s.on_vad(0.0, CHUNK)
+    s.step()
+    ack = s.due_ack()
+    assert ack is not None and SAMPLE_RATE <= ack.window - frames < frames  # room, if not for another such message
+    assert s.check_idle(time.monotonic() + CFG.ingest.idle_timeout_s + 1)
