@@ -78,6 +78,7 @@ class IngestState:
     realtime: int  # realtime streams among them, from heartbeats
     recent: int  # realtime streams it admitted within the figures' window, from heartbeats
     rings: int  # shm rings in use, from heartbeats: a leak shows here
+    draining: bool  # shutting down: it refuses new streams, so the front door sends no client there
     registered: float
     link: Link
 
@@ -348,6 +349,7 @@ class Broker:
                     state.realtime = int(info.get("realtime", state.realtime))
                     state.recent = int(info.get("recent", state.recent))
                     state.rings = int(info.get("rings", state.rings))
+                    state.draining = bool(info.get("draining", state.draining))
             else:
                 raise ValueError(f"unknown kind {kind[:16]!r}")
         except Exception as exc:
@@ -386,6 +388,7 @@ class Broker:
             log.warning("broker.ingest_replaced", ingest=index, old_pid=old.pid, ingest_pid=pid, dropped=len(dropped))
         self.ingests[index] = IngestState(
             index=index, endpoint=str(info["endpoint"]), pid=pid, streams=int(info.get("streams", 0)), realtime=0, recent=0, rings=0,
+            draining=bool(info.get("draining", False)),
             registered=old.registered if old is not None and old.pid == pid else now,
             link=Link(seen=now),
         )
@@ -559,7 +562,10 @@ class Broker:
         if not self.ingests or not self.dispatcher.ready:
             missing = "ingest process" if not self.ingests else "worker"
             return m.ErrorMsg(code=m.NOT_READY, message=f"no {missing} is ready yet, retry shortly")
-        ingest = min(self.ingests.values(), key=lambda s: (s.streams, s.index))
+        serving = [s for s in self.ingests.values() if not s.draining]
+        if not serving:
+            return m.ErrorMsg(code=m.NOT_READY, message="every ingest process is shutting down, retry shortly")
+        ingest = min(serving, key=lambda s: (s.streams, s.index))
         ingest.streams += 1  # until its next heartbeat, so a burst of clients spreads out
         limits = self.cfg.ingest
         return m.Welcome(ingest=ingest.endpoint, limits={
@@ -571,10 +577,10 @@ class Broker:
     def status(self, now: float) -> m.StatusReply:
         queued = self.dispatcher.queue.counts()
         return m.StatusReply(
-            ready=bool(self.ingests) and self.dispatcher.ready,
+            ready=any(not s.draining for s in self.ingests.values()) and self.dispatcher.ready,
             ingests=[
                 {"index": s.index, "endpoint": s.endpoint, "pid": s.pid, "streams": s.streams, "rings": s.rings,
-                 "alive_s": round(now - s.registered, 3)}
+                 "draining": s.draining, "alive_s": round(now - s.registered, 3)}
                 for s in sorted(self.ingests.values(), key=lambda s: s.index)
             ],
             workers=[

@@ -120,7 +120,7 @@ class IngestServer:
         """READY, then every job still in flight: the broker is new, or gave up on this ingest
         and dropped what it had queued."""
         self.broker.send_multipart([j.READY, j.pack({"index": self.index, "endpoint": self.endpoint, "pid": os.getpid(),
-                                                     "streams": len(self.sessions)})])
+                                                     "streams": len(self.sessions), "draining": self.draining})])
         pending = [job for s in self.sessions.values() for job in s.inflight.values()]
         if pending:
             self.log.info("ingest.jobs_resent", jobs=len(pending))
@@ -182,12 +182,17 @@ class IngestServer:
 
     def _heartbeat(self, now: float) -> None:
         if now - self.hb_sent >= self.hb_interval:
-            self.hb_sent = now
-            self.broker.send_multipart([j.HEARTBEAT, j.pack({"streams": len(self.sessions), "realtime": self._realtime_open(),
-                                                             "recent": self._recent_admissions(now), "rings": self.pool.in_use})])
+            self._beat(now)
         if now - self.broker_seen > self.hb_interval * self.cfg.broker.liveness:
             self.log.warning("ingest.broker_lost", silent_s=round(now - self.broker_seen, 2))
             self._connect_broker()
+
+    def _beat(self, now: float) -> None:
+        """The figures the broker admits streams and picks an ingest for new clients by."""
+        self.hb_sent = now
+        self.broker.send_multipart([j.HEARTBEAT, j.pack({"streams": len(self.sessions), "realtime": self._realtime_open(),
+                                                         "recent": self._recent_admissions(now), "rings": self.pool.in_use,
+                                                         "draining": self.draining})])
 
     # ------------------------------------------------------------------ clients
 
@@ -432,6 +437,7 @@ class IngestServer:
         self.draining = True
         self.stop_at = time.monotonic() + self.cfg.ingest.drain_timeout_s
         self.log.info("ingest.draining", streams=len(self.sessions))
+        self._beat(time.monotonic())  # at once: the front door must stop sending new clients here
         for key, s in self.sessions.items():
             s.end("shutdown")
             self._changed(key)

@@ -60,7 +60,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         for w in report.get("workers", []):
             print(f"  worker {w.get('id')}: model {w.get('model')}, in flight {w.get('inflight')}, done {w.get('jobs_done')}")
         for i in report.get("ingests", []):
-            print(f"  ingest {i.get('index')}: {i.get('endpoint')}, streams {i.get('streams')}")
+            print(f"  ingest {i.get('index')}: {i.get('endpoint')}, streams {i.get('streams')}{', draining' if i.get('draining') else ''}")
         if report.get("ready") and not service.complete(report):
             expected = report["expected"]
             print(f"  registered: {len(report.get('ingests', []))} of {expected['ingests']} ingest processes, "

@@ -394,6 +394,32 @@ def test_each_ingest_hears_of_the_realtime_streams_open_and_just_admitted_elsewh
         other.stop()
 
 
+def test_the_front_door_sends_no_client_to_an_ingest_that_is_shutting_down(running: Cluster) -> None:
+    """An ingest draining (a restart, a deploy) refuses every open, and its streams leave as it
+    drains, so it soon has the fewest: picked by streams alone, it would get every new client,
+    each refused `not_ready` until it is gone. The other ingest must get them; with none left
+    serving, the front door itself says so."""
+    hello = msgpack.packb({"type": "hello", "version": 1})
+    other = FakeIngest(running.cfg, index=1)
+    other.start()
+    try:
+        running.ingest.reported = {"streams": 0}
+        other.reported = {"streams": 50}
+        wait_for(lambda: [i["streams"] for i in running.status()["ingests"]] == [0, 50], 5, "both ingests' figures")
+        assert running.front(hello)["ingest"] == running.cfg.ingest_endpoint(0)
+        running.ingest.reported = {"streams": 0, "draining": True}
+        wait_for(lambda: running.status()["ingests"][0]["draining"], 5, "ingest 0 seen draining")
+        assert {running.front(hello)["ingest"] for _ in range(3)} == {running.cfg.ingest_endpoint(1)}
+        assert running.status()["ready"] is True
+        other.reported = {"streams": 50, "draining": True}
+        wait_for(lambda: running.status()["ingests"][1]["draining"], 5, "ingest 1 seen draining")
+        reply = running.front(hello)
+        assert (reply["type"], reply["code"]) == ("error", "not_ready") and "shutting down" in reply["message"]
+        assert running.status()["ready"] is False
+    finally:
+        other.stop()
+
+
 def test_worker_back_from_the_dead_is_counted_once(running: Cluster) -> None:
     """Frozen longer than the broker's patience, its jobs went to the other worker; when it
     wakes up it answers them too, straight to the ingest (which keeps the first answer of a
@@ -689,7 +715,7 @@ def _ingest_link(cfg: Config, sessions: dict[str, _Session]) -> Any:
     ingest.broker, ingest.hb_interval, ingest.hb_sent = None, HEARTBEAT_MS / 1000, 0.0
     ingest.owner = {job_id: key for key, s in sessions.items() for job_id in s.inflight}
     ingest.sessions, ingest.dirty, ingest.admitted, ingest.figures_window_s = sessions, set(), deque(), 5.0
-    ingest.pool = _PoolInUse()
+    ingest.pool, ingest.draining = _PoolInUse(), False
     ingest.metrics = ProcessMetrics(cfg, "ingest-0")
     ingest._connect_broker()
     return ingest

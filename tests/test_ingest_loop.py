@@ -111,6 +111,26 @@ def test_sigterm_in_the_middle_of_a_turn_drains_the_streams(server: IngestServer
     assert pool.segments(cfg.instance) == []
 
 
+def test_a_draining_ingest_tells_the_broker_at_once(server: IngestServer) -> None:
+    """The front door picks an ingest for each new client from the ingests' heartbeats: one that
+    begins to drain says so at once, not up to a heartbeat later, and a broker that asks it to
+    register again meanwhile hears it too."""
+    broker = zmq.Context.instance().socket(zmq.ROUTER)
+    broker.setsockopt(zmq.LINGER, 0)
+    broker.bind(server.cfg.broker_ingest_endpoint)
+    try:
+        server.hb_sent = time.monotonic()  # no heartbeat due
+        server.begin_drain()
+        server._register()
+        got = []
+        while len(got) < 3 and broker.poll(10_000):
+            got.append(broker.recv_multipart())
+    finally:
+        broker.close()
+    assert [kind for _, kind, _ in got] == [jobs.READY, jobs.HEARTBEAT, jobs.READY]
+    assert [jobs.unpack(body)["draining"] for _, _, body in got] == [False, True, True]
+
+
 def test_a_broker_away_never_blocks_the_loop(server: IngestServer) -> None:
     """What the ingest sends to a broker that is away (dead, or restarting) queues until the link
     is given up for lost; past ZeroMQ's default limit of 1,000 messages, a send would block the
