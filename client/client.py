@@ -164,8 +164,9 @@ def status(address: str, *, timeout: float = 10.0, curve: Curve | None = None) -
 class Client:
     """A connection to the service; open any number of streams on it.
 
-    `timeout` bounds the handshake and each `open`. A lost ingest is resumed from: `liveness` is
-    how long it may leave an open or audio unanswered before it is taken for dead, and
+    `timeout` bounds the handshake and each `open`. A lost ingest is resumed from, and so is one
+    that closes a stream at its shutdown before the stream was complete (a restart, a deploy):
+    `liveness` is how long it may leave an open or audio unanswered before it is taken for dead, and
     `resume_timeout` how long to keep trying to reach the service again before the streams fail
     with StreamError('connection_lost'). `reconnects` counts the resumes so far. `curve`: the
     service's public key and this client's secret key (z85; `protocol.auth.read_public_key` and

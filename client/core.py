@@ -372,6 +372,12 @@ class StreamCore:
                 self.last_text = msg.text
             self.on_durable(msg.durable)
 
+    @property
+    def complete(self) -> bool:
+        """Whether the service has had all of this stream: `end` asked for, and every message
+        cut covered by a final or by silence (`durable`)."""
+        return self.end_requested and not self.pending and self.durable >= self.cut
+
     def on_closed(self, msg: Closed) -> None:
         """Count `closed`'s figures over the whole stream, not just the last connection."""
         msg.segments += self.seg_base
@@ -402,6 +408,8 @@ class StreamCore:
 
     def on_error(self, err: ErrorMsg, now: float) -> bool:
         """Apply a stream error; False for a refusal that only echoes an earlier one (not news)."""
+        if err.code == NOT_READY and err.seq is not None:
+            return False  # its ingest is shutting down: the audio is kept, and resent where the stream resumes
         if err.seq is None or err.code not in (OVERLOADED, OUT_OF_ORDER):
             return True
         if err.code == OVERLOADED and err.seq == self.end_refused:
@@ -591,7 +599,8 @@ def route(streams: dict[str, Entry], msg: ServerMessage, now: float) -> bool:
     An error naming no stream answers a message the server could not tie to one (or a fault of
     its own): it concerns none of the open streams, so it is only logged. `check_open` keeps this
     client's opens from being refused that way. Raises IngestLost when the ingest answers
-    `unknown_stream` for a stream it had opened.
+    `unknown_stream` for a stream it had opened, or closes one at its shutdown before the
+    stream was complete: either way the stream goes on where the front door says.
     """
     sid = getattr(msg, "stream", None)
     if isinstance(msg, ErrorMsg) and sid is None:
@@ -634,6 +643,9 @@ def route(streams: dict[str, Entry], msg: ServerMessage, now: float) -> bool:
         if core.on_error(msg, now):
             entry.events.put_nowait((now, msg))
     elif isinstance(msg, Closed):
+        if msg.reason == "shutdown" and not core.complete:
+            # a restart or a deploy: what it took is transcribed; the rest goes to another ingest
+            raise IngestLost(f"stream {sid}: its ingest process is shutting down")
         del streams[sid]
         core.on_closed(msg)
         entry.failure = StreamError(CLOSED, f"stream closed ({msg.reason})", sid)

@@ -32,6 +32,7 @@ from protocol.messages import (
     BAD_FORMAT,
     BAD_MESSAGE,
     MAX_PROMPT_CHARS,
+    NOT_READY,
     OUT_OF_ORDER,
     OVERLOADED,
     TOO_MANY_STREAMS,
@@ -373,6 +374,36 @@ def test_an_open_not_answered_yet_is_not_failed_by_unknown_stream() -> None:
     assert streams == {"s": waiting} and not waiting.opened.done()
     route(streams, Ready("s", window=1000), 1.1)
     assert waiting.opened.done() and waiting.opened.exception() is None
+
+
+def test_a_stream_its_ingest_closes_at_shutdown_goes_on_elsewhere_unless_it_was_complete() -> None:
+    """An ingest stopping (a restart, a deploy) refuses the audio that comes while it drains and
+    closes each stream once the finals of what it took are out. Unless the stream had asked to
+    end and had all it sent transcribed, neither is the stream's end: the refused audio is kept
+    and the stream resumes on another connection, so the caller hears of neither."""
+    c = core("realtime", max_frame_bytes=10_000)  # messages of up to 250 frames
+    e = entry(c)
+    streams = {"s": e}
+    c.push(b"\0" * 400)
+    c.take(1.0)  # seq 0: frames 0-200
+    route(streams, Final("s", seg=0, text="one", start=0.0, end=1.0, durable=100), 1.1)
+    c.push(b"\1" * 200)
+    c.take(1.2)  # seq 1: frames 200-300
+    assert route(streams, ErrorMsg(code=NOT_READY, message="the service is shutting down", stream="s", seq=1), 1.3) is False
+    with pytest.raises(IngestLost):
+        route(streams, Closed("s", reason="shutdown", audio_s=2.0, segments=1), 1.4)
+    assert streams == {"s": e}
+    assert [type(e.events.get_nowait()[1]) for _ in range(e.events.qsize())] == [Final]  # no error, no `closed`
+    assert e.resume(until=60.0).offset == 100
+    c.on_ready(1100)
+    resent = c.take(2.0)
+    assert b"".join(bytes(m.data) for m in resent) == b"\0" * 200 + b"\1" * 200  # frames 100-300, the refused ones included
+
+    c.end()
+    c.take(2.1)
+    route(streams, Final("s", seg=0, text="two", start=1.0, end=3.0, durable=300), 2.2)
+    assert route(streams, Closed("s", reason="shutdown", audio_s=2.0, segments=1), 2.3) is True  # all of it was had
+    assert streams == {} and isinstance(e.events.get_nowait()[1], Final) and isinstance(e.events.get_nowait()[1], Closed)
 
 
 def test_only_audio_from_durable_on_is_kept_and_resent_with_fresh_seqs() -> None:

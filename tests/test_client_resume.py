@@ -1,9 +1,13 @@
-"""Both clients survive a SIGKILLed ingest: they resume by themselves and the transcript stays whole.
+"""Both clients survive a SIGKILLed ingest, and one restarted (SIGTERM: a deploy, `supervisorctl
+restart`): they resume by themselves and the transcript stays whole.
 
 One live stream of three utterances is run undisturbed once, then with each client (blocking and
 asyncio) with the ingest process killed right after the first final. supervisord restarts the
 ingest; the client must re-hello, re-open at the last `durable` point and resend what it kept, so
-the finals cover every utterance, repeat nothing and keep their times in order.
+the finals cover every utterance, repeat nothing and keep their times in order. Stopped with
+SIGTERM, the ingest ends the stream itself (`closed` "shutdown") after the finals of what it
+took, refusing the audio that comes meanwhile (`not_ready`): the client must take neither for
+the end of its stream.
 """
 
 from __future__ import annotations
@@ -151,17 +155,18 @@ def baseline(asr: Service) -> tuple[str, list[Final]]:
 
 
 class Killer:
-    """SIGKILLs the ingest process at the first final it is shown, once."""
+    """Signals the ingest process (SIGKILL unless told) at the first final it is shown, once."""
 
-    def __init__(self, service: Service) -> None:
+    def __init__(self, service: Service, sig: signal.Signals = signal.SIGKILL) -> None:
         self.service = service
+        self.sig = sig
         self.pid, _ = ingest_pid(service)
         self.at: float | None = None  # the end of the final it killed at
 
     def __call__(self, final: Final) -> None:
         if self.at is None:
             self.at = final.end
-            os.kill(self.pid, signal.SIGKILL)
+            os.kill(self.pid, self.sig)
 
 
 def check_resumed(killer: Killer, reconnects: int, resumes: list[int], finals: list[Final],
@@ -188,15 +193,17 @@ def check_resumed(killer: Killer, reconnects: int, resumes: list[int], finals: l
     assert resumed_wer <= base_wer + 0.05, (resumed_wer, base_wer, joined(finals), joined(base_finals))
 
 
-def test_client_resumes_after_ingest_killed(asr: Service, baseline: tuple[str, list[Final]]) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["killed", "restarted"])
+def test_client_resumes_after_ingest_killed(asr: Service, baseline: tuple[str, list[Final]], sig: signal.Signals) -> None:
     pcm, _ = speech()
-    killer = Killer(asr)
+    killer = Killer(asr, sig)
     client, stream, finals, errors = run(asr, pcm, speed=1.0, on_final=killer)
     check_resumed(killer, client.reconnects, stream.resumes, finals, errors, baseline)
 
 
-def test_async_client_resumes_after_ingest_killed(asr: Service, baseline: tuple[str, list[Final]]) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["killed", "restarted"])
+def test_async_client_resumes_after_ingest_killed(asr: Service, baseline: tuple[str, list[Final]], sig: signal.Signals) -> None:
     pcm, _ = speech()
-    killer = Killer(asr)
+    killer = Killer(asr, sig)
     client, stream, finals, errors = asyncio.run(run_async(asr, pcm, speed=1.0, on_final=killer))
     check_resumed(killer, client.reconnects, stream.resumes, finals, errors, baseline)

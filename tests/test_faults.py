@@ -267,22 +267,22 @@ def test_sigterm_drains_open_streams(service_factory: Any) -> None:
 def test_a_stream_abandoned_at_shutdown_is_told_so(service_factory: Any) -> None:
     """A stop whose drain runs out (the only worker hangs on the stream's final) ends the ingest
     with that stream still open: its client must get `closed` "shutdown", sent in the ingest's
-    last moments, rather than wait for an answer that will never come."""
-    from client import Client
-    from protocol.messages import Closed
-
+    last moments, rather than wait for an answer that will never come. (The reference clients
+    then try to resume it elsewhere: `test_client_resume.py`.)"""
     service = service_factory(model="null", workers=1, ingest={"drain_timeout_s": 1.0})
     [worker] = [p["pid"] for p in svc.processes(service.cfg) if p["name"].startswith("worker") and p["pid"]]
-    with Client(service.address, resume_timeout=5.0) as client:
-        stream = client.open(partials=False)
-        stream.send(read_wav(speech_files()[0]))
-        os.kill(worker, signal.SIGSTOP)  # the final the drain waits for is never decoded
-        try:
+
+    def stop_when_all_sent(client: StreamClient, pos: int) -> None:
+        if pos == client.total:  # before `end`: the last segment's final is never decoded
+            os.kill(worker, signal.SIGSTOP)
             service.proc.send_signal(signal.SIGTERM)
-            events = list(stream.events(timeout=30))
-        finally:
-            os.kill(worker, signal.SIGCONT)
-    assert isinstance(events[-1], Closed) and events[-1].reason == "shutdown", events[-1:]
+
+    try:
+        result = StreamClient(service.address, read_wav(speech_files()[0]), speed=None, partials=False,
+                              timeout=30, on_progress=stop_when_all_sent).run()
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    assert result.closed is not None and result.closed.reason == "shutdown", result
     assert "ingest.stream_abandoned_at_shutdown" in service.logs("ingest-0")
     assert service.proc.wait(60) == 0
 
