@@ -375,7 +375,7 @@ class StreamCore:
     @property
     def complete(self) -> bool:
         """Whether the service has had all of this stream: `end` asked for, and every message
-        cut covered by a final or by silence (`durable`)."""
+        cut transcribed (`durable`, which a `closed` after the last final sets to all it took)."""
         return self.end_requested and not self.pending and self.durable >= self.cut
 
     def on_closed(self, msg: Closed) -> None:
@@ -620,6 +620,9 @@ def route(streams: dict[str, Entry], msg: ServerMessage, now: float) -> bool:
         # no answer to an open: the late answer to the `end` of an earlier, given-up open of this
         # id (after the service had closed it itself, say at a shutdown: see Abandoned)
         return False
+    elif isinstance(msg, ErrorMsg) and msg.code == NOT_READY and not entry.opened.done():
+        # its ingest is shutting down (a restart, a deploy): the open goes where the front door says
+        raise IngestLost(f"stream {sid}: its ingest process is shutting down")
     elif isinstance(msg, ErrorMsg) and not entry.opened.done():
         del streams[sid]
         entry.opened.set_exception(StreamError(msg.code, msg.message, sid))
@@ -643,6 +646,7 @@ def route(streams: dict[str, Entry], msg: ServerMessage, now: float) -> bool:
         if core.on_error(msg, now):
             entry.events.put_nowait((now, msg))
     elif isinstance(msg, Closed):
+        core.on_durable(msg.durable)
         if msg.reason == "shutdown" and not core.complete:
             # a restart or a deploy: what it took is transcribed; the rest goes to another ingest
             raise IngestLost(f"stream {sid}: its ingest process is shutting down")

@@ -421,10 +421,13 @@ class Session:
         A batch client whose next message does not fit the window it was told of waits for the
         service, as long as the finals that free its ring wait behind others' (longer than the
         timeout, under load): that time is not the client's, so its clock starts again from `now`
-        while it waits. One that vanished there is closed once an ack has given it room again:
-        up to 1 s of it, which a ring holding a whole segment always comes to.
+        while it waits, up to 1 s of room. It waits only while the service owes the stream
+        something that frees room (a decode, a VAD verdict): owed nothing, the window moves
+        only with more audio, a smaller message fits, and a client that sends none is gone.
         """
-        if self.acked_window - (self.offset + self.in_frames) < min(self.largest, self.rate):
+        # what will move the window: a decode, a segment ended and waiting for its final, a VAD verdict
+        owed = self.inflight or any(seg.end is not None for seg in self.segments.values()) or self.vad_chunk_due(VAD_CHUNK)
+        if owed and self.acked_window - (self.offset + self.in_frames) < min(self.largest, self.rate):
             self.last_activity = now
             return False
         return now - self.last_activity > self.cfg.ingest.idle_timeout_s
@@ -436,8 +439,8 @@ class Session:
             return
         self.closed = True
         figures = self.figures()
-        self.outbox.append(m.Closed(stream=self.opened.stream, reason=self.close_reason,
-                                    audio_s=round(self.in_frames / self.rate, 3), segments=self.stats["finals"]))
+        self.outbox.append(m.Closed(stream=self.opened.stream, reason=self.close_reason, audio_s=round(self.in_frames / self.rate, 3),
+                                    segments=self.stats["finals"], durable=self.offset + self.in_frames))
         self.log.info("ingest.stream_closed", reason=self.close_reason, **figures)
 
     def figures(self) -> dict[str, object]:

@@ -179,6 +179,7 @@ class Closed:
     reason: str = "end"  # end | idle_timeout | shutdown
     audio_s: float = 0.0
     segments: int = 0
+    durable: int = 0  # as in Ack: all the audio taken when every final was out; less when some never will be
 
 
 @dataclass(slots=True)

@@ -391,19 +391,31 @@ def test_a_stream_its_ingest_closes_at_shutdown_goes_on_elsewhere_unless_it_was_
     c.take(1.2)  # seq 1: frames 200-300
     assert route(streams, ErrorMsg(code=NOT_READY, message="the service is shutting down", stream="s", seq=1), 1.3) is False
     with pytest.raises(IngestLost):
-        route(streams, Closed("s", reason="shutdown", audio_s=2.0, segments=1), 1.4)
+        route(streams, Closed("s", reason="shutdown", audio_s=2.0, segments=1, durable=200), 1.4)
     assert streams == {"s": e}
     assert [type(e.events.get_nowait()[1]) for _ in range(e.events.qsize())] == [Final]  # no error, no `closed`
-    assert e.resume(until=60.0).offset == 100
-    c.on_ready(1100)
+    assert e.resume(until=60.0).offset == 200  # all it took was transcribed
+    c.on_ready(1200)
     resent = c.take(2.0)
-    assert b"".join(bytes(m.data) for m in resent) == b"\0" * 200 + b"\1" * 200  # frames 100-300, the refused ones included
+    assert b"".join(bytes(m.data) for m in resent) == b"\1" * 200  # the refused frames 200-300
 
     c.end()
     c.take(2.1)
-    route(streams, Final("s", seg=0, text="two", start=1.0, end=3.0, durable=300), 2.2)
-    assert route(streams, Closed("s", reason="shutdown", audio_s=2.0, segments=1), 2.3) is True  # all of it was had
+    # a final's `durable` stops short of the end (the VAD's chunk grid, its pad of silence): the
+    # `closed` that follows the last final says all of it was had
+    route(streams, Final("s", seg=0, text="two", start=1.0, end=3.0, durable=256), 2.2)
+    assert route(streams, Closed("s", reason="shutdown", audio_s=2.0, segments=1, durable=300), 2.3) is True
     assert streams == {} and isinstance(e.events.get_nowait()[1], Final) and isinstance(e.events.get_nowait()[1], Closed)
+
+
+def test_an_open_its_ingest_refuses_at_shutdown_goes_where_the_front_door_says() -> None:
+    """An open that reaches an ingest while it drains is refused `not_ready`: not the caller's
+    failure, since another ingest (or the restarted one) will take it."""
+    waiting = Entry(core(), Open(stream="s", rate=100), Future(), queue.SimpleQueue())
+    streams = {"s": waiting}
+    with pytest.raises(IngestLost):
+        route(streams, ErrorMsg(code=NOT_READY, message="the service is shutting down", stream="s"), 1.0)
+    assert streams == {"s": waiting} and not waiting.opened.done()
 
 
 def test_only_audio_from_durable_on_is_kept_and_resent_with_fresh_seqs() -> None:

@@ -317,6 +317,7 @@ def test_a_segment_of_noise_gets_an_empty_final_in_order(long_pool: RingPool) ->
     s.step()
     closed = [msg for msg in s.outbox if isinstance(msg, m.Closed)]
     assert len(closed) == 1 and closed[0].segments == 2
+    assert closed[0].durable == s.in_frames  # every final out: a client resuming now would resend nothing
 
 
 @pytest.mark.parametrize("heard", [[], ["turn left now", "turn left now please"]], ids=["no partials", "partials"])
@@ -382,3 +383,25 @@ def test_a_client_gone_after_a_message_bigger_than_its_ring_frees_again_is_close
     ack = s.due_ack()
     assert ack is not None and SAMPLE_RATE <= ack.window - frames < frames  # room, if not for another such message
     assert s.check_idle(time.monotonic() + CFG.ingest.idle_timeout_s + 1)
+
+
+def test_a_client_gone_mid_segment_with_under_a_second_of_room_is_closed_as_idle() -> None:
+    """The smallest rings settings allow hold a whole segment and under a second more: a batch
+    client that sent 1 s messages and vanished in a long segment leaves less room than its
+    next message, with nothing owed to the stream (every chunk classified, every decode back)
+    that could free any. It is not waiting for the service then, and must be closed as idle
+    rather than keep its ring and its client's stream slot for good."""
+    from config.settings import RING_ROOM
+
+    for p in rings(int(CFG.vad.max_segment_s * SAMPLE_RATE) + RING_ROOM):
+        s = session(p, priority="batch")
+        while s.window() - (s.offset + s.in_frames) >= SAMPLE_RATE:  # continuous speech, 1 s messages
+            assert s.accept_audio(m.Audio(stream="s", seq=s.next_seq, data=bytes(2 * SAMPLE_RATE)))
+            while s.vad_chunk_due(CHUNK):
+                s.on_vad(0.9, CHUNK)
+            s.step()
+            while any(j.job_id in s.inflight for j in s.jobs_out):
+                answer(s, final=False, text="go on")
+            s.due_ack()
+        assert s.open_segment is not None and not s.inflight and list(s.segments.values()) == [s.open_segment]
+        assert s.check_idle(time.monotonic() + CFG.ingest.idle_timeout_s + 1)
