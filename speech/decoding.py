@@ -233,7 +233,7 @@ class WhisperDecoder:
             if not tk.multilingual:
                 languages.append("en")
             else:  # None, or a code the model does not know: detect
-                languages.append(r.language if r.language in tk.lang_to_id else None)
+                languages.append(tk.language_code(r.language))
         detect = [i for i, lang in enumerate(languages) if lang is None]
         if any(len(stage1[i]) > 1 for i in detect):
             # Whisper detects the language from <|startoftranscript|> alone: after a prompt, the

@@ -38,9 +38,9 @@ def transcribe(backend: Backend, audio: np.ndarray, language: str | None = None,
     return _transcribe_text(backend, audio, language, prompt)
 
 
-def _finish(segments, language, logprobs, no_speech, n_tokens) -> DecodeResult:
+def _finish(text: str, segments, language, logprobs, no_speech, n_tokens) -> DecodeResult:
     return DecodeResult(
-        text=" ".join(s.text.strip() for s in segments).strip(),
+        text=text,
         segments=segments,
         language=language or "en",
         avg_logprob=float(np.mean(logprobs)) if logprobs else 0.0,
@@ -56,6 +56,9 @@ def _transcribe_tokens(backend, audio, language, prompt) -> DecodeResult:
     seek = 0
     history: list[int] = tk.encode(" " + prompt.strip()) if prompt else []
     segments: list[Segment] = []
+    # the kept segments' text tokens, decoded together as Whisper's text is: joining the segments'
+    # texts with spaces would put spaces into Chinese or Japanese, whose words have none
+    text_tokens: list[int] = []
     logprobs, no_speech, n_tokens = [], [], 0
     while total - seek > int(MIN_REST_S * SAMPLE_RATE) or (seek == 0 and total > 0):
         chunk = audio[seek : seek + WINDOW]
@@ -67,7 +70,7 @@ def _transcribe_tokens(backend, audio, language, prompt) -> DecodeResult:
             res2, toks2 = backend.transcribe_tokens([req], [None])[0]
             if compression_ratio(res2.text) < compression_ratio(res.text):
                 res, toks = res2, toks2
-        language = language or res.language
+        language = res.language  # the model's code for it, or the one detected in the first window
         offset = seek / SAMPLE_RATE
         toks = [t for t in toks if t < tk.eot or t >= tb]
         if not res.text:  # silence (no-speech rule) or nothing decoded: skip the window
@@ -87,7 +90,9 @@ def _transcribe_tokens(backend, audio, language, prompt) -> DecodeResult:
                 part = toks[last:cur]
                 start = (part[0] - tb) * TIME_PRECISION if part and part[0] >= tb else 0.0
                 end = (part[-1] - tb) * TIME_PRECISION if part and part[-1] >= tb else dur
-                _add(segments, offset, start, end, tk.decode([t for t in part if t < tk.eot]), dur)
+                words = [t for t in part if t < tk.eot]
+                if _add(segments, offset, start, end, tk.decode(words), dur):
+                    text_tokens += words
                 last = cur
             if not single_ending:
                 last_ts = (toks[last - 1] - tb) * TIME_PRECISION
@@ -99,23 +104,27 @@ def _transcribe_tokens(backend, audio, language, prompt) -> DecodeResult:
             if stamps and stamps[-1] != tb:
                 end = (stamps[-1] - tb) * TIME_PRECISION
             start = (stamps[0] - tb) * TIME_PRECISION if stamps and toks[0] >= tb else 0.0
-            _add(segments, offset, start, end, tk.decode([t for t in toks if t < tk.eot]), dur)
+            words = [t for t in toks if t < tk.eot]
+            if _add(segments, offset, start, end, tk.decode(words), dur):
+                text_tokens += words
             used = toks
         history = (history + used)[-223:]
         seek += max(advance, SAMPLE_RATE // 2) if advance < len(chunk) else len(chunk)
-    return _finish(segments, language, logprobs, no_speech, n_tokens)
+    return _finish(tk.decode(text_tokens).strip(), segments, language, logprobs, no_speech, n_tokens)
 
 
-def _add(segments: list[Segment], offset: float, start: float, end: float, text: str, dur: float) -> None:
+def _add(segments: list[Segment], offset: float, start: float, end: float, text: str, dur: float) -> bool:
+    """Append a segment at absolute times; False when its text is blank and nothing was added."""
     text = text.strip()
     if not text:
-        return
+        return False
     start = offset + min(max(start, 0.0), dur)
     end = offset + min(max(end, 0.0), dur)
     if segments and start < segments[-1].end:
         start = segments[-1].end
     end = max(end, start)
     segments.append(Segment(round(start, 2), round(end, 2), text))
+    return True
 
 
 def _transcribe_text(backend: Backend, audio, language, prompt) -> DecodeResult:
@@ -143,4 +152,5 @@ def _transcribe_text(backend: Backend, audio, language, prompt) -> DecodeResult:
         if segs:
             context = " ".join(s.text for s in segments)[-PROMPT_CHARS:]
         seek += advance
-    return _finish(segments, language, logprobs, no_speech, n_tokens)
+    text = " ".join(s.text for s in segments)  # a backend without tokens gives the segments' texts only
+    return _finish(text, segments, language, logprobs, no_speech, n_tokens)

@@ -28,6 +28,8 @@ class WhisperTokenizer:
     def __init__(self, model_dir: str | Path):
         model_dir = Path(model_dir)
         self.tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        # text is text: a prompt or prefix that spells "<|endoftext|>" must not become that token
+        self.tok.encode_special_tokens = True
         cfg_path = model_dir / "config.json"
         self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
 
@@ -93,6 +95,14 @@ class WhisperTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode([i for i in ids if i < self.eot], skip_special_tokens=False)
+
+    def language_code(self, language: str | None) -> str | None:
+        """The model's code for `language` ("EN", "en-US" and "zh_TW" are "en", "en" and "zh"),
+        or None when it has none: a request's language is then detected."""
+        if not language:
+            return None
+        code = language.strip().lower().replace("_", "-").split("-")[0]
+        return code if code in self.lang_to_id else None
 
     def sot_sequence(self, language: str | None, task: str = "transcribe") -> list[int]:
         seq = [self.sot]

@@ -156,6 +156,40 @@ def test_cli_local_base_with_a_given_language(tmp_path):
     assert obj["segments"] and all(seg["start"] < seg["end"] for seg in obj["segments"])
 
 
+@pytest.mark.base
+def test_a_language_code_in_capitals_or_with_a_region_is_that_language(base, tmp_path):
+    """Clients write "ZH" or "zh-CN" for Mandarin; Whisper lowercases the code. A code the model
+    has, in any spelling, is forced as "zh" is, not ignored for detection (which hears espeak-ng's
+    Mandarin as another language)."""
+    wav = tmp_path / "zh.wav"
+    subprocess.run(["espeak-ng", "-v", "cmn", "-w", str(wav), "今天天气很好，我们去公园散步吧。"], check=True, capture_output=True)
+    audio = load_audio(wav)
+    [forced] = base.transcribe_batch([DecodeRequest(audio=audio, language="zh")])
+    [detected] = base.transcribe_batch([DecodeRequest(audio=audio)])
+    assert forced.language == "zh" and detected.language != "zh"
+    for spelling in ("ZH", "zh-CN", "zh_TW"):
+        [res] = base.transcribe_batch([DecodeRequest(audio=audio, language=spelling)])
+        assert (res.language, res.text) == ("zh", forced.text), spelling
+
+
+@pytest.mark.base
+def test_long_form_text_of_japanese_has_no_spaces_between_segments(base, tmp_path):
+    """Whisper's text is its segments' tokens decoded together: Japanese sentences follow each
+    other with no space, as in the text of a single decode. Joining the segments' texts with
+    spaces split the transcript where the model closed a segment."""
+    gap = np.zeros(SAMPLE_RATE, np.float32)
+    pieces = []
+    for i, sentence in enumerate(["こんにちは。きょうは いい てんき ですね。", "わたしは がくせい です。", "あした ともだちと うみに いきます。"]):
+        wav = tmp_path / f"ja{i}.wav"
+        subprocess.run(["espeak-ng", "-v", "ja", "-w", str(wav), sentence], check=True, capture_output=True)
+        pieces += [load_audio(wav), gap]
+    audio = np.concatenate(pieces)
+    [whole] = base.transcribe_batch([DecodeRequest(audio=audio, language="ja")])
+    res = longform.transcribe(base, audio, language="JA")
+    assert len(res.segments) >= 2 and res.language == "ja"
+    assert res.text == whole.text
+
+
 def test_empty_file(tmp_path):
     p = tmp_path / "empty.wav"
     p.write_bytes(b"")
@@ -257,6 +291,19 @@ def test_batch_equals_one_by_one(tiny, dev):
     for b, s in zip(batch, single):
         assert abs(b.avg_logprob - s.avg_logprob) < 0.02
     assert normalize(batch[3].text).startswith("eight of spades")
+
+
+def test_a_prefix_that_spells_a_special_token_is_forced_as_text(tiny, dev):
+    """A forced prefix (a stream's committed words) or a prompt is text, even where it spells a
+    special token: "<|startoftranscript|>" read as that token left the transcript empty, and
+    "<|endoftext|>" vanished from the words the transcript must start with."""
+    cards = dev[5][1]  # "ten of clubs"
+    for prefix in ("<|startoftranscript|> Ten", "Ten of <|endoftext|>"):
+        for timestamps in (True, False):
+            [res] = tiny.transcribe_batch([DecodeRequest(audio=cards, prefix=prefix, timestamps=timestamps)])
+            assert res.text.startswith(prefix), (prefix, timestamps, res.text)
+    specials = {tiny.tokenizer.eot, tiny.tokenizer.sot, tiny.tokenizer.sot_prev}
+    assert not specials & set(tiny.tokenizer.prompt_tokens("hotwords <|endoftext|> <|startoftranscript|>", 223)[1:])
 
 
 # A warm decode, traced in a process of its own: tracemalloc's peak counts every thread of the
