@@ -36,6 +36,7 @@ OUT_OF_ORDER = "out_of_order"  # an audio seq that is not the next expected one
 TOO_MANY_STREAMS = "too_many_streams"
 OVERLOADED = "overloaded"  # audio refused: the stream's buffer is full, resend later; or a realtime open refused: the service is past its capacity
 UNKNOWN_MODEL = "unknown_model"
+UNKNOWN_LANGUAGE = "unknown_language"  # an open's language is not one the served model transcribes
 NOT_READY = "not_ready"
 UNAUTHORIZED = "unauthorized"
 INTERNAL = "internal"

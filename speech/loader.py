@@ -162,6 +162,17 @@ def resolve_model(cfg: ModelConfig) -> ModelFiles:
     )
 
 
+def served_languages(cfg: ModelConfig) -> frozenset[str] | None:
+    """The languages the configured model transcribes, from its tokenizer; None for the null
+    model, which takes any. The ingest refuses a stream in another at its open, where a worker
+    would otherwise decode it as English (an English-only model) or guess (a multilingual one)."""
+    if cfg.backend == "null" or cfg.name == "null":
+        return None
+    from speech.tokenizer import WhisperTokenizer
+
+    return WhisperTokenizer(resolve_model(cfg).dir).languages
+
+
 def _export_dir(cfg: ModelConfig, files: ModelFiles) -> Path:
     from speech.export import EXPORTER_VERSION
 

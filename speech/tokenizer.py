@@ -24,6 +24,11 @@ LANGUAGES = (
 TIME_PRECISION = 0.02  # seconds per timestamp token
 
 
+def language_base(language: str) -> str:
+    """A language code as Whisper spells it: "EN", "en-US" and "zh_TW" are "en", "en" and "zh"."""
+    return language.strip().lower().replace("_", "-").split("-")[0]
+
+
 class WhisperTokenizer:
     def __init__(self, model_dir: str | Path):
         model_dir = Path(model_dir)
@@ -97,12 +102,17 @@ class WhisperTokenizer:
         return self.tok.decode([i for i in ids if i < self.eot], skip_special_tokens=False)
 
     def language_code(self, language: str | None) -> str | None:
-        """The model's code for `language` ("EN", "en-US" and "zh_TW" are "en", "en" and "zh"),
-        or None when it has none: a request's language is then detected."""
+        """The model's code for `language` (see `language_base`), or None when it has none: a
+        request's language is then detected."""
         if not language:
             return None
-        code = language.strip().lower().replace("_", "-").split("-")[0]
+        code = language_base(language)
         return code if code in self.lang_to_id else None
+
+    @property
+    def languages(self) -> frozenset[str]:
+        """The languages the model transcribes: an English-only one has no others' tokens."""
+        return frozenset(self.lang_to_id) if self.multilingual else frozenset({"en"})
 
     def sot_sequence(self, language: str | None, task: str = "transcribe") -> list[int]:
         seq = [self.sot]

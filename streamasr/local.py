@@ -23,12 +23,19 @@ def run(
     from speech import longform
     from speech.audio import AudioError, load_audio
     from speech.backend import SAMPLE_RATE
-    from speech.loader import ModelError, load_backend
+    from speech.loader import ModelError, load_backend, served_languages
+    from speech.tokenizer import language_base
 
+    cfg = ModelConfig(name=model, precision=precision, partial_precision="", threads=threads, cache_dir=cache_dir)
     try:
-        backend = load_backend(ModelConfig(name=model, precision=precision, partial_precision="", threads=threads, cache_dir=cache_dir))
+        backend = load_backend(cfg)
     except (ModelError, ValueError, NotImplementedError) as exc:
         print(f"error: cannot load model {model}: {exc}", file=sys.stderr)
+        return 2
+    languages = served_languages(cfg)
+    if language and languages is not None and language_base(language) not in languages:
+        print(f"error: model {model} does not transcribe {language!r} ({', '.join(sorted(languages))})", file=sys.stderr)
+        backend.close()
         return 2
     status = 0
     try:

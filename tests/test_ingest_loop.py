@@ -216,3 +216,22 @@ def test_a_batch_stream_waiting_for_its_window_is_not_closed_as_idle(server: Ing
         assert session.ending and session.close_reason == "idle_timeout"
     finally:
         sock.close()
+
+
+def test_a_language_the_model_does_not_transcribe_is_refused_at_open(server: IngestServer) -> None:
+    """An English-only model decodes every stream as English: a stream opened in French would get
+    English words for its French speech, with nothing to say why. Refused at the open, the
+    client hears it at once; a code spelled otherwise (capitals, a region) is the same language."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(server.endpoint)
+    try:
+        sock.send_multipart(m.encode(m.Open(stream="fr", language="fr")))
+        [refused] = serve_until(server, sock, bool)
+        assert isinstance(refused, m.ErrorMsg) and (refused.code, refused.stream) == (m.UNKNOWN_LANGUAGE, "fr")
+        assert "'fr'" in refused.message and "whisper-tiny.en" in refused.message and "(en)" in refused.message
+        sock.send_multipart(m.encode(m.Open(stream="en", language="EN-us")))
+        [ready] = serve_until(server, sock, bool)
+        assert isinstance(ready, m.Ready) and ready.stream == "en"
+    finally:
+        sock.close()
