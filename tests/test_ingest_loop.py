@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -168,6 +169,18 @@ def test_a_broker_away_never_blocks_the_loop(server: IngestServer) -> None:
     assert all(jobs.unpack(body)["streams"] == 0 for _, _, body in got[1:])
 
 
+@contextmanager
+def client_socket(server: IngestServer) -> Iterator[zmq.Socket]:
+    """A client's DEALER connected to the ingest."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(server.endpoint)
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
 def serve_until(server: IngestServer, sock: zmq.Socket, done: Callable[[list[m.ServerMessage]], bool]) -> list[m.ServerMessage]:
     """Turn the clients' part of the ingest's loop until its client has got what `done` waits for."""
     got: list[m.ServerMessage] = []
@@ -188,10 +201,7 @@ def test_a_batch_stream_waiting_for_its_window_is_not_closed_as_idle(server: Ing
     longer than `idle_timeout_s` (its finals wait behind everyone else's). That wait is the
     service's: the stream must stay open, and only the client's own silence, once the service
     has given it room again, counts towards the idle timeout."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.linger = 0
-    sock.connect(server.endpoint)
-    try:
+    with client_socket(server) as sock:
         sock.send_multipart(m.encode(m.Open(stream="b", priority="batch")))
         [ready] = serve_until(server, sock, bool)
         assert isinstance(ready, m.Ready)
@@ -214,18 +224,13 @@ def test_a_batch_stream_waiting_for_its_window_is_not_closed_as_idle(server: Ing
         assert not session.ending, "room it was just told of is not idleness"
         server._sweep(waited + idle + 1)  # the client never uses it: it is gone
         assert session.ending and session.close_reason == "idle_timeout"
-    finally:
-        sock.close()
 
 
 def test_a_language_the_model_does_not_transcribe_is_refused_at_open(server: IngestServer) -> None:
     """An English-only model decodes every stream as English: a stream opened in French would get
     English words for its French speech, with nothing to say why. Refused at the open, the
     client hears it at once; a code spelled otherwise (capitals, a region) is the same language."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.linger = 0
-    sock.connect(server.endpoint)
-    try:
+    with client_socket(server) as sock:
         sock.send_multipart(m.encode(m.Open(stream="fr", language="fr")))
         [refused] = serve_until(server, sock, bool)
         assert isinstance(refused, m.ErrorMsg) and (refused.code, refused.stream) == (m.UNKNOWN_LANGUAGE, "fr")
@@ -233,5 +238,3 @@ def test_a_language_the_model_does_not_transcribe_is_refused_at_open(server: Ing
         sock.send_multipart(m.encode(m.Open(stream="en", language="EN-us")))
         [ready] = serve_until(server, sock, bool)
         assert isinstance(ready, m.Ready) and ready.stream == "en"
-    finally:
-        sock.close()
