@@ -33,6 +33,9 @@ MAX_IPC_PATH = 107  # bytes of a Unix socket path (sun_path less its NUL); ZeroM
 # before such a segment is cut: the stream's every frame, and its end, are refused for good.
 RING_ROOM = 8_000
 MODEL_NAMES = ("whisper-tiny.en", "whisper-base", "null")  # registered names: never taken for a directory
+# The longest a stall or stuck limit may be: the processes arm faulthandler's timer with it, which
+# takes no more than ~292 years in nanoseconds and fails at start beyond; a day is far past any decode.
+MAX_WATCH_S = 86_400.0
 
 
 class ConfigError(ValueError):
@@ -133,7 +136,7 @@ class IngestConfig:
     curve_client_key: str = path_setting()
     # An ingest whose loop has not turned for this long is stuck (it wakes every half heartbeat):
     # it exits with every thread's stack in its log, and supervisord starts it again. 0 = never.
-    stall_after_s: float = setting(60.0)
+    stall_after_s: float = setting(60.0, hi=MAX_WATCH_S)
 
 
 @dataclass(frozen=True)
@@ -142,7 +145,7 @@ class BrokerConfig:
     liveness: int = setting(3, lo=1)  # missed heartbeats before a peer is declared dead
     partial_deadline_ms: int = setting(2000, lo=1)  # a queued partial older than this is skipped
     final_deadline_ms: int = setting(10000, lo=1)  # finals are never dropped; past this they are logged late
-    stall_after_s: float = setting(60.0)  # as [ingest] stall_after_s, for the broker's loop
+    stall_after_s: float = setting(60.0, hi=MAX_WATCH_S)  # as [ingest] stall_after_s, for the broker's loop
 
 
 @dataclass(frozen=True)
@@ -151,7 +154,7 @@ class WorkerConfig:
     # A backend call running this long is taken as hung (a native deadlock, a GPU hang): the
     # worker logs `worker.stuck` and exits, so its jobs go to another worker and supervisord
     # starts a new one. Far above any real batch (a tiny.en final takes ~0.35 s on CPU); 0 = never.
-    stuck_after_s: float = setting(60.0)
+    stuck_after_s: float = setting(60.0, hi=MAX_WATCH_S)
 
 
 @dataclass(frozen=True)
@@ -225,22 +228,26 @@ class Config:
         return f"streamasr.{self.instance}.ingest{index}"
 
 
-def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+def _build(cls: type, data: dict[str, Any], where: str, lenient: bool = False) -> Any:
     """Construct dataclass `cls` from a TOML table, refusing unknown keys (typos) and values
-    that do not fit their field."""
+    that do not fit their field; `lenient` leaves those out instead (their defaults stand)."""
     known = {f.name: f for f in dataclasses.fields(cls)}
     hints = get_type_hints(cls)
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
-        if key not in known:
-            raise ConfigError(f"unknown config key {where}{key}")
-        hint = hints[key]
-        if dataclasses.is_dataclass(hint):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{where}{key} must be a table ([{where}{key}])")
-            kwargs[key] = _build(hint, value, f"{where}{key}.")
-        else:
-            kwargs[key] = _checked(f"{where}{key}", value, hint, known[key].metadata.get("range", (0, None)))
+        try:
+            if key not in known:
+                raise ConfigError(f"unknown config key {where}{key}")
+            hint = hints[key]
+            if dataclasses.is_dataclass(hint):
+                if not isinstance(value, dict):
+                    raise ConfigError(f"{where}{key} must be a table ([{where}{key}])")
+                kwargs[key] = _build(hint, value, f"{where}{key}.", lenient)
+            else:
+                kwargs[key] = _checked(f"{where}{key}", value, hint, known[key].metadata.get("range", (0, None)))
+        except ConfigError:
+            if not lenient:
+                raise
     return cls(**kwargs)
 
 
@@ -257,6 +264,8 @@ def _checked(key: str, value: Any, hint: Any, bounds: tuple[float, float | None]
     numeric = (int,) if hint is int else (int, float)
     if isinstance(value, bool) or not isinstance(value, numeric):
         raise ConfigError(f"{key} must be {'an integer' if hint is int else 'a number'}, not {value!r}")
+    if isinstance(value, float) and math.isinf(value):  # TOML's inf: no ring is that long, no timer can be armed with it
+        raise ConfigError(f"{key} must be a finite number, not {value!r}")
     lo, hi = bounds
     if not lo <= value <= (math.inf if hi is None else hi):  # NaN fails both
         raise ConfigError(f"{key} must be {f'between {lo} and {hi}' if hi is not None else f'{lo} or more'}, not {value!r}")
@@ -278,6 +287,12 @@ def read(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: {exc}") from None
 
 
+def read_absolute(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A config file's tables as written, its relative paths made absolute from its directory as
+    `load` takes them: for a caller that layers the file under settings of its own."""
+    return _absolute(read(path), Config, Path(path).absolute().parent)
+
+
 def load(path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None) -> Config:
     """Load the default config, then `path` (or $STREAMASR_CONFIG) on top, then `overrides`.
 
@@ -286,12 +301,21 @@ def load(path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] |
     data = tomllib.loads(DEFAULT_CONFIG.read_text())
     path = path or os.environ.get(CONFIG_ENV)
     if path:
-        data = merge(data, _absolute(read(path), Config, Path(path).absolute().parent))
+        data = merge(data, read_absolute(path))
     if overrides:
         data = merge(data, _absolute(overrides, Config, Path.cwd()))
     cfg = _build(Config, data, "")
     _check_together(cfg)
     return cfg
+
+
+def load_started(path: str | os.PathLike[str]) -> Config:
+    """The config `serve` wrote into an instance's run directory (its `config.toml`), for the ops
+    tools. That instance may have been started by another version of streamasr: a key this one
+    does not know, or a value it would not take, is left out (its default stands) rather than
+    refused, for the tools read only how the instance listens and what it runs. Raises
+    ConfigError only for a file that cannot be read as TOML."""
+    return _build(Config, read(path), "", lenient=True)
 
 
 def _absolute(data: dict[str, Any], cls: type, base: Path) -> dict[str, Any]:

@@ -27,7 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         log.error("dashboard.refused", reason=str(exc))
         return 1
-    dashboard = Dashboard(collector, port=cfg.metrics.dashboard_port if args.port is None else args.port)
+    port = cfg.metrics.dashboard_port if args.port is None else args.port
+    try:
+        dashboard = Dashboard(collector, port=port)
+    except OSError as exc:  # the port taken since `serve` checked it: said, not a traceback
+        collector.close()
+        log.error("dashboard.refused", reason=f"cannot listen on 127.0.0.1:{port}: {exc.strerror or exc}")
+        return 1
 
     def stop(signum: int, _frame: FrameType | None) -> None:
         # shutdown() waits for serve_forever, which runs on this (the signalled) thread

@@ -808,6 +808,30 @@ def served(target: Target, asked: str | None) -> tuple[str, int | None]:
     return model, len(reply.workers) or None
 
 
+def started_model(config: str | None) -> str:
+    """The model a service the bench starts serves without --model: --config's (a directory from
+    the file's own), else the default."""
+    return settings.read_absolute(config).get("model", {}).get("name", "whisper-tiny.en") if config else "whisper-tiny.en"
+
+
+def started_settings(args: argparse.Namespace, model: str, counts: list[int]) -> dict[str, Any]:
+    """The settings of the service the bench starts: --config's (its relative paths from its own
+    directory, as `serve` takes them), under the bench's options."""
+    base = settings.read_absolute(args.config) if args.config else {}
+    overrides: dict[str, Any] = {"log_level": "debug",  # the workers log each batch's size at debug
+                                 "ingest": {"max_streams_per_client": max(64, max(counts))}}
+    if args.max_batch:
+        overrides["model"] = {"max_batch": args.max_batch}
+    if args.sweep or not args.ramp:
+        # Such a run measures what N streams get. Admission would cut the burst where the
+        # workers' start-up decodes price a stream, and in a sweep, after the first run,
+        # where that run's streams were measured.
+        overrides["ingest"] |= {"admit_max_load_s": 0, "admit_max_busy": 0, "admit_max_realtime_streams": 0}
+    overrides = settings.merge({"model": {"name": model, "backend": "null" if model == "null" else "onnxruntime"},
+                                "workers": {"processes": args.workers}}, overrides)
+    return settings.merge(base, overrides)
+
+
 def _terminate(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)  # unwind, so the service we started is stopped
 
@@ -827,21 +851,9 @@ def main(argv: list[str] | None = None) -> int:
             target = Target(args.server)
             model, workers = served(target, args.model)
         else:
-            base = settings.read(args.config) if args.config else {}
-            model, workers = args.model or base.get("model", {}).get("name", "whisper-tiny.en"), args.workers
-            overrides: dict[str, Any] = {"log_level": "debug",  # the workers log each batch's size at debug
-                                         "ingest": {"max_streams_per_client": max(64, max(counts))}}
-            if args.max_batch:
-                overrides["model"] = {"max_batch": args.max_batch}
-            if args.sweep or not args.ramp:
-                # Such a run measures what N streams get. Admission would cut the burst where the
-                # workers' start-up decodes price a stream, and in a sweep, after the first run,
-                # where that run's streams were measured.
-                overrides["ingest"] |= {"admit_max_load_s": 0, "admit_max_busy": 0, "admit_max_realtime_streams": 0}
+            model, workers = args.model or started_model(args.config), args.workers
+            overrides = started_settings(args, model, counts)
             print(f"starting the service: model {model}, {workers} workers ...", file=sys.stderr, flush=True)
-            overrides = settings.merge({"model": {"name": model, "backend": "null" if model == "null" else "onnxruntime"},
-                                        "workers": {"processes": workers}}, overrides)
-            overrides = settings.merge(base, overrides)
             if args.tracemalloc:
                 trace_dir = workdir / "tracemalloc"
                 trace_dir.mkdir()

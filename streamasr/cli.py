@@ -63,7 +63,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"  ingest {i.get('index')}: {i.get('endpoint')}, streams {i.get('streams')}{', draining' if i.get('draining') else ''}")
         if report.get("ready") and not service.complete(report):
             expected = report["expected"]
-            print(f"  registered: {len(report.get('ingests', []))} of {expected['ingests']} ingest processes, "
+            print(f"  registered: {len(service.serving_ingests(report))} of {expected['ingests']} ingest processes serving, "
                   f"{len(report.get('workers', []))} of {expected['workers']} workers")
         if "realtime" in report:
             cap = f" (cap {report['realtime_cap']})" if report.get("realtime_cap") else ""
@@ -97,12 +97,14 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     from streamasr import remote, service
 
     cfg = _config(args)
-    server = args.server or service.saved_config(cfg).ingest.address
+    if not args.server:
+        cfg = service.saved_config(cfg)  # the running instance's address and CURVE keys
     try:
         curve = service.ops_curve(cfg)  # a service with CURVE on answers no one without keys
     except (OSError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
-    return remote.run(args.files, server=server, offline=args.offline, as_json=args.json, language=args.language, curve=curve)
+    return remote.run(args.files, server=args.server or cfg.ingest.address, offline=args.offline, as_json=args.json,
+                      language=args.language, curve=curve)
 
 
 def cmd_top(args: argparse.Namespace) -> int:
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     pace.add_argument("--offline", action="store_true", help="stream as fast as the service takes it (priority batch)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--model", help="with --local: whisper-tiny.en, whisper-base or a model directory (default: the config's)")
-    p.add_argument("--language", help="language code, e.g. en, zh (default: detect, or English for .en models)")
+    p.add_argument("--language", help="language code, e.g. en, zh, EN-us (default: detect, or English for .en models; one the model lacks is refused)")
     p.add_argument("--precision", choices=["fp32", "int8"], help="with --local (default: the config's)")
     p.add_argument("--threads", type=int, default=2, help="with --local: ONNX Runtime threads")
     p.set_defaults(func=cmd_transcribe)

@@ -58,15 +58,16 @@ def supervisord_pid(cfg: Config) -> int | None:
     """Pid of this instance's running supervisord, if any. The pid file alone does not say: one
     that a killed supervisord left behind (a crash, a reboot with the run directory kept) may
     name a pid the system has since given to another program, which `stop` would then signal
-    and `serve` would take for this instance running. So the process must be supervisord on
-    this service's supervisord.conf, for this run directory where its environment is readable."""
+    and `serve` would take for this instance running. So the process must be a supervisord, and
+    one for this run directory where its environment is readable (however it was started:
+    `serve` from any directory or release, or by hand with the STREAMASR_* variables)."""
     try:
         pid = int((cfg.run_path / "supervisord.pid").read_text())
         proc = psutil.Process(pid)
         cmdline = proc.cmdline()
     except (OSError, ValueError, psutil.Error):
         return None
-    if str(SUPERVISORD_CONF) not in cmdline or not any(Path(arg).name == "supervisord" for arg in cmdline):
+    if not any(Path(arg).name == "supervisord" for arg in cmdline[:2]):  # the program, or the script its interpreter runs
         return None
     try:
         run_dir = proc.environ().get("STREAMASR_RUN_DIR")
@@ -206,15 +207,19 @@ def processes(cfg: Config) -> list[dict[str, Any]]:
 
 
 def saved_config(cfg: Config) -> Config:
-    """`cfg`, listening where its running instance listens: the front door and the dashboard as
-    the instance was started (`serve --address` sets the first), read from its run directory.
-    The rest is the caller's own, its client key included."""
+    """`cfg`, describing its running instance as that was started, from its run directory: its
+    `[ingest]` (the front door `serve --address` sets, its ingest processes, the server's CURVE
+    keys), its workers and its dashboard port. The rest is the caller's own, its client key
+    included: that is the caller's identity, not the service's."""
     saved = cfg.run_path / "config.toml"
     if supervisord_pid(cfg) is None or not saved.is_file():
         return cfg
-    started = settings.load(saved)
-    return replace(cfg, ingest=replace(cfg.ingest, address=started.ingest.address),
-                   metrics=replace(cfg.metrics, dashboard_port=started.metrics.dashboard_port))
+    try:
+        started = settings.load_started(saved)
+    except settings.ConfigError:  # not TOML: the caller's own settings are the best guess left
+        return cfg
+    return replace(cfg, ingest=replace(started.ingest, curve_client_key=cfg.ingest.curve_client_key),
+                   workers=started.workers, metrics=started.metrics)
 
 
 def status(cfg: Config) -> dict[str, Any]:
@@ -246,9 +251,15 @@ def status(cfg: Config) -> dict[str, Any]:
 
 
 def complete(report: dict[str, Any]) -> bool:
-    """Every ingest process and worker the instance runs has registered with the broker."""
+    """Every ingest process and worker the instance runs has registered with the broker, and no
+    ingest is shutting down: one that drains is on its way out (a restart), not serving."""
     expected = report.get("expected", {})
-    return len(report.get("ingests", [])) >= expected.get("ingests", 0) and len(report.get("workers", [])) >= expected.get("workers", 0)
+    return len(serving_ingests(report)) >= expected.get("ingests", 0) and len(report.get("workers", [])) >= expected.get("workers", 0)
+
+
+def serving_ingests(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The report's ingest processes not shutting down."""
+    return [i for i in report.get("ingests", []) if not i.get("draining")]
 
 
 def wait_ready(cfg: Config, timeout: float) -> dict[str, Any]:

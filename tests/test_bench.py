@@ -10,8 +10,12 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+import pytest
 from conftest import ROOT, Service
 from streaming import wait_for
+
+from config import settings
+from streamasr import bench as streamasr_bench
 
 LATENCY_KEYS = ("count", "p50", "p90", "p99", "p99_9", "max", "mean", "stdev")
 
@@ -196,3 +200,18 @@ def test_ramp_counts_refused_opens_and_measures_the_admitted(tmp_path: Path,
     assert s["streams"]["refused"] == {"too_many_streams": 1}
     check_latency(s["partial_latency_ms"])
     check_latency(s["final_latency_ms"])
+
+
+def test_the_started_services_config_takes_relative_paths_from_the_files_directory(tmp_path: Path,
+                                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench --config` gives the service it starts that file's settings as `serve --config` would:
+    a relative `cache_dir` is the file's directory's, not wherever the bench is run (where the
+    model would be exported all over again)."""
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "conf" / "bench.toml").write_text('[model]\ncache_dir = "cache"\n')
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    args = streamasr_bench.parse(["--config", "../conf/bench.toml", "--model", "null"])
+    started = settings.load(None, streamasr_bench.started_settings(args, "null", [1]))
+    assert Path(started.model.cache_dir).resolve() == (tmp_path / "conf" / "cache").resolve()
+    assert Path(started.model.cache_dir).resolve() == Path(settings.load(tmp_path / "conf" / "bench.toml").model.cache_dir).resolve()

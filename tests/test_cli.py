@@ -10,6 +10,8 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -81,6 +83,15 @@ def test_transcribe_local_runs_the_configs_model(tmp_path: Path) -> None:
     done = _streamasr("transcribe", "--local", "--config", str(config), audio)
     assert done.returncode == 2
     assert "cannot load model whisper-huge.xx: unknown model 'whisper-huge.xx'" in done.stderr, done.stderr
+
+
+def test_transcribe_local_refuses_a_language_the_model_does_not_transcribe() -> None:
+    """tiny.en would decode French speech as English words; asked for French, it says so instead."""
+    audio = next(u.path for u in testdata.utterances() if u.name == "goforward")
+    done = _streamasr("transcribe", "--local", "--language", "fr", audio)
+    assert done.returncode == 2 and done.stdout == ""
+    assert "model whisper-tiny.en does not transcribe 'fr' (en)" in done.stderr, done.stderr
+    assert _streamasr("transcribe", "--local", "--language", "EN", audio).returncode == 0
 
 
 def test_stop_waits_as_long_as_supervisord_may_take(tmp_path: Path) -> None:
@@ -188,6 +199,35 @@ def test_ops_commands_follow_the_running_instance_from_anywhere(tmp_path: Path) 
     assert not pool.segments(instance)
 
 
+def test_an_ingest_shutting_down_does_not_count_as_registered() -> None:
+    """`status --wait` after `supervisorctl restart ingest:ingest-0` must wait for the new process:
+    the old one, still draining, is registered but on its way out."""
+    report = {"expected": {"ingests": 2, "workers": 1}, "workers": [{"id": "w0"}],
+              "ingests": [{"index": 0, "draining": True}, {"index": 1, "draining": False}]}
+    assert not service.complete(report)
+    report["ingests"][0]["draining"] = False
+    assert service.complete(report)
+
+
+@contextmanager
+def _serving(config: Path, instance: str, *args: str) -> Iterator[None]:
+    """`streamasr serve --model null` as a shell runs it (its exit reaped, so that `stop` sees
+    supervisord go), stopped with `streamasr stop` at the end; no shm may be left behind."""
+    serve = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "serve", "--config", str(config), "--model", "null", *args],
+                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    reaper = threading.Thread(target=serve.wait, daemon=True)
+    reaper.start()
+    try:
+        yield
+        assert _streamasr("stop", "--config", str(config)).returncode == 0
+        reaper.join(10)
+    finally:
+        if serve.poll() is None:
+            serve.send_signal(signal.SIGTERM)
+            serve.wait(60)
+    assert not pool.segments(instance)
+
+
 def test_status_wait_waits_for_every_ingest_and_worker_the_instance_runs(tmp_path: Path) -> None:
     """The front door is ready with one ingest and one worker; `status --wait` is what a script
     runs before it sends load, which should find every ingest process registered to spread over.
@@ -198,10 +238,6 @@ def test_status_wait_waits_for_every_ingest_and_worker_the_instance_runs(tmp_pat
     config.write_text(f'instance = "{instance}"\nrun_dir = "{tmp_path / "run"}"\n[ingest]\naddress = "tcp://127.0.0.1:{base}"\n'
                       f"port_base = {base + 1}\nprocesses = 2\n[metrics]\ndashboard_port = {base + 3}\n[workers]\nprocesses = 1\n")
     cfg = settings.load(config)
-    serve = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "serve", "--config", str(config), "--model", "null"], cwd=ROOT,
-                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    reaper = threading.Thread(target=serve.wait, daemon=True)
-    reaper.start()
 
     def pid_of(name: str) -> int | None:
         try:
@@ -209,7 +245,7 @@ def test_status_wait_waits_for_every_ingest_and_worker_the_instance_runs(tmp_pat
         except OSError:  # supervisord's socket not there yet
             return None
 
-    try:
+    with _serving(config, instance):
         deadline = time.monotonic() + 60
         while (held := pid_of("ingest-1")) is None and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -221,20 +257,73 @@ def test_status_wait_waits_for_every_ingest_and_worker_the_instance_runs(tmp_pat
             assert [i["index"] for i in report["ingests"]] == [0], report
             done = _streamasr("status", "--config", str(config), "--wait", "2")
             assert done.returncode == 0, done.stdout  # ready: the front door serves
-            assert "registered: 1 of 2 ingest processes, 1 of 1 workers" in done.stdout, done.stdout
+            assert "registered: 1 of 2 ingest processes serving, 1 of 1 workers" in done.stdout, done.stdout
         finally:
             os.kill(held, signal.SIGCONT)
         done = _streamasr("status", "--config", str(config), "--wait", "60", "--json")
         report = json.loads(done.stdout)
         assert done.returncode == 0 and report["expected"] == {"ingests": 2, "workers": 1}, report
         assert sorted(i["index"] for i in report["ingests"]) == [0, 1] and len(report["workers"]) == 1, report
-        assert _streamasr("stop", "--config", str(config)).returncode == 0
-        reaper.join(10)
-    finally:
-        if serve.poll() is None:
-            serve.send_signal(signal.SIGTERM)
-            serve.wait(60)
-    assert not pool.segments(instance)
+
+
+def test_status_counts_the_processes_serve_was_told_to_run_and_reads_another_versions_run_dir(tmp_path: Path) -> None:
+    """`serve --ingest 2 --workers 1` runs what its command line says, not what the config file
+    does: `status --wait` must wait for those (not return before the second ingest, nor wait in
+    vain for workers that were never started). And an instance started by another version of
+    streamasr (a key this one does not know in its run directory's config) is still reported,
+    not refused as if the operator's own config were wrong."""
+    base = free_ports(4)
+    instance = f"cnt{uuid.uuid4().hex[:8]}"
+    config = tmp_path / "streamasr.toml"
+    config.write_text(f'instance = "{instance}"\nrun_dir = "{tmp_path / "run"}"\n[ingest]\naddress = "tcp://127.0.0.1:{base}"\n'
+                      f"port_base = {base + 1}\n[metrics]\ndashboard_port = {base + 3}\n[workers]\nprocesses = 3\n")
+    with _serving(config, instance, "--ingest", "2", "--workers", "1"):
+        started = tmp_path / "run" / "config.toml"
+        deadline = time.monotonic() + 60
+        while not started.is_file() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        done = _streamasr("status", "--config", str(started), "--wait", "120", timeout=180)  # the counts serve wrote
+        assert done.returncode == 0, done.stdout
+        done = _streamasr("status", "--config", str(config), "--json")
+        report = json.loads(done.stdout)
+        assert done.returncode == 0 and report["expected"] == {"ingests": 2, "workers": 1}, report
+        assert "registered:" not in _streamasr("status", "--config", str(config)).stdout  # nothing missing
+
+        with started.open("a") as f:  # what a release that has one more setting wrote
+            f.write("\n[tracing]\nsample = 0.1\n")
+        done = _streamasr("status", "--config", str(config))
+        assert done.returncode == 0 and "ready: yes" in done.stdout and "Traceback" not in done.stderr, done.stderr
+
+
+def test_ops_commands_take_the_servers_curve_keys_from_the_running_instance(tmp_path: Path) -> None:
+    """With CURVE on, the front door answers only an authorized key: an operator's config that
+    holds the client key pair and where the instance runs is enough for `status` and
+    `transcribe`, the server's keys are the instance's. One without a client key is told so,
+    rather than waiting for an answer that cannot come and reading the service as dead."""
+    (tmp_path / "clients").mkdir()
+    zmq.auth.create_certificates(str(tmp_path), "server")
+    zmq.auth.create_certificates(str(tmp_path / "clients"), "ops")
+    base = free_ports(3)
+    instance = f"curve{uuid.uuid4().hex[:8]}"
+    where = f'instance = "{instance}"\nrun_dir = "{tmp_path / "run"}"\n'
+    config = tmp_path / "service.toml"
+    config.write_text(f'{where}[ingest]\naddress = "tcp://127.0.0.1:{base}"\nport_base = {base + 1}\n'
+                      f'curve_secret_key = "server.key_secret"\ncurve_authorized_keys = "clients"\n'
+                      f"[metrics]\ndashboard_port = {base + 2}\n[workers]\nprocesses = 1\n")
+    operator = tmp_path / "operator.toml"
+    operator.write_text(f'{where}[ingest]\ncurve_client_key = "{tmp_path / "clients" / "ops.key_secret"}"\n')
+    keyless = tmp_path / "keyless.toml"
+    keyless.write_text(where)
+    with _serving(config, instance):
+        done = _streamasr("status", "--config", str(operator), "--wait", "120", timeout=180)
+        assert done.returncode == 0 and "ready: yes" in done.stdout, done.stdout
+        audio = next(u.path for u in testdata.utterances() if u.name == "goforward")
+        done = _streamasr("transcribe", "--config", str(operator), "--offline", audio)
+        assert done.returncode == 0 and "null model" in done.stdout, done.stderr
+        done = _streamasr("status", "--config", str(keyless))
+        assert done.returncode == 1 and "ingest.curve_client_key" in done.stdout, done.stdout
+        done = _streamasr("transcribe", "--config", str(keyless), "--offline", audio)
+        assert done.returncode == 2 and "ingest.curve_client_key" in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize(("setting", "named"), [
@@ -248,6 +337,8 @@ def test_status_wait_waits_for_every_ingest_and_worker_the_instance_runs(tmp_pat
                                       "tcp://127.0.0.1:7700 are the same port"),
     ("[shm]\nring_seconds = 25\n", "shm.ring_seconds (25) must be at least vad.max_segment_s (25)"),
     ("[ingest]\ndrain_timeout_s = 11\n", "ingest.drain_timeout_s (11 s) and 2 s to exit do not fit in the ingest's stopwaitsecs (12 s"),
+    ("[ingest]\nstall_after_s = inf\n", "ingest.stall_after_s must be a finite number, not inf"),
+    ("[shm]\nring_seconds = inf\n", "shm.ring_seconds must be a finite number, not inf"),
 ])
 def test_a_setting_that_cannot_work_is_refused_before_anything_starts(tmp_path: Path, setting: str, named: str) -> None:
     """Each process of the service reads the same file: one that fails at start is a service

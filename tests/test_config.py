@@ -30,7 +30,14 @@ def test_the_embedded_default_and_its_file_agree() -> None:
     ({"ingest": {"admit_max_busy": 1.5}}, "ingest.admit_max_busy must be between 0 and 1, not 1.5"),
     ({"ingest": {"admit_max_realtime_streams": -1}}, "ingest.admit_max_realtime_streams must be 0 or more, not -1"),
     ({"vad": {"threshold": math.nan}}, "vad.threshold must be between 0 and 1, not nan"),
-    ({"workers": {"stuck_after_s": -1}}, "workers.stuck_after_s must be 0 or more, not -1"),
+    ({"workers": {"stuck_after_s": -1}}, "workers.stuck_after_s must be between 0 and 86400.0, not -1"),
+    # TOML's inf: `serve` cannot size a ring of it, and a loop's stall watch cannot arm its timer
+    # with it (the process fails at start, over and over), nor with ~300 years
+    ({"shm": {"ring_seconds": math.inf}}, "shm.ring_seconds must be a finite number, not inf"),
+    ({"vad": {"max_segment_s": math.inf}}, "vad.max_segment_s must be a finite number, not inf"),
+    ({"ingest": {"stall_after_s": math.inf}}, "ingest.stall_after_s must be a finite number, not inf"),
+    ({"broker": {"stall_after_s": 1e10}}, "broker.stall_after_s must be between 0 and 86400.0, not 10000000000.0"),
+    ({"workers": {"stuck_after_s": 1e10}}, "workers.stuck_after_s must be between 0 and 86400.0, not 10000000000.0"),
     ({"shm": 60}, "shm must be a table ([shm])"),
     ({"run_dir": 3}, "run_dir must be a string, not 3"),
     ({"ingest": {"adress": "tcp://127.0.0.1:7700"}}, "unknown config key ingest.adress"),

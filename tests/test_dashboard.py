@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -196,6 +197,22 @@ def test_top_of_an_instance_that_never_started_says_so_and_creates_nothing(tmp_p
     assert top.main(cfg, once=True, url="http://127.0.0.1:9/") == 1
     assert f"instance {cfg.instance!r} is not running" in capsys.readouterr().out
     assert not cfg.run_path.exists()
+
+
+def test_a_dashboard_whose_port_is_taken_says_so_and_exits(tmp_path: Path) -> None:
+    """A port taken since `serve` checked it: supervisord restarts the dashboard over and over, so
+    each try must say why in its log, as a `dashboard.refused` line, not a traceback."""
+    config_file = instance_config(tmp_path)[1]
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "dashboard", "--config", str(config_file), "--port", str(port)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr, done.stderr
+    event = json.loads(done.stderr.strip().splitlines()[-1])
+    assert event["event"] == "dashboard.refused" and f"127.0.0.1:{port}" in event["reason"], event
 
 
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium (apt-get install chromium)")
