@@ -296,9 +296,9 @@ class Session:
         if job is None:
             return  # a job of an earlier stream under the same key (duplicates stop at the server)
         now = time.monotonic()
-        if job.created:
+        if job.created and res.status == OK:  # a result: a partial skipped as stale, or a failure, has no latency to show
             self.metrics.observe("final_latency_seconds" if job.final else "partial_latency_seconds", now - job.created)
-            if res.started:  # a decode ran (an expired job has no times): where its latency went
+            if res.started:  # where its latency went
                 self.metrics.observe("job_transit_seconds", res.started - job.created, leg="to_worker")
                 self.metrics.observe("job_transit_seconds", now - res.finished, leg="to_ingest")
         seg = self.segments.get(job.seg)

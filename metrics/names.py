@@ -36,7 +36,7 @@ SPECS: dict[str, MetricSpec] = {s.name: s for s in (
     MetricSpec("refusals_total", "counter", "ingest", "Client requests refused (limits, bad input, overload).", ("code",)),
     MetricSpec("errors_total", "counter", "any", "Internal errors, by protocol error code.", ("code",)),
     MetricSpec("partial_latency_seconds", "histogram", "ingest",
-               "Partial results: from job creation at ingest to the result back at ingest.", buckets=LATENCY_BUCKETS),
+               "Partial results decoded: from job creation at ingest to the result back at ingest.", buckets=LATENCY_BUCKETS),
     MetricSpec("final_latency_seconds", "histogram", "ingest",
                "Final results: from job creation at ingest to the result back at ingest.", buckets=LATENCY_BUCKETS),
     MetricSpec("job_transit_seconds", "histogram", "ingest",

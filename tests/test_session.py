@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
-from broker.jobs import FAILED, OK, JobResult
+from broker.jobs import EXPIRED, FAILED, OK, JobResult
 from config import settings
 from ingest.audio import Resampler, decode_pcm
 from ingest.session import SAMPLE_RATE, Session
@@ -405,3 +405,20 @@ def test_a_client_gone_mid_segment_with_under_a_second_of_room_is_closed_as_idle
             s.due_ack()
         assert s.open_segment is not None and not s.inflight and list(s.segments.values()) == [s.open_segment]
         assert s.check_idle(time.monotonic() + CFG.ingest.idle_timeout_s + 1)
+
+
+def test_only_results_count_in_the_latency_figures(long_pool: RingPool) -> None:
+    """The dashboard's partial latency is how long a stream waits for text: a partial the broker
+    skipped as stale (answered `expired` past its 2 s deadline) never became text, and counted,
+    it would read as seconds of latency exactly when the service sheds load to keep it low."""
+    metrics = ProcessMetrics(CFG, "ingest")
+    s = Session("c/s", b"c", m.Open(stream="s"), long_pool.acquire(), CFG, 0, long_pool.name, metrics)
+    feed(s, [0.0] * 5 + [0.9] * 20)
+    answer(s, final=False, status=EXPIRED)
+    feed(s, [0.9] * 16)
+    answer(s, final=False, text="go forward", started=1.0, finished=1.0)
+
+    def count(name: str) -> int:
+        return sum(sum(h[3]) for h in metrics.snapshot()["histograms"] if h[0] == name)
+
+    assert count("partial_latency_seconds") == 1
