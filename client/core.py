@@ -54,7 +54,7 @@ CLOSED = "closed"  # StreamError code for a stream that ended or a client that w
 LOST = "connection_lost"  # StreamError code when the service could not be reached again to resume
 LIVENESS_S = 10.0  # an ingest silent this long while it owes an answer (ready, ack) is taken for dead
 RESUME_TIMEOUT_S = 60.0  # how long to keep trying to reach the service again before failing the streams
-REOPEN_CODES = (OVERLOADED, NOT_READY, TOO_MANY_STREAMS)  # a refused resume worth retrying: the service is busy
+REOPEN_CODES = (OVERLOADED, TOO_MANY_STREAMS)  # a refused resume worth retrying: the service is busy
 REOPEN_S = 1.0  # a re-open refused for being busy is sent again after this long...
 MAX_REOPEN_S = 8.0  # ...doubling up to this, until the resume's deadline
 RETRY_S = 0.25  # resend refused audio after this long even if no ack moves the window...
@@ -620,8 +620,9 @@ def route(streams: dict[str, Entry], msg: ServerMessage, now: float) -> bool:
         # no answer to an open: the late answer to the `end` of an earlier, given-up open of this
         # id (after the service had closed it itself, say at a shutdown: see Abandoned)
         return False
-    elif isinstance(msg, ErrorMsg) and msg.code == NOT_READY and not entry.opened.done():
-        # its ingest is shutting down (a restart, a deploy): the open goes where the front door says
+    elif isinstance(msg, ErrorMsg) and msg.code == NOT_READY and msg.seq is None and not core.ready:
+        # an open (or a resume) refused by an ingest shutting down (a restart, a deploy): it goes
+        # where the front door says, which sends no client to such an ingest
         raise IngestLost(f"stream {sid}: its ingest process is shutting down")
     elif isinstance(msg, ErrorMsg) and not entry.opened.done():
         del streams[sid]

@@ -411,11 +411,17 @@ def test_a_stream_its_ingest_closes_at_shutdown_goes_on_elsewhere_unless_it_was_
 def test_an_open_its_ingest_refuses_at_shutdown_goes_where_the_front_door_says() -> None:
     """An open that reaches an ingest while it drains is refused `not_ready`: not the caller's
     failure, since another ingest (or the restarted one) will take it."""
-    waiting = Entry(core(), Open(stream="s", rate=100), Future(), queue.SimpleQueue())
+    unanswered = StreamCore("s", priority="realtime", frame_bytes=2, limits=Limits(), rate=100)
+    waiting = Entry(unanswered, Open(stream="s", rate=100), Future(), queue.SimpleQueue())
     streams = {"s": waiting}
     with pytest.raises(IngestLost):
         route(streams, ErrorMsg(code=NOT_READY, message="the service is shutting down", stream="s"), 1.0)
     assert streams == {"s": waiting} and not waiting.opened.done()
+    waiting.opened.set_result(None)  # the same for a stream resuming there: retried there, it would be refused until it gave up
+    waiting.core.rewind(until=60.0)
+    with pytest.raises(IngestLost):
+        route(streams, ErrorMsg(code=NOT_READY, message="the service is shutting down", stream="s"), 2.0)
+    assert streams == {"s": waiting} and waiting.core.reopen_at is None
 
 
 def test_only_audio_from_durable_on_is_kept_and_resent_with_fresh_seqs() -> None:

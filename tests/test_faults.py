@@ -264,6 +264,56 @@ def test_sigterm_drains_open_streams(service_factory: Any) -> None:
     assert broker.count("broker.worker_left") == 2 and "broker.worker_lost" not in broker
 
 
+def test_a_rolling_restart_of_the_ingests_ends_no_stream(service_factory: Any) -> None:
+    """A deploy restarts the ingest processes one at a time (SIGTERM, as `supervisorctl restart`
+    sends). The reference clients' streams on the one stopping must go on elsewhere: every
+    second of their audio taken and transcribed, each ended by its own `end`, no error shown."""
+    from client import Client
+    from protocol.messages import Closed, ErrorMsg, Final
+
+    service = service_factory(model="null", workers=1, ingests=2)
+    pcm = np.frombuffer(b"".join(read_wav(f) for f in speech_files()[:3]), np.int16)  # ~12 s of speech
+    clients = [Client(service.address) for _ in range(2)]  # one per ingest: the front door spreads them
+    events: dict[str, list[Any]] = {}
+    failures: list[BaseException] = []
+
+    def stream(client: Client, name: str) -> None:
+        try:
+            s = client.open(partials=False)
+            started = time.monotonic()
+            for i, at in enumerate(range(0, len(pcm), CHUNK_FRAMES)):
+                time.sleep(max(0.0, started + i * CHUNK_FRAMES / RATE - time.monotonic()))
+                s.send(pcm[at : at + CHUNK_FRAMES])
+            s.end()
+            events[name] = list(s.events(timeout=60))
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            failures.append(exc)
+
+    try:
+        threads = [threading.Thread(target=stream, args=(c, f"{i}-{j}")) for i, c in enumerate(clients) for j in range(2)]
+        for t in threads:
+            t.start()
+        for program in ("ingest-0", "ingest-1"):
+            time.sleep(1.0)
+            old = pid_of(service, program)
+            os.kill(old, signal.SIGTERM)
+            restarted(service, program, old)
+        for t in threads:
+            t.join(90)
+    finally:
+        for c in clients:
+            c.close()
+    assert not failures, failures
+    assert len(events) == 4
+    for name, got in events.items():
+        assert not [e for e in got if isinstance(e, ErrorMsg)], (name, got)
+        assert any(isinstance(e, Final) for e in got), name
+        closed = got[-1]
+        assert isinstance(closed, Closed) and closed.reason == "end", (name, closed)
+        assert closed.audio_s == pytest.approx(len(pcm) / RATE, abs=0.01), (name, closed)
+    assert all(c.reconnects >= 1 for c in clients), [c.reconnects for c in clients]
+
+
 def test_a_stream_abandoned_at_shutdown_is_told_so(service_factory: Any) -> None:
     """A stop whose drain runs out (the only worker hangs on the stream's final) ends the ingest
     with that stream still open: its client must get `closed` "shutdown", sent in the ingest's
