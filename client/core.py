@@ -622,7 +622,13 @@ def route(streams: dict[str, Entry], msg: ServerMessage, now: float) -> bool:
         return False
     elif isinstance(msg, ErrorMsg) and msg.code == NOT_READY and msg.seq is None and not core.ready:
         # an open (or a resume) refused by an ingest shutting down (a restart, a deploy): it goes
-        # where the front door says, which sends no client to such an ingest
+        # where the front door says, which sends no client to such an ingest. While the ingest
+        # still owes this connection's other streams their finals, it is asked again later:
+        # leaving now would lose those (to be decoded again elsewhere, or never, at a stop).
+        if any(e is not entry and e.core.ready for e in streams.values()):
+            core.reopen_at = now + core.reopen_s
+            core.reopen_s = min(core.reopen_s * 2, MAX_REOPEN_S)
+            return False
         raise IngestLost(f"stream {sid}: its ingest process is shutting down")
     elif isinstance(msg, ErrorMsg) and not entry.opened.done():
         del streams[sid]

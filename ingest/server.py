@@ -35,8 +35,7 @@ from metrics.stallwatch import StallWatch
 from protocol import auth
 from protocol import messages as m
 from shm.pool import PoolExhausted, RingPool, ring_capacity
-from speech.loader import served_languages
-from speech.tokenizer import language_base
+from speech.loader import language_refusal, served_languages
 
 DRAIN_BATCH = 512  # messages taken from one socket per loop iteration
 # At exit, the clients' last messages (a drained stream's final and `closed`, sent in the loop's
@@ -53,6 +52,7 @@ VAD_ROUND_S = 0.010
 class IngestServer:
     def __init__(self, cfg: Config, index: int):
         self.cfg = cfg
+        self.languages = served_languages(cfg.model)  # before anything that needs undoing; None: any (the null model)
         self.index = index
         self.log = structlog.get_logger().bind(ingest=index)
         self.metrics = ProcessMetrics(cfg, f"ingest-{index}")
@@ -99,7 +99,6 @@ class IngestServer:
         self.recent_elsewhere = 0  # realtime streams admitted on the other ingests within it
         self.draining = False
         self.stop_at: float | None = None
-        self.languages = served_languages(cfg.model)  # None: any (the null model)
         self._connect_broker()
 
     # ------------------------------------------------------------------ broker link
@@ -256,9 +255,8 @@ class IngestServer:
             return refuse(m.DUPLICATE_STREAM, f"stream {msg.stream!r} is already open on this connection")
         if msg.model is not None and msg.model != self.cfg.model.name:
             return refuse(m.UNKNOWN_MODEL, f"model {msg.model!r} is not served here; this service runs {self.cfg.model.name!r}")
-        if msg.language is not None and self.languages is not None and language_base(msg.language) not in self.languages:
-            return refuse(m.UNKNOWN_LANGUAGE, f"language {msg.language!r} is not one {self.cfg.model.name!r} transcribes "
-                                              f"({', '.join(sorted(self.languages))})")
+        if why := language_refusal(self.cfg.model.name, self.languages, msg.language):
+            return refuse(m.UNKNOWN_LANGUAGE, why)
         if self.per_client.get(ident, 0) >= self.cfg.ingest.max_streams_per_client:
             return refuse(m.TOO_MANY_STREAMS, f"at most {self.cfg.ingest.max_streams_per_client} open streams per client")
         if len(self.sessions) >= self.max_streams:

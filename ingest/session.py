@@ -88,6 +88,7 @@ class Session:
         self.ending = False
         self.closed = False
         self.close_reason = "end"
+        self.refused_at_shutdown = False  # audio refused since a shutdown ended the stream: its client must resume
         self.last_activity = time.monotonic()
         self.opened_at = self.last_activity
         self.acked_frames = 0
@@ -140,6 +141,7 @@ class Session:
         if self.ending:
             # the client may have sent no `end`: the service ends a stream at a shutdown, and one idle too long
             if self.close_reason == "shutdown":
+                self.refused_at_shutdown = True
                 return self._refuse(m.NOT_READY, "the service is shutting down: the stream was ended at the audio "
                                                  "taken before, which is being transcribed", msg.seq)
             if self.close_reason == "idle_timeout":
@@ -186,7 +188,13 @@ class Session:
 
     def client_end(self) -> None:
         """The client's `end`: refused while audio it was told to resend is still missing."""
-        if self.refused_from is not None and not self.ending:
+        if self.ending:
+            # ended by a shutdown first: with nothing refused since, all the client sent was taken,
+            # and its stream ends as it asked (a client resumes one closed "shutdown")
+            if self.close_reason == "shutdown" and not self.refused_at_shutdown and self.refused_from is None:
+                self.close_reason = "end"
+            return
+        if self.refused_from is not None:
             self.metrics.inc("refusals_total", code=m.OVERLOADED)
             self.outbox.append(m.ErrorMsg(code=m.OVERLOADED, stream=self.opened.stream, seq=self.refused_from,
                                           message=f"end refused: audio from seq {self.refused_from} was refused and not "

@@ -173,6 +173,16 @@ def served_languages(cfg: ModelConfig) -> frozenset[str] | None:
     return WhisperTokenizer(resolve_model(cfg).dir).languages
 
 
+def language_refusal(model: str, languages: frozenset[str] | None, language: str | None) -> str | None:
+    """Why `model` (transcribing `languages`, None: any) cannot take a stream in `language`;
+    None when it can. No language (None or "") is the model's own choice: detected, or English."""
+    from speech.tokenizer import language_base
+
+    if not language or languages is None or language_base(language) in languages:
+        return None
+    return f"language {language!r} is not one {model!r} transcribes ({', '.join(sorted(languages))})"
+
+
 def _export_dir(cfg: ModelConfig, files: ModelFiles) -> Path:
     from speech.export import EXPORTER_VERSION
 

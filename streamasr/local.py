@@ -23,8 +23,7 @@ def run(
     from speech import longform
     from speech.audio import AudioError, load_audio
     from speech.backend import SAMPLE_RATE
-    from speech.loader import ModelError, load_backend, served_languages
-    from speech.tokenizer import language_base
+    from speech.loader import ModelError, language_refusal, load_backend, served_languages
 
     cfg = ModelConfig(name=model, precision=precision, partial_precision="", threads=threads, cache_dir=cache_dir)
     try:
@@ -32,9 +31,8 @@ def run(
     except (ModelError, ValueError, NotImplementedError) as exc:
         print(f"error: cannot load model {model}: {exc}", file=sys.stderr)
         return 2
-    languages = served_languages(cfg)
-    if language and languages is not None and language_base(language) not in languages:
-        print(f"error: model {model} does not transcribe {language!r} ({', '.join(sorted(languages))})", file=sys.stderr)
+    if why := language_refusal(model, served_languages(cfg), language):
+        print(f"error: {why}", file=sys.stderr)
         backend.close()
         return 2
     status = 0

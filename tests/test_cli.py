@@ -90,7 +90,7 @@ def test_transcribe_local_refuses_a_language_the_model_does_not_transcribe() -> 
     audio = next(u.path for u in testdata.utterances() if u.name == "goforward")
     done = _streamasr("transcribe", "--local", "--language", "fr", audio)
     assert done.returncode == 2 and done.stdout == ""
-    assert "model whisper-tiny.en does not transcribe 'fr' (en)" in done.stderr, done.stderr
+    assert "error: language 'fr' is not one 'whisper-tiny.en' transcribes (en)" in done.stderr, done.stderr
     assert _streamasr("transcribe", "--local", "--language", "EN", audio).returncode == 0
 
 

@@ -410,13 +410,20 @@ def test_a_stream_its_ingest_closes_at_shutdown_goes_on_elsewhere_unless_it_was_
 
 def test_an_open_its_ingest_refuses_at_shutdown_goes_where_the_front_door_says() -> None:
     """An open that reaches an ingest while it drains is refused `not_ready`: not the caller's
-    failure, since another ingest (or the restarted one) will take it."""
+    failure, since another ingest (or the restarted one) will take it. While the ingest still
+    owes the connection's other streams their finals, the open is asked again later rather than
+    the connection left, which would lose those."""
     unanswered = StreamCore("s", priority="realtime", frame_bytes=2, limits=Limits(), rate=100)
     waiting = Entry(unanswered, Open(stream="s", rate=100), Future(), queue.SimpleQueue())
     streams = {"s": waiting}
     with pytest.raises(IngestLost):
         route(streams, ErrorMsg(code=NOT_READY, message="the service is shutting down", stream="s"), 1.0)
     assert streams == {"s": waiting} and not waiting.opened.done()
+    other = entry(core())  # a stream of the connection the ingest still owes its finals: asked again later
+    streams["o"] = other
+    assert route(streams, ErrorMsg(code=NOT_READY, message="the service is shutting down", stream="s"), 1.5) is False
+    assert unanswered.reopen_at == 1.5 + REOPEN_S and not waiting.opened.done()
+    del streams["o"]
     waiting.opened.set_result(None)  # the same for a stream resuming there: retried there, it would be refused until it gave up
     waiting.core.rewind(until=60.0)
     with pytest.raises(IngestLost):

@@ -322,17 +322,26 @@ def test_a_stream_abandoned_at_shutdown_is_told_so(service_factory: Any) -> None
     service = service_factory(model="null", workers=1, ingest={"drain_timeout_s": 1.0})
     [worker] = [p["pid"] for p in svc.processes(service.cfg) if p["name"].startswith("worker") and p["pid"]]
 
-    def stop_when_all_sent(client: StreamClient, pos: int) -> None:
+    def hang_the_worker(client: StreamClient, pos: int) -> None:
         if pos == CHUNK_FRAMES:  # from the first message on, no final is decoded
             os.kill(worker, signal.SIGSTOP)
-        if pos == client.total:
-            service.proc.send_signal(signal.SIGTERM)
 
+    def final_owed() -> bool:  # the stream's final made, never to be answered: at the worker, or queued again
+        report = svc.status(service.cfg)
+        return report.get("inflight", 0) > 0 or report.get("queued", {}).get("realtime", 0) > 0
+
+    def stop_once_the_final_is_owed() -> None:
+        wait_for(final_owed, 30, "the stream's final at the hung worker")
+        service.proc.send_signal(signal.SIGTERM)
+
+    stopper = threading.Thread(target=stop_once_the_final_is_owed, daemon=True)
+    stopper.start()
     try:
         result = StreamClient(service.address, read_wav(speech_files()[0]), speed=None, partials=False,
-                              timeout=30, on_progress=stop_when_all_sent).run()
+                              timeout=30, on_progress=hang_the_worker).run()
     finally:
         os.kill(worker, signal.SIGCONT)
+        stopper.join(5)
     assert result.closed is not None and result.closed.reason == "shutdown", result
     assert "ingest.stream_abandoned_at_shutdown" in service.logs("ingest-0")
     assert service.proc.wait(60) == 0

@@ -235,6 +235,7 @@ def test_a_language_the_model_does_not_transcribe_is_refused_at_open(server: Ing
         [refused] = serve_until(server, sock, bool)
         assert isinstance(refused, m.ErrorMsg) and (refused.code, refused.stream) == (m.UNKNOWN_LANGUAGE, "fr")
         assert "'fr'" in refused.message and "whisper-tiny.en" in refused.message and "(en)" in refused.message
-        sock.send_multipart(m.encode(m.Open(stream="en", language="EN-us")))
-        [ready] = serve_until(server, sock, bool)
-        assert isinstance(ready, m.Ready) and ready.stream == "en"
+        for stream, language in (("en", "EN-us"), ("blank", "")):  # no language ("" as nil): the model's own
+            sock.send_multipart(m.encode(m.Open(stream=stream, language=language)))
+            [ready] = serve_until(server, sock, bool)
+            assert isinstance(ready, m.Ready) and ready.stream == stream

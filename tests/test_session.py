@@ -422,3 +422,23 @@ def test_only_results_count_in_the_latency_figures(long_pool: RingPool) -> None:
         return sum(sum(h[3]) for h in metrics.snapshot()["histograms"] if h[0] == name)
 
     assert count("partial_latency_seconds") == 1
+
+
+@pytest.mark.parametrize("refused", [False, True], ids=["all taken", "audio refused since"])
+def test_an_end_that_comes_after_a_shutdown_ended_the_stream_closes_it_as_asked(long_pool: RingPool, refused: bool) -> None:
+    """A shutdown ends every stream at the audio taken so far and says `closed` "shutdown", which
+    a client resumes elsewhere. A client whose own `end` came in meanwhile, with nothing of its
+    audio refused since, had all it sent taken: its stream ends "end", or `transcribe` and the
+    bench would count a stream served whole as cut."""
+    s = session(long_pool)
+    feed(s, [0.0] * 5 + [0.9] * 20)
+    s.end("shutdown")
+    if refused:
+        assert not s.accept_audio(m.Audio(stream="s", seq=s.next_seq, data=bytes(2 * CHUNK)))
+    s.client_end()
+    s.step()
+    while any(j.job_id in s.inflight for j in s.jobs_out):
+        answer(s, final=any(j.final and j.job_id in s.inflight for j in s.jobs_out), text="go on")
+    s.step()
+    [closed] = [msg for msg in s.outbox if isinstance(msg, m.Closed)]
+    assert (closed.reason, closed.durable) == ("shutdown" if refused else "end", s.in_frames)
