@@ -60,7 +60,6 @@ class IngestServer:
         self.endpoint = cfg.ingest_endpoint(index)
         share = math.ceil(cfg.ingest.max_streams / cfg.ingest.processes) if cfg.ingest.max_streams else cfg.shm.streams_per_ingest
         self.max_streams = min(cfg.shm.streams_per_ingest, share)
-        self.pool = RingPool.create(cfg.shm_name(index), cfg.shm.streams_per_ingest, ring_capacity(cfg.shm.ring_seconds))
         self.ctx = zmq.Context()
         self.vad = VadRunner(self.ctx, threads=1, on_failure=lambda: self.metrics.inc("errors_total", code=m.INTERNAL))
         self.auth = None
@@ -100,6 +99,8 @@ class IngestServer:
         self.draining = False
         self.stop_at: float | None = None
         self._connect_broker()
+        # Last: from here on only close() unlinks the segment, so nothing that can fail comes after it.
+        self.pool = RingPool.create(cfg.shm_name(index), cfg.shm.streams_per_ingest, ring_capacity(cfg.shm.ring_seconds))
 
     # ------------------------------------------------------------------ broker link
 
@@ -446,7 +447,8 @@ class IngestServer:
             s.end("shutdown")
             self._changed(key)
 
-    def run(self) -> None:
+    def run(self, stop: StopSignal) -> None:
+        """Serve until `stop` says (entered before this server was made: see `main`), then close."""
         poller = zmq.Poller()
         poller.register(self.clients, zmq.POLLIN)
         poller.register(self.broker, zmq.POLLIN)
@@ -459,10 +461,9 @@ class IngestServer:
         allocwatch.arm(self.metrics.process)
         self.log.info("ingest.ready", endpoint=self.endpoint, shm=self.pool.name, slots=self.pool.slots)
         stall = StallWatch(self.cfg.ingest.stall_after_s, wakes_every_s=self.hb_interval / 2)
+        poller.register(stop.fileno(), zmq.POLLIN)
         try:
-            with StopSignal() as stop:
-                poller.register(stop.fileno(), zmq.POLLIN)
-                self._serve(poller, stall, stop)
+            self._serve(poller, stall, stop)
         finally:
             stall.stop()
         self.close()
@@ -542,4 +543,7 @@ def main(cfg: Config, index: int) -> None:
     # The VAD thread needs the GIL between its batched calls; when the loop is busy it would wait
     # up to the default 5 ms switch interval for each, and fall behind the audio.
     sys.setswitchinterval(0.0005)
-    IngestServer(cfg, index).run()
+    # Signals are taken before the shm segment exists: a stop while the process starts is a
+    # drain of no stream, and the segment is unlinked, not left behind in /dev/shm.
+    with StopSignal() as stop:
+        IngestServer(cfg, index).run(stop)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -19,7 +21,10 @@ import numpy as np
 import pytest
 import zmq
 
+from conftest import ROOT
+
 from broker import jobs
+from broker.signals import StopSignal
 from config import settings
 from ingest.server import IngestServer, _drain
 from ingest.session import Session
@@ -100,7 +105,8 @@ def test_sigterm_in_the_middle_of_a_turn_drains_the_streams(server: IngestServer
     previous = signal.signal(signal.SIGTERM, unhandled)  # the ingest installs its own while it runs
     try:
         talker.start()
-        server.run()
+        with StopSignal() as stop:
+            server.run(stop)
     finally:
         signal.signal(signal.SIGTERM, previous)
     talker.join(10)
@@ -239,3 +245,26 @@ def test_a_language_the_model_does_not_transcribe_is_refused_at_open(server: Ing
             sock.send_multipart(m.encode(m.Open(stream=stream, language=language)))
             [ready] = serve_until(server, sock, bool)
             assert isinstance(ready, m.Ready) and ready.stream == stream
+
+
+def test_a_stop_while_the_ingest_starts_leaves_no_shm_behind(tmp_path: Path) -> None:
+    """supervisord may stop an ingest at any moment of its start (a `stop` right after a crash
+    restarted it). The process must never leave its segment (a ring per stream, ~1 GB by default)
+    in /dev/shm: the next `serve` of another instance would find no room for its own."""
+    base = free_ports(2)
+    instance = f"test{uuid.uuid4().hex[:8]}"
+    config = tmp_path / "ingest.toml"
+    config.write_text(settings.dump(settings.load(None, {
+        "instance": instance, "run_dir": str(tmp_path / instance),
+        "ingest": {"address": f"tcp://127.0.0.1:{base}", "port_base": base + 1, "drain_timeout_s": 1.0},
+        "shm": {"streams_per_ingest": 4, "ring_seconds": 26.0},
+    })))
+    log = tmp_path / "ingest.log"
+    for after_s in (0.6, 0.9, 1.2, 1.5, 1.8, 2.4, 3.0):  # before, during and after the start
+        with log.open("w") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "ingest", "--config", str(config)], cwd=ROOT,
+                                    stdout=out, stderr=subprocess.STDOUT)
+        time.sleep(after_s)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) in (0, -signal.SIGTERM), log.read_text()[-2000:]
+        assert pool.segments(instance) == [], (after_s, log.read_text()[-2000:])
