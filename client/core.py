@@ -378,6 +378,11 @@ class StreamCore:
         cut transcribed (`durable`, which a `closed` after the last final sets to all it took)."""
         return self.end_requested and not self.pending and self.durable >= self.cut
 
+    def reopen_later(self, now: float) -> None:
+        """Send the refused open again after the back-off, which doubles for the next (up to MAX_REOPEN_S)."""
+        self.reopen_at = now + self.reopen_s
+        self.reopen_s = min(self.reopen_s * 2, MAX_REOPEN_S)
+
     def on_closed(self, msg: Closed) -> None:
         """Count `closed`'s figures over the whole stream, not just the last connection."""
         msg.segments += self.seg_base
@@ -626,8 +631,7 @@ def route(streams: dict[str, Entry], msg: ServerMessage, now: float) -> bool:
         # still owes this connection's other streams their finals, it is asked again later:
         # leaving now would lose those (to be decoded again elsewhere, or never, at a stop).
         if any(e is not entry and e.core.ready for e in streams.values()):
-            core.reopen_at = now + core.reopen_s
-            core.reopen_s = min(core.reopen_s * 2, MAX_REOPEN_S)
+            core.reopen_later(now)
             return False
         raise IngestLost(f"stream {sid}: its ingest process is shutting down")
     elif isinstance(msg, ErrorMsg) and not entry.opened.done():
@@ -641,8 +645,7 @@ def route(streams: dict[str, Entry], msg: ServerMessage, now: float) -> bool:
             failure = StreamError(LOST, f"resuming the stream: still refused when the resume timeout ran out: "
                                         f"{msg.code}: {msg.message}", sid)
         else:
-            core.reopen_at = retry_at
-            core.reopen_s = min(core.reopen_s * 2, MAX_REOPEN_S)
+            core.reopen_later(now)
             return False
         del streams[sid]
         entry.fail(failure, now)

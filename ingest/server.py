@@ -512,8 +512,7 @@ class IngestServer:
 
     def close(self) -> None:
         for s in self.sessions.values():
-            self._send(s.client, m.Closed(stream=s.opened.stream, reason="shutdown", audio_s=round(s.in_frames / s.rate, 3),
-                                          segments=s.stats["finals"], durable=s.durable()))
+            self._send(s.client, s.closed_message("shutdown", durable=s.durable()))  # from where its finals are owed
             s.log.error("ingest.stream_abandoned_at_shutdown", pending_jobs=len(s.inflight), **s.figures())
         self.vad.close()
         self.clients.close(linger=CLOSE_LINGER_MS)

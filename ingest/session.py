@@ -447,9 +447,13 @@ class Session:
             return
         self.closed = True
         figures = self.figures()
-        self.outbox.append(m.Closed(stream=self.opened.stream, reason=self.close_reason, audio_s=round(self.in_frames / self.rate, 3),
-                                    segments=self.stats["finals"], durable=self.offset + self.in_frames))
+        self.outbox.append(self.closed_message(self.close_reason, durable=self.offset + self.in_frames))
         self.log.info("ingest.stream_closed", reason=self.close_reason, **figures)
+
+    def closed_message(self, reason: str, durable: int) -> m.Closed:
+        """`closed` with what this connection took and sent; `durable`: all of it once every final is out."""
+        return m.Closed(stream=self.opened.stream, reason=reason, audio_s=round(self.in_frames / self.rate, 3),
+                        segments=self.stats["finals"], durable=durable)
 
     def figures(self) -> dict[str, object]:
         return {

@@ -364,8 +364,7 @@ def launch(root: Path, overrides: dict[str, Any] | None = None, ready_timeout: f
     report: dict[str, Any] = {}
     while time.monotonic() < deadline and proc.poll() is None:
         report = status(cfg)
-        if (report.get("ready") and len(report.get("ingests", [])) >= ingests
-                and len(report.get("workers", [])) >= cfg.worker_count):
+        if report.get("ready") and complete(report):
             return service
         time.sleep(0.25)
     service.stop()
