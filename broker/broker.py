@@ -74,13 +74,25 @@ class IngestState:
     index: int
     endpoint: str  # where clients reach it
     pid: int
-    streams: int  # its load, from READY and heartbeats
-    realtime: int  # realtime streams among them, from heartbeats
-    recent: int  # realtime streams it admitted within the figures' window, from heartbeats
-    rings: int  # shm rings in use, from heartbeats: a leak shows here
-    draining: bool  # shutting down: it refuses new streams, so the front door sends no client there
     registered: float
     link: Link
+    # Its figures, from READY and every heartbeat: a READY carries them too, so the other
+    # ingests are not told meanwhile that its streams are gone.
+    streams: int = 0  # its load
+    realtime: int = 0  # realtime streams among them
+    recent: int = 0  # realtime streams it admitted within the figures' window
+    rings: int = 0  # shm rings in use: a leak shows here
+    draining: bool = False  # shutting down: it refuses new streams, so the front door sends no client there
+
+    def take_figures(self, info: Any) -> None:
+        """The figures of a READY or heartbeat, all checked before any is taken (ValueError)."""
+        counts = {key: wire.peer_int(info, key, getattr(self, key)) for key in ("streams", "realtime", "recent", "rings")}
+        draining = info.get("draining", self.draining)
+        if type(draining) is not bool:
+            raise ValueError(f"draining must be a bool, got {str(draining)[:40]!r} ({type(draining).__name__})")
+        for key, value in counts.items():
+            setattr(self, key, value)
+        self.draining = draining
 
 
 def ingest_identity(index: int) -> bytes:
@@ -255,7 +267,8 @@ class Broker:
                 info = wire.unpack(body[0])
                 cost = _decode_cost(info.get("cost"))
                 self._answer(self.dispatcher.add_worker(
-                    ident, int(info["capacity"]), now, pid=int(info.get("pid", 0)), model=str(info.get("model", "")), cost=cost,
+                    ident, wire.peer_int(info, "capacity"), now, pid=wire.peer_int(info, "pid", 0), model=str(info.get("model", "")),
+                    cost=cost,
                 ))
                 self.worker_links[ident] = Link(seen=now)
                 self._register_asked.pop(wire.heartbeat_identity(ident), None)
@@ -266,7 +279,7 @@ class Broker:
                          decode_cost=cost, stream_share_prior=round(sum(self.share_prior), 4))
                 self._figures_changed()
             elif kind == wire.DONE:
-                results, bad = wire.unpack_done_checked(body[0])
+                results, bad = wire.unpack_done_checked(body[0], now)
                 for row in bad:
                     self.metrics.inc("errors_total", code=m.INTERNAL)
                     log.warning("broker.bad_done_row", worker=ident.decode(errors="replace"), job=row.job_id, field=row.field, error=row.error)
@@ -339,17 +352,12 @@ class Broker:
             elif kind == wire.JOBS:
                 # Accepted from an ingest not (yet) registered too: after a broker restart its
                 # jobs arrive before its new READY and would otherwise be lost.
-                jobs, bad = wire.unpack_jobs_checked(body[0])
+                jobs, bad = wire.unpack_jobs_checked(body[0], now)
                 self._reject(index, bad, [job for job in jobs if job.ingest != index])
                 self._answer(self.dispatcher.submit([job for job in jobs if job.ingest == index], now))
             elif kind == wire.HEARTBEAT:
                 if state is not None and body:
-                    info = wire.unpack(body[0])
-                    state.streams = int(info.get("streams", state.streams))
-                    state.realtime = int(info.get("realtime", state.realtime))
-                    state.recent = int(info.get("recent", state.recent))
-                    state.rings = int(info.get("rings", state.rings))
-                    state.draining = bool(info.get("draining", state.draining))
+                    state.take_figures(wire.unpack(body[0]))
             else:
                 raise ValueError(f"unknown kind {kind[:16]!r}")
         except Exception as exc:
@@ -381,17 +389,15 @@ class Broker:
 
     def _register_ingest(self, index: int, info: dict[str, Any], now: float) -> None:
         self._register_asked.pop(ingest_identity(index), None)
-        pid = int(info.get("pid", 0))
+        pid = wire.peer_int(info, "pid", 0)
         old = self.ingests.get(index)
+        state = IngestState(index=index, endpoint=str(info["endpoint"]), pid=pid,
+                            registered=old.registered if old is not None and old.pid == pid else now, link=Link(seen=now))
+        state.take_figures(info)  # checked before anything changes: a READY refused leaves the ingest as it was
         if old is not None and old.pid != pid:
             dropped = self.dispatcher.drop_ingest(index)
             log.warning("broker.ingest_replaced", ingest=index, old_pid=old.pid, ingest_pid=pid, dropped=len(dropped))
-        self.ingests[index] = IngestState(
-            index=index, endpoint=str(info["endpoint"]), pid=pid, streams=int(info.get("streams", 0)), realtime=0, recent=0, rings=0,
-            draining=bool(info.get("draining", False)),
-            registered=old.registered if old is not None and old.pid == pid else now,
-            link=Link(seen=now),
-        )
+        self.ingests[index] = state
         log.info("broker.ingest_ready", ingest=index, endpoint=info["endpoint"], ingest_pid=pid)
         self._figures_changed([self.ingests[index]])
 

@@ -147,6 +147,29 @@ def _opt_str(value: Any) -> bool:
     return value is None or _str(value)
 
 
+# A peer's time.monotonic() (the clock is machine-wide) further than this from the broker's is a
+# wrong value, not a delay: one job created "long ago" would hold the admission load, halved
+# once a tick, above any limit for that many ticks per doubling, and refuse every stream meanwhile.
+MAX_CLOCK_GAP_S = 86_400.0
+MAX_COUNT = 2**31 - 1  # a pid, a capacity, a number of streams or rings from a peer
+
+
+def _near(t: float, now: float) -> bool:
+    return abs(t - now) <= MAX_CLOCK_GAP_S
+
+
+def peer_int(info: Any, key: str, default: int | None = None) -> int:
+    """A count or pid in a peer's READY or heartbeat, checked where it comes in: a float or a
+    huge int stored unchecked would fail later, far from the peer, when the broker packs it for
+    another (a status reply, the figures for the other ingests). ValueError refuses the message."""
+    if not isinstance(info, dict):
+        raise ValueError(f"body is a {type(info).__name__}, not a map")
+    value = info.get(key, default)
+    if not _int(value) or not 0 <= value <= MAX_COUNT:
+        raise ValueError(f"{key} must be an int in 0..{MAX_COUNT}, got {str(value)[:40]!r} ({type(value).__name__})")
+    return value
+
+
 # What each field must be as it comes off the wire. Checked once, where the broker takes jobs
 # from an ingest: the queue orders, indexes and sums by these, so a job with a wrongly typed
 # field would otherwise fail later, far from the peer that sent it, and take others with it.
@@ -192,8 +215,8 @@ def _rows(data: bytes, kind: str) -> list[Any]:
     return rows
 
 
-def check_job(row: Any) -> Job | BadJob:
-    """The job a wire row describes, or what is wrong with it."""
+def check_job(row: Any, now: float) -> Job | BadJob:
+    """The job a wire row describes, or what is wrong with it; `now`: the broker's clock."""
     job_id = row[0] if isinstance(row, list) and row and _int(row[0]) else None
     if not isinstance(row, list) or not _JOB_REQUIRED <= len(row) <= len(_JOB_FIELDS):
         return BadJob(job_id, "row", f"not a list of {_JOB_REQUIRED} to {len(_JOB_FIELDS)} fields: {str(row)[:80]}")
@@ -202,15 +225,19 @@ def check_job(row: Any) -> Job | BadJob:
     job = Job.from_wire(row)
     if job.end < job.start:  # negative speech: a final's would turn the admission share negative
         return BadJob(job_id, "end", f"end {job.end} is before start {job.start}")
+    # not given: created 0, deadline <= 0 (the broker's clock and configured deadlines stand in)
+    for name, t, given in (("created", job.created, job.created != 0), ("deadline", job.deadline, job.deadline > 0)):
+        if given and not _near(t, now):
+            return BadJob(job_id, name, f"{name} {t:g} is more than {MAX_CLOCK_GAP_S:g} s from the broker's clock ({now:g})")
     return job
 
 
-def unpack_jobs_checked(data: bytes) -> tuple[list[Job], list[BadJob]]:
+def unpack_jobs_checked(data: bytes, now: float) -> tuple[list[Job], list[BadJob]]:
     """A JOBS message from a peer: its well-formed jobs, and what is wrong with the other rows."""
     jobs: list[Job] = []
     bad: list[BadJob] = []
     for row in _rows(data, "JOBS"):
-        checked = check_job(row)
+        checked = check_job(row, now)
         if isinstance(checked, Job):
             jobs.append(checked)
         else:
@@ -246,27 +273,35 @@ _DONE_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
 assert set(_DONE_CHECKS) == set(_DONE_FIELDS), "a field added to DONE needs its check here"
 
 
-def check_done(row: Any) -> tuple[JobResult | None, BadJob | None]:
-    """The answer a DONE row reports, and what is wrong with the row. A row naming its job by
-    well-typed ids still returns the job's credit when the rest is wrong, only without the
-    status and times (they feed the admission figures, which one infinite decode time would
-    spoil for good); a row that names no job is only reported."""
-    if not isinstance(row, list) or len(row) != len(_DONE_FIELDS):
+def check_done(row: Any, now: float) -> tuple[JobResult | None, BadJob | None]:
+    """The answer a DONE row reports, and what is wrong with the row; `now`: the broker's clock.
+    A row naming its job by well-typed ids still returns the job's credit when the rest is wrong
+    (of another length, say: a worker of another version), only without the status and times
+    (they feed the admission figures, which one absurd decode time would spoil for long); a row
+    that names no job is only reported."""
+    if not isinstance(row, list) or len(row) < 2:
         return None, BadJob(None, "row", f"not a list of {len(_DONE_FIELDS)} fields: {str(row)[:80]}")
     if wrong := _first_wrong(_DONE_CHECKS, _DONE_FIELDS[:2], row[:2]):
         return None, BadJob(None, *wrong)
     job_id, ingest = row[0], row[1]
+    if len(row) != len(_DONE_FIELDS):
+        return JobResult(job_id=job_id, ingest=ingest), BadJob(job_id, "row", f"{len(row)} fields, not {len(_DONE_FIELDS)}")
     if wrong := _first_wrong(_DONE_CHECKS, _DONE_FIELDS[2:], row[2:]):
         return JobResult(job_id=job_id, ingest=ingest), BadJob(job_id, *wrong)
-    return JobResult(**dict(zip(_DONE_FIELDS, row))), None
+    result = JobResult(**dict(zip(_DONE_FIELDS, row)))
+    timed = result.started or result.finished  # both 0: not timed (a job the worker could not run)
+    if timed and not (_near(result.finished, now) and 0 <= result.finished - result.started <= MAX_CLOCK_GAP_S):
+        return JobResult(job_id=job_id, ingest=ingest), BadJob(
+            job_id, "finished", f"a decode from {result.started:g} to {result.finished:g} (the broker's clock: {now:g})")
+    return result, None
 
 
-def unpack_done_checked(data: bytes) -> tuple[list[JobResult], list[BadJob]]:
+def unpack_done_checked(data: bytes, now: float) -> tuple[list[JobResult], list[BadJob]]:
     """A DONE message from a worker: the answers it reports, and what is wrong with its rows."""
     results: list[JobResult] = []
     bad: list[BadJob] = []
     for row in _rows(data, "DONE"):
-        result, wrong = check_done(row)
+        result, wrong = check_done(row, now)
         if result is not None:
             results.append(result)
         if wrong is not None:

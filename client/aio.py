@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from client.client import HEARTBEAT_MS, HEARTBEAT_TIMEOUT_MS, client_socket
+from client.client import client_socket, close_ingest_socket, ingest_socket
 from client.core import (
     CLOSED,
     LIVENESS_S,
@@ -39,6 +39,7 @@ from client.core import (
     StreamError,
     check_open,
     due,
+    expire,
     ingest_endpoint,
     limits_from,
     route,
@@ -129,12 +130,12 @@ class AsyncClient:
         """Handshake with the front door and connect to the ingest it names."""
         try:
             welcome = await handshake(self._ctx, self.address, self.timeout, self._curve)
+            self.limits = limits_from(welcome)
+            self._connect(welcome)
         except BaseException:
             self._ctx.term()
             self._closed = True
             raise
-        self.limits = limits_from(welcome)
-        self._connect(welcome)
         self._reader = asyncio.create_task(self._read(), name="streamasr-client-reader")
 
     async def open(
@@ -183,6 +184,7 @@ class AsyncClient:
         Streams ended before send their `end` first, and it is given LINGER_MS to leave. The
         context is terminated on a thread: against an ingest that is gone with messages queued,
         ZeroMQ waits out that linger, and the event loop's other tasks must not wait with it.
+        A cancellation of the task calling it is raised again, once the client is closed all the same.
         """
         if self._closed:
             return
@@ -190,15 +192,14 @@ class AsyncClient:
         self._closed = True
         if self._retry is not None:
             self._retry.cancel()
-        if self._reader is not None:
-            self._reader.cancel()
-            try:
-                await self._reader
-            except asyncio.CancelledError:
-                pass
-        self._fail_all(StreamError(CLOSED, "client closed"))
-        self._disconnect(LINGER_MS)
-        await asyncio.to_thread(self._ctx.term)
+        try:
+            if self._reader is not None:
+                self._reader.cancel()
+                await asyncio.wait([self._reader])  # raises a cancellation of the caller's task, not the reader's own
+        finally:
+            self._fail_all(StreamError(CLOSED, "client closed"))
+            self._disconnect(LINGER_MS)
+            await asyncio.to_thread(self._ctx.term)
 
     async def __aenter__(self) -> AsyncClient:
         await self.start()
@@ -233,19 +234,16 @@ class AsyncClient:
         self._moved = asyncio.Event()
 
     def _connect(self, welcome: Welcome) -> None:
-        """A DEALER to the welcome's ingest, with heartbeats on and a monitor for its disconnects."""
-        self.ingest = ingest_endpoint(self.address, welcome.ingest)
-        sock = client_socket(self._ctx, self._curve)
-        sock.linger = LINGER_MS
-        # pyzmq's asyncio socket never blocks the loop: past the send limit it keeps sends in
-        # futures of its own, which close() cancels, a last `end` with them. Without a limit they
-        # all go to ZeroMQ and are given the linger (what may queue: see client.ingest_socket).
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        sock.connect(self.ingest)
-        self._sock = sock
+        """A DEALER to the welcome's ingest and the monitor for its disconnects (`client.ingest_socket`).
+
+        They are assigned only once connected: a connect that fails closes both, and the old
+        ones stay as they were. No send limit here either: pyzmq's asyncio socket never blocks
+        the loop, but past the limit it keeps sends in futures of its own, which close()
+        cancels, a last `end` with them; without one they all go to ZeroMQ and get the linger.
+        """
+        ingest = ingest_endpoint(self.address, welcome.ingest)
+        self._sock, self._monitor = ingest_socket(self._ctx, ingest, self._curve)
+        self.ingest = ingest
 
     def _disconnect(self, linger: int) -> None:
         """Close the ingest socket and its monitor; again does nothing (a failed resume already closed them).
@@ -253,10 +251,8 @@ class AsyncClient:
         They are not set to None: `_check` takes that for a client not started, and one that is
         resuming still takes audio.
         """
-        if self._sock is not None and self._monitor is not None and not self._sock.closed:
-            self._sock.disable_monitor()
-            self._monitor.close(linger=0)
-            self._sock.close(linger)
+        if self._sock is not None and self._monitor is not None:
+            close_ingest_socket(self._sock, self._monitor, linger)
 
     async def _read(self) -> None:
         try:
@@ -318,14 +314,18 @@ class AsyncClient:
         self._flush()
 
     async def _reconnect(self, why: str) -> None:
-        """Hello again, connect to the ingest named, and re-open every stream where it is durable."""
+        """Hello again, connect to the ingest named, and re-open every stream where it is durable,
+        cut to the limits of this welcome; as the blocking client's, streams that made no progress
+        within `resume_timeout` fail."""
         log.warning("ingest %s lost (%s); resuming %d stream(s)", self.ingest, why, len(self._streams))
         self._reconnecting = True
         self._disconnect(0)
         self._abandoned.clear()  # the old connection's answers will not come; held opens go with the resume
         deadline = time.monotonic() + self.resume_timeout
+        late = f"no progress resuming the stream within {self.resume_timeout:g}s (last loss: {why})"
         delay = 0.1
         while True:
+            self._expire(late)
             try:
                 welcome = await handshake(self._ctx, self.address, min(self.timeout, max(deadline - time.monotonic(), 0.1)), self._curve)
                 break
@@ -334,13 +334,21 @@ class AsyncClient:
                     raise StreamError(LOST, f"could not resume within {self.resume_timeout:.0f}s: {exc}") from None
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
+        self._expire(late)
+        self.limits = limits_from(welcome)
         self._connect(welcome)
         self._reconnecting = False
         self.reconnects += 1
         for entry in self._streams.values():
+            entry.core.set_limits(self.limits)
             self._send(encode(entry.resume(deadline)))
         self._liveness.heard(time.monotonic())
         self._flush()
+
+    def _expire(self, message: str) -> None:
+        """Fail the streams whose resume is past its deadline (`client.core.expire`), waking their senders."""
+        if expire(self._streams, time.monotonic(), message):
+            self._wake_senders()
 
     def _fail_all(self, failure: Exception) -> None:
         now = time.monotonic()

@@ -17,8 +17,7 @@ import socket
 import threading
 import time
 import uuid
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Callable, Iterator
 
 import numpy as np
@@ -42,6 +41,7 @@ from client.core import (
     StreamError,
     check_open,
     due,
+    expire,
     ingest_endpoint,
     limits_from,
     route,
@@ -82,7 +82,11 @@ def client_socket(ctx: zmq.Context, curve: Curve | None) -> zmq.Socket:
 
 
 def ingest_socket(ctx: zmq.Context, endpoint: str, curve: Curve | None = None) -> tuple[zmq.Socket, zmq.Socket]:
-    """A DEALER connected to an ingest, with heartbeats on, and the monitor that reports its disconnects."""
+    """A DEALER connected to an ingest, with heartbeats on, and the monitor that reports its disconnects.
+
+    If the connect fails (an endpoint ZeroMQ refuses) both are closed: left open, they would
+    keep the context's term, and so close(), waiting for ever.
+    """
     sock = client_socket(ctx, curve)
     sock.linger = LINGER_MS
     # No send limit: at the default one a send to an ingest that stopped reading (a frozen host)
@@ -94,7 +98,11 @@ def ingest_socket(ctx: zmq.Context, endpoint: str, curve: Curve | None = None) -
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-    sock.connect(endpoint)
+    try:
+        sock.connect(endpoint)
+    except BaseException:
+        close_ingest_socket(sock, monitor, linger=0)
+        raise
     return sock, monitor
 
 
@@ -167,8 +175,9 @@ class Client:
     `timeout` bounds the handshake and each `open`. A lost ingest is resumed from, and so is one
     that closes a stream at its shutdown before the stream was complete (a restart, a deploy):
     `liveness` is how long it may leave an open or audio unanswered before it is taken for dead, and
-    `resume_timeout` how long to keep trying to reach the service again before the streams fail
-    with StreamError('connection_lost'). `reconnects` counts the resumes so far. `curve`: the
+    `resume_timeout` how long after a loss a stream may go without progress (its resent audio acked,
+    or a final) however often it is resumed meanwhile, before it fails with
+    StreamError('connection_lost'). `reconnects` counts the resumes so far. `curve`: the
     service's public key and this client's secret key (z85; `protocol.auth.read_public_key` and
     `read_key_pair` read them from certificate files) when the service has CURVE on.
     """
@@ -183,12 +192,12 @@ class Client:
         self._ctx = zmq.Context()
         try:
             welcome = handshake(self._ctx, address, timeout, curve)
+            self.limits = limits_from(welcome)
+            self.ingest = ingest_endpoint(address, welcome.ingest)
+            self._sock, self._monitor = ingest_socket(self._ctx, self.ingest, curve)
         except BaseException:
             self._ctx.term()
             raise
-        self.limits = limits_from(welcome)
-        self.ingest = ingest_endpoint(address, welcome.ingest)
-        self._sock, self._monitor = ingest_socket(self._ctx, self.ingest, curve)
         self._liveness = Liveness(liveness)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -200,6 +209,7 @@ class Client:
         self._closed = False
         self._stop = threading.Event()  # close() was called: a resume in progress gives up at once
         self._failure: Exception | None = None
+        self._ended: Future[Exception] = Future()  # the IO thread ended; its result: what the streams failed with
         self._thread = threading.Thread(target=self._run, name="streamasr-client-io", daemon=True)
         self._thread.start()
 
@@ -228,11 +238,14 @@ class Client:
         core = StreamCore(msg.stream, priority=priority, frame_bytes=width, limits=self.limits, rate=rate)
         entry = Entry(core, msg, Future(), queue.SimpleQueue())
         self._submit(lambda: self._io_open(entry, msg))
-        try:
-            entry.opened.result(self.timeout)
-        except FutureTimeout:
+        wait((entry.opened, self._ended), self.timeout, return_when=FIRST_COMPLETED)
+        if entry.opened.done():
+            entry.opened.result()
+        elif self._ended.done():  # before it took the open (say, while a resume failed): nothing will answer it
+            raise self._ended.result()
+        else:
             self._submit(lambda: self._io_abandon(entry))
-            raise TimeoutError(f"stream {msg.stream}: no answer to open within {self.timeout:.1f}s") from None
+            raise TimeoutError(f"stream {msg.stream}: no answer to open within {self.timeout:.1f}s")
         return Stream(self, entry, msg)
 
     def close(self) -> None:
@@ -330,6 +343,7 @@ class Client:
             for entry in self._streams.values():
                 entry.fail(failure, time.monotonic())
             self._streams.clear()
+            self._ended.set_result(failure)
             with self._progress:
                 self._progress.notify_all()
             close_ingest_socket(self._sock, self._monitor)
@@ -349,17 +363,21 @@ class Client:
         return dropped
 
     def _reconnect(self, why: str) -> None:
-        """Hello again, connect to the ingest named, and re-open every stream where it is durable.
+        """Hello again, connect to the ingest named, and re-open every stream where it is durable,
+        cut to the limits of this welcome.
 
-        Raises StreamError('connection_lost') if the front door gives no welcome within `resume_timeout`,
-        StreamError('closed') as soon as close() is called meanwhile.
+        A stream whose resume made no progress within `resume_timeout` fails with
+        StreamError('connection_lost'). Raises that if the front door gives no welcome within
+        `resume_timeout`, StreamError('closed') as soon as close() is called meanwhile.
         """
         log.warning("ingest %s lost (%s); resuming %d stream(s)", self.ingest, why, len(self._streams))
         close_ingest_socket(self._sock, self._monitor, linger=0)
         self._abandoned.clear()  # the old connection's answers will not come; held opens go with the resume
         deadline = time.monotonic() + self.resume_timeout
+        late = f"no progress resuming the stream within {self.resume_timeout:g}s (last loss: {why})"
         delay = 0.1
         while True:
+            self._expire(late)
             try:
                 welcome = handshake(self._ctx, self.address, min(self.timeout, max(deadline - time.monotonic(), 0.1)),
                                     self._curve, self._stop)
@@ -371,12 +389,21 @@ class Client:
                     raise StreamError(LOST, f"could not resume within {self.resume_timeout:.0f}s: {exc}") from None
                 self._stop.wait(delay)
                 delay = min(delay * 2, 1.0)
+        self._expire(late)
+        self.limits = limits_from(welcome)
         self.ingest = ingest_endpoint(self.address, welcome.ingest)
         self._sock, self._monitor = ingest_socket(self._ctx, self.ingest, self._curve)
         self.reconnects += 1
         for entry in self._streams.values():
+            entry.core.set_limits(self.limits)
             self._sock.send_multipart(encode(entry.resume(deadline)))
         self._liveness.heard(time.monotonic())
+
+    def _expire(self, message: str) -> None:
+        """Fail the streams whose resume is past its deadline (`client.core.expire`), waking their senders."""
+        if expire(self._streams, time.monotonic(), message):
+            with self._progress:
+                self._progress.notify_all()
 
     def _run_commands(self) -> None:
         # an open or audio among them may make the ingest owe an answer

@@ -286,7 +286,7 @@ class StreamCore:
         self.stream = stream
         self.batch = priority == "batch"
         self.frame_bytes = frame_bytes  # bytes per input frame (all channels)
-        self.max_frames = max(limits.max_frame_bytes // frame_bytes, 1)
+        self.set_limits(limits)
         self.log = SendLog(rate)
         self.ready = False
         self.window = 0
@@ -312,7 +312,7 @@ class StreamCore:
         self.resumes: list[int] = []  # offsets the stream was re-opened at
         self.reopen_at: float | None = None  # when to retry a refused resume
         self.reopen_s = REOPEN_S  # how long the next refused resume waits
-        self.resume_by: float | None = None  # when a resume not yet answered `ready` gives up
+        self.resume_by: float | None = None  # when a resume that has not made progress yet gives up
 
     @property
     def waiting(self) -> bool:
@@ -331,14 +331,24 @@ class StreamCore:
     def end(self) -> None:
         self.end_requested = True
 
+    def set_limits(self, limits: Limits) -> None:
+        """Cut messages to an ingest's limits: a resume's welcome may bring other ones than the first."""
+        self.max_frames = max(limits.max_frame_bytes // self.frame_bytes, 1)
+
     def on_ready(self, window: int) -> None:
+        """The (re-)open was taken; a resume is not done until what it resends is (an ingest may
+        take the open, then never ack, or crash). With less to resend than the ingest acks (100 ms)
+        there is nothing to wait for: an idle stream must not keep a deadline for a later loss."""
         self.ready = True
         self.window = window
-        self.resume_by = None
+        if sum(len(data) for data in self.pending) // self.frame_bytes < self.log.rate // 10:
+            self.resume_by = None
         if window > self.offset:  # a message bigger than the server's whole buffer could never be accepted
             self.max_frames = max(1, min(self.max_frames, (window - self.offset) // 4))
 
     def on_ack(self, ack: Ack) -> None:
+        if ack.samples > self.offset:  # the new connection took audio: the resume made progress
+            self.resume_by = None
         self.accepted = ack.samples
         self.on_durable(ack.durable)
         while self.retained and self.retained[0].seq <= ack.seq:
@@ -367,6 +377,7 @@ class StreamCore:
         """Number a result in the whole stream; a final also moves `durable` and the resume prompt."""
         msg.seg += self.seg_base
         if isinstance(msg, Final):
+            self.resume_by = None  # decoded on the new connection: the resume made progress
             self.finals = msg.seg + 1
             if msg.text:  # the server prompts with the last final that had words, and so does a resume
                 self.last_text = msg.text
@@ -389,12 +400,16 @@ class StreamCore:
         msg.audio_s += self.offset / self.log.rate
 
     def rewind(self, until: float) -> None:
-        """Prepare to resume on a new connection, at `durable`, giving up at `until` if still refused then.
+        """Prepare to resume on a new connection, at `durable`, giving up at `until` without progress by then.
 
         Everything kept from `durable` on is queued again, in front of what was never sent, to go
         out with seqs from 0 once the new `ready` arrives. Send times already recorded stand. A
-        resume that loses its connection again keeps its first deadline.
+        resume that loses its connection again before progress keeps its first deadline, so an
+        ingest that fails it every time (never acks, unreachable, crashes on it) cannot keep
+        the stream retrying for ever. A stream never `ready` is opened again, not resumed.
         """
+        if self.ready or self.resumes:
+            self.resumes.append(self.durable)
         self.pending.extendleft(reversed([frame.data for frame in self.kept]))
         self.kept.clear()
         self.retained.clear()
@@ -409,7 +424,6 @@ class StreamCore:
         if self.resume_by is None:
             self.resume_by = until
         self.seg_base = self.finals
-        self.resumes.append(self.durable)
 
     def on_error(self, err: ErrorMsg, now: float) -> bool:
         """Apply a stream error; False for a refusal that only echoes an earlier one (not news)."""
@@ -698,6 +712,15 @@ class Liveness:
     def deadline(self, streams: dict[str, Entry], now: float) -> float | None:
         """When the ingest is due to be declared dead; None while it owes nothing."""
         return None if self.restart_if_owed_nothing(streams, now) else self.heard_at + self.interval
+
+
+def expire(streams: dict[str, Entry], now: float, message: str) -> bool:
+    """Fail with `connection_lost` the streams whose resume made no progress by its deadline; True if any."""
+    late = [entry for entry in streams.values() if entry.core.resume_by is not None and now >= entry.core.resume_by]
+    for entry in late:
+        del streams[entry.core.stream]
+        entry.fail(StreamError(LOST, message, entry.core.stream), now)
+    return bool(late)
 
 
 def due(streams: dict[str, Entry]) -> float | None:

@@ -36,6 +36,7 @@ MODEL_NAMES = ("whisper-tiny.en", "whisper-base", "null")  # registered names: n
 # The longest a stall or stuck limit may be: the processes arm faulthandler's timer with it, which
 # takes no more than ~292 years in nanoseconds and fails at start beyond; a day is far past any decode.
 MAX_WATCH_S = 86_400.0
+MAX_DEADLINE_MS = 86_400_000
 
 
 class ConfigError(ValueError):
@@ -143,8 +144,9 @@ class IngestConfig:
 class BrokerConfig:
     heartbeat_ms: int = setting(1000, lo=10)
     liveness: int = setting(3, lo=1)  # missed heartbeats before a peer is declared dead
-    partial_deadline_ms: int = setting(2000, lo=1)  # a queued partial older than this is skipped
-    final_deadline_ms: int = setting(10000, lo=1)  # finals are never dropped; past this they are logged late
+    # at most a day: the broker refuses a job whose times are further than that from its clock (broker.jobs)
+    partial_deadline_ms: int = setting(2000, lo=1, hi=MAX_DEADLINE_MS)  # a queued partial older than this is skipped
+    final_deadline_ms: int = setting(10000, lo=1, hi=MAX_DEADLINE_MS)  # finals are never dropped; past this they are logged late
     stall_after_s: float = setting(60.0, hi=MAX_WATCH_S)  # as [ingest] stall_after_s, for the broker's loop
 
 

@@ -80,6 +80,7 @@ class IngestServer:
         self.broker: zmq.Socket | None = None
         self.sessions: dict[str, Session] = {}
         self.per_client: dict[bytes, int] = {}
+        self.gone: set[bytes] = set()  # connections a send found closed: their streams go (see _drop_gone)
         self.owner: dict[int, str] = {}  # job id -> session key
         self.scratch: dict[str, np.ndarray] = {}  # per-session VAD chunk buffer for ring wrap-around
         self.dirty: set[str] = set()  # streams to step this iteration
@@ -123,7 +124,7 @@ class IngestServer:
         """READY, then every job still in flight: the broker is new, or gave up on this ingest
         and dropped what it had queued."""
         self.broker.send_multipart([j.READY, j.pack({"index": self.index, "endpoint": self.endpoint, "pid": os.getpid(),
-                                                     "streams": len(self.sessions), "draining": self.draining})])
+                                                     **self._figures(time.monotonic())})])
         pending = [job for s in self.sessions.values() for job in s.inflight.values()]
         if pending:
             self.log.info("ingest.jobs_resent", jobs=len(pending))
@@ -191,11 +192,15 @@ class IngestServer:
             self._connect_broker()
 
     def _beat(self, now: float) -> None:
-        """The figures the broker admits streams and picks an ingest for new clients by."""
         self.hb_sent = now
-        self.broker.send_multipart([j.HEARTBEAT, j.pack({"streams": len(self.sessions), "realtime": self._realtime_open(),
-                                                         "recent": self._recent_admissions(now), "rings": self.pool.in_use,
-                                                         "draining": self.draining})])
+        self.broker.send_multipart([j.HEARTBEAT, j.pack({**self._figures(now), "rings": self.pool.in_use})])
+
+    def _figures(self, now: float) -> dict[str, int | bool]:
+        """What the broker admits streams and picks an ingest for new clients by: in every
+        heartbeat, and in READY, so that a broker that takes this ingest anew (it restarted, or
+        gave it up as silent) does not count its streams as none meanwhile."""
+        return {"streams": len(self.sessions), "realtime": self._realtime_open(), "recent": self._recent_admissions(now),
+                "draining": self.draining}
 
     # ------------------------------------------------------------------ clients
 
@@ -313,9 +318,30 @@ class IngestServer:
         try:
             self.clients.send_multipart([ident, *m.encode(msg)], flags=zmq.NOBLOCK)
             return True
-        except zmq.ZMQError as exc:  # EHOSTUNREACH: the client is gone; EAGAIN: it stopped reading
-            self.log.warning("ingest.client_unreachable", client=ident.hex(), error=exc.strerror, event_type=msg.type)
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: the connection is closed; EAGAIN: the client stopped reading
+            if exc.errno != zmq.EHOSTUNREACH:
+                self.log.warning("ingest.client_unreachable", client=ident.hex(), error=exc.strerror, event_type=msg.type)
+            elif ident not in self.gone:
+                self.log.warning("ingest.client_gone", client=ident.hex(), streams=self.per_client.get(ident, 0), event_type=msg.type)
+                if ident in self.per_client:
+                    self.gone.add(ident)
             return False
+
+    def _drop_gone(self) -> None:
+        """Drop the streams of connections that are closed: nothing they decode can reach anyone.
+
+        A client's connection is a routing id of the ROUTER, new on every connect, so a closed one
+        never comes back: its client, if alive, has resumed the streams elsewhere from their
+        `durable` (it gave up on this ingest as silent, say, while the ingest was only slow). Left
+        to the idle timeout they would hold their rings and be decoded, for nobody, for 30 s.
+        """
+        for s in [s for s in self.sessions.values() if s.client in self.gone]:
+            s.log.warning("ingest.stream_dropped", reason="client_gone", pending_jobs=len(s.inflight), **s.figures())
+            for job_id in s.inflight:
+                self.owner.pop(job_id, None)
+            self.dirty.discard(s.key)
+            self._release(s)
+        self.gone.clear()
 
     # ------------------------------------------------------------------ per-iteration work
 
@@ -505,6 +531,8 @@ class IngestServer:
             self._run_vad(now)
             if self.dirty:  # segments the deciding chunks just opened or closed
                 self._flush()
+            if self.gone:
+                self._drop_gone()
             self._heartbeat(now)
             stall.turned(now)
             if self.draining and (not self.sessions or now >= self.stop_at):

@@ -7,7 +7,7 @@ sampled step, the timestamp rules (pairs, monotonic, first timestamp <= 1.0 s, t
 forced when their summed probability beats every text token), at most 224 sampled tokens,
 average log-probability and the no-speech probability at the SOT position.
 
-Batching: all requests of one window size share one encoder call (B, 80, T) and then step
+Batching: all requests of one window size share one encoder call (B, n_mels, T) and then step
 together. Rows are left-padded; the decoder gets explicit positions and an additive mask, so
 padding columns in the self-attention cache are never attended; every input and output of
 the graphs is a view of a buffer the decoder keeps (`speech.graphio`). Prefill runs in two calls:
@@ -109,7 +109,8 @@ class WhisperDecoder:
         self.suppress_begin = np.array([t for t in tokenizer.suppress_begin if t < self.vocab], dtype=np.int64)
         self.ts_begin = tokenizer.timestamp_begin
         self.max_initial_ts = round(MAX_INITIAL_TIMESTAMP / TIME_PRECISION)
-        self.log_mel = LogMel()  # one group at a time: its features are encoded before the next group's
+        # one group at a time: its features are encoded before the next group's
+        self.log_mel = LogMel(dims["n_mels"])
         self._logprobs = np.empty((0, self.vocab), np.float32)  # a step's log-probabilities, rows as needed
         self._exp = np.empty((0, self.vocab), np.float32)
         self._col = np.empty((0, 1), np.float32)  # a per-row reduction

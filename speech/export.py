@@ -2,7 +2,7 @@
 
 Two graphs (opset 17), both with a dynamic batch dimension:
 
-* ``encoder.onnx``: ``mel`` (B, 80, T) -> ``encoder_out`` (B, T/2, d) and, for every decoder
+* ``encoder.onnx``: ``mel`` (B, n_mels, T) -> ``encoder_out`` (B, T/2, d) and, for every decoder
   layer i, the cross-attention keys ``cross_k_i`` (B, H, Dh, T/2) (already transposed for
   q @ k) and values ``cross_v_i`` (B, H, T/2, Dh). T is dynamic: the positional embedding is
   sliced to T/2 frames, so a partial decode can encode a shortened audio context.

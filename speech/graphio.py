@@ -115,7 +115,7 @@ class GraphIO:
 
     # ------------------------------------------------------------------------------------ encoder
     def encode(self, mel: np.ndarray, most_rows: int) -> Group:
-        """Encode (B, 80, T) features into the cross-attention keys and values of a new group;
+        """Encode (B, n_mels, T) features into the cross-attention keys and values of a new group;
         `most_rows` is the most rows the group will hold (beam search repeats each request)."""
         b = mel.shape[0]
         self._reserve(max(b, most_rows))

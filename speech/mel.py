@@ -2,8 +2,9 @@
 
 Matches openai/whisper `log_mel_spectrogram`: 16 kHz audio, n_fft 400 (25 ms), hop 160 (10 ms),
 periodic Hann window, centred STFT with reflect padding, the last frame dropped, power spectrum,
-80 Slaney-style mel filters (librosa's `mel(sr=16000, n_fft=400, n_mels=80)`: htk=False,
-norm="slaney"), log10 clamped at 1e-10 and to (max - 8), then (x + 4) / 4.
+as many Slaney-style mel filters as the model's encoder takes (80, or 128 for large-v3: librosa's
+`mel(sr=16000, n_fft=400, n_mels=n_mels)`, htk=False, norm="slaney", which is where Whisper's
+stored filterbanks come from), log10 clamped at 1e-10 and to (max - 8), then (x + 4) / 4.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 SAMPLE_RATE = 16_000
 N_FFT = 400
 HOP_LENGTH = 160
-N_MELS = 80
+N_MELS = 80  # most Whisper models; large-v3 and its distillations take 128
 CHUNK_SECONDS = 30
 N_SAMPLES = SAMPLE_RATE * CHUNK_SECONDS  # 480000
 N_FRAMES = N_SAMPLES // HOP_LENGTH  # 3000 mel frames per 30 s window
@@ -82,7 +83,8 @@ class LogMel:
     and free. The array returned is a view of the output buffer, valid until the next call.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, n_mels: int = N_MELS) -> None:
+        self.n_mels = n_mels  # the encoder's input channels: the model's, not a constant
         self._frames = 0  # the scratch buffers hold this many frames
         self._padded = self._windowed = self._window_rows = np.empty(0, np.float32)
         self._windowed64 = np.empty(0, np.float64)
@@ -92,7 +94,7 @@ class LogMel:
         self._out = np.empty(0, np.float32)
 
     def __call__(self, audios: list[np.ndarray], n_frames: int = N_FRAMES) -> np.ndarray:
-        """(len(audios), 80, n_frames) float32 log-mel, each audio cut to n_frames * 160 samples.
+        """(len(audios), n_mels, n_frames) float32 log-mel, each audio cut to n_frames * 160 samples.
 
         As Whisper's transcribe does, the spectrogram is of the audio followed by zeros, only the
         frames covering the audio (len // 160) are kept and the rest of the window is 0 in log-mel
@@ -107,10 +109,10 @@ class LogMel:
             self._spec128 = np.empty((n_frames, N_FFT // 2 + 1), np.complex128)
             self._spec = np.empty((n_frames, N_FFT // 2 + 1), np.complex64)
             self._power = np.empty((n_frames, N_FFT // 2 + 1), np.float32)
-        size = len(audios) * N_MELS * n_frames
+        size = len(audios) * self.n_mels * n_frames
         if size > self._out.size:
             self._out = np.empty(size, np.float32)
-        out = self._out[:size].reshape(len(audios), N_MELS, n_frames)
+        out = self._out[:size].reshape(len(audios), self.n_mels, n_frames)
         for row, audio in zip(out, audios):
             self._one(np.asarray(audio, dtype=np.float32).reshape(-1), n_frames, row)
         return out
@@ -147,7 +149,8 @@ class LogMel:
         power += np.square(spec.imag, out=windowed.reshape(-1)[: power.size].reshape(power.shape))  # windowed is spent
         # into contiguous memory (windowed is spent again): numpy's matmul would compute into a
         # temporary and copy it for the strided columns of `out`
-        mel = np.matmul(mel_filters(), power.T, out=windowed.reshape(-1)[: N_MELS * frames].reshape(N_MELS, frames))
+        mel = np.matmul(mel_filters(self.n_mels), power.T,
+                        out=windowed.reshape(-1)[: self.n_mels * frames].reshape(self.n_mels, frames))
         np.maximum(mel, 1e-10, out=mel)
         np.log10(mel, out=mel)
         np.maximum(mel, mel.max() - 8.0, out=mel)

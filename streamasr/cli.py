@@ -81,7 +81,12 @@ def cmd_stop(args: argparse.Namespace) -> int:
     from streamasr import service
 
     cfg = _config(args)
-    if not service.stop(cfg):
+    try:
+        stopped = service.stop(cfg)
+    except PermissionError:
+        print(f"instance {cfg.instance!r} runs as another user, who may stop it: {cfg.run_path}", file=sys.stderr)
+        return 1
+    if not stopped:
         print(f"instance {cfg.instance!r} is not running or did not stop", file=sys.stderr)
         return 1
     return 0

@@ -127,11 +127,15 @@ def prepare(cfg: Config) -> dict[str, str]:
         ensure_all_exported(cfg.model)
     for name in pool.reclaim(cfg.instance):
         print(f"reclaimed shm segment {name} left by a previous run", file=sys.stderr)
-    need = cfg.ingest.processes * pool.segment_size(cfg.shm.streams_per_ingest, pool.ring_capacity(cfg.shm.ring_seconds))
-    if need > (free := pool.free_bytes()):
-        # Each ingest process would fail to allocate its rings at start, over and over.
+    segment = pool.segment_size(cfg.shm.streams_per_ingest, pool.ring_capacity(cfg.shm.ring_seconds))
+    need = cfg.ingest.processes * segment
+    # Each ingest process would fail to allocate its rings at start, over and over. One segment
+    # more: an ingest restarted after a crash makes its new segment while the workers still map
+    # the old one (they let go within a second or a batch), and tmpfs frees it only then.
+    if need + segment > (free := pool.free_bytes()):
         raise SystemExit(f"{pool.SHM_DIR} has {free / 2**20:,.0f} MiB free; {cfg.ingest.processes} ingest process(es) of "
-                         f"{cfg.shm.streams_per_ingest} streams of {cfg.shm.ring_seconds:g} s need {need / 2**20:,.0f} MiB: "
+                         f"{cfg.shm.streams_per_ingest} streams of {cfg.shm.ring_seconds:g} s need {need / 2**20:,.0f} MiB, "
+                         f"and {segment / 2**20:,.0f} MiB more for one to restart: "
                          "lower shm.streams_per_ingest or shm.ring_seconds, or give it more room (a container's --shm-size)")
     run = cfg.run_path
     run.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -276,7 +280,8 @@ def wait_ready(cfg: Config, timeout: float) -> dict[str, Any]:
 
 def stop(cfg: Config, timeout: float | None = None) -> bool:
     """SIGTERM to supervisord, which stops ingest (draining), workers, then the broker; waits
-    up to `timeout` (default: the longest the programs' stop times allow) for it to exit."""
+    up to `timeout` (default: the longest the programs' stop times allow) for it to exit.
+    PermissionError: the caller may not signal it (another user's instance)."""
     pid = supervisord_pid(cfg)
     if pid is None:
         return False
@@ -285,7 +290,7 @@ def stop(cfg: Config, timeout: float | None = None) -> bool:
     while time.monotonic() < deadline:
         try:
             os.kill(pid, 0)
-        except OSError:
+        except ProcessLookupError:
             return True
         time.sleep(0.1)
     return False

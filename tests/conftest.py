@@ -6,6 +6,7 @@ run several side by side and a leftover from one test cannot satisfy another.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -27,6 +28,10 @@ class Service(LocalService):
         """Run the `streamasr` CLI against this instance."""
         return subprocess.run([sys.executable, "-m", "streamasr.cli", *args], capture_output=True, text=True,
                               timeout=timeout, env={**os.environ, "STREAMASR_CONFIG": str(self.config_file)})
+
+    def events(self, program: str) -> list[dict[str, Any]]:
+        """Every JSON line of a program's log."""
+        return [json.loads(line) for line in self.logs(program).splitlines() if line.startswith("{")]
 
 
 def start_service(tmp: Path, model: str = "whisper-tiny.en", workers: int = 2, ingests: int = 1,

@@ -75,6 +75,7 @@ class FakeIngest(threading.Thread):
         self.results: list[JobResult] = []
         self.reported: dict[str, int] = {"streams": 0}  # what its heartbeats say
         self.figures: dict[str, Any] = {}  # the broker's, from its last heartbeat
+        self.heard = 0  # heartbeats with figures received
         self._out: queue.Queue[list[bytes]] = queue.Queue()
         self._lock = threading.Lock()
         self._stop_event = threading.Event()
@@ -126,6 +127,7 @@ class FakeIngest(threading.Thread):
                                 self.results += wire.unpack_results(frames[1])
                         elif frames[0] == wire.HEARTBEAT and len(frames) > 1:
                             self.figures = wire.unpack(frames[1])
+                            self.heard += 1
         finally:
             sock.close()
             results.close()
@@ -394,6 +396,63 @@ def test_each_ingest_hears_of_the_realtime_streams_open_and_just_admitted_elsewh
         other.stop()
 
 
+def test_a_registering_ingest_s_streams_count_for_the_others_from_its_ready(running: Cluster) -> None:
+    """An ingest registering anew (a restarted broker, or one that gave it up as silent) still
+    has its streams: until its next heartbeat, the others must not be told they are gone, or a
+    cap on realtime streams would let a burst through. This one sends READY and nothing after."""
+    running.ingest.reported = {"streams": 1, "realtime": 1, "recent": 0}
+    wait_for(lambda: [i["streams"] for i in running.status()["ingests"]] == [1], 5, "ingest 0's heartbeat")
+    info = {"index": 1, "endpoint": running.cfg.ingest_endpoint(1), "pid": 1, "streams": 5, "realtime": 4, "recent": 3}
+    other = _replaced(running.cfg.broker_ingest_endpoint, b"ingest-1", info)
+    try:
+        assert other.poll(5000), "no figures when the ingest registered"
+        kind, body = other.recv_multipart()
+        assert kind == wire.HEARTBEAT and wire.unpack(body)["realtime_elsewhere"] == 1
+        wait_for(lambda: (running.ingest.figures.get("realtime_elsewhere"), running.ingest.figures.get("recent_elsewhere")) == (4, 3),
+                 5, "ingest 0 told of ingest 1's streams")
+    finally:
+        other.close(linger=0)
+
+
+@pytest.mark.parametrize(("peer", "message"), [
+    ("ingest", {"streams": 1, "realtime": 1e20}),  # a float
+    ("ingest", {"realtime": 2**64 - 1}),  # the others' share of the total would not pack
+    ("ingest", {"draining": "yes"}),
+    ("worker", {"capacity": 1e20, "pid": 1, "model": "null"}),
+    ("worker", {"capacity": 1, "pid": -1, "model": "null"}),
+])
+def test_a_peer_s_figures_that_are_no_counts_are_refused_and_the_broker_keeps_serving(
+        running: Cluster, peer: str, message: dict[str, Any]) -> None:
+    """A heartbeat or READY with a count the broker cannot use (what a peer of another version,
+    or a bug, might send) is refused and logged, and the peer keeps what it had. Stored, it broke
+    the broker later, far from the peer, when packing the figures for another ingest or a
+    status reply: the broker died, and again after every restart, as the peer repeated it."""
+    other = FakeIngest(running.cfg, index=1)
+    other.start()
+    try:
+        other.reported = {"streams": 2, "realtime": 2, "recent": 0}
+        wait_for(lambda: running.ingest.figures.get("realtime_elsewhere") == 2, 5, "ingest 1's streams counted")
+        if peer == "ingest":
+            other.send([wire.HEARTBEAT, wire.pack(message)])
+        else:
+            worker = _replaced(running.cfg.broker_worker_endpoint, b"worker-9-1", message)
+        event = f"broker.bad_{peer}_message"
+        wait_for(lambda: any(e["event"] == event for e in running.log_events("broker")), 5, f"{event} logged")
+        before = running.ingest.heard
+        wait_for(lambda: running.ingest.heard > before + 1, 10, "two more ticks of figures")
+        assert running.ingest.figures["realtime_elsewhere"] == 2
+        status = running.status()
+        assert [i["streams"] for i in status["ingests"]] == [0, 2] and len(status["workers"]) == 2
+        assert running.procs["broker"].poll() is None
+        jobs = running.jobs(2)
+        running.ingest.submit(jobs)
+        assert_exactly_once(running.wait_answers(jobs), jobs)
+    finally:
+        other.stop()
+        if peer == "worker":
+            worker.close(linger=0)
+
+
 def test_the_front_door_sends_no_client_to_an_ingest_that_is_shutting_down(running: Cluster) -> None:
     """An ingest draining (a restart, a deploy) refuses every open, and its streams leave as it
     drains, so it soon has the fewest: picked by streams alone, it would get every new client,
@@ -568,12 +627,13 @@ def test_a_job_sent_to_workers_already_gone_is_not_given_up_on(cluster: Cluster)
         worker.close(linger=0)
 
 
-@pytest.mark.parametrize(("name", "value"), [("started", "soon"), ("finished", math.inf)])
+@pytest.mark.parametrize(("name", "value"), [("started", "soon"), ("finished", math.inf), ("finished", 1e300), ("row", "more")])
 def test_a_malformed_done_row_returns_its_credit_and_spoils_no_figure(cluster: Cluster, name: str, value: Any) -> None:
-    """A worker's DONE row whose times are wrongly typed or infinite still frees the worker's
-    credit for its job and lets the rows after it be counted; its times are not measured (an
-    infinite decode would price every stream at infinity for good), and it is logged naming
-    the worker, the job and the field."""
+    """A worker's DONE row whose times are wrongly typed, infinite or absurd, or that has a
+    field too many (a worker of another version), still frees the worker's credit for its job
+    and lets the rows after it be counted; its times are not measured (an infinite decode would
+    price every stream at infinity for good, an absurd one for a long time), and it is logged
+    naming the worker, the job and the field."""
     _patient_broker(cluster)
     cluster.ingest = FakeIngest(cluster.cfg)
     cluster.ingest.start()
@@ -592,7 +652,10 @@ def test_a_malformed_done_row_returns_its_credit_and_spoils_no_figure(cluster: C
                 got += wire.unpack_jobs(body)
             now = time.monotonic()
             bad = [jobs[0].job_id, 0, OK, 1, now - 0.2, now]
-            bad[{"started": 4, "finished": 5}[name]] = value
+            if name == "row":
+                bad.append(value)
+            else:
+                bad[{"started": 4, "finished": 5}[name]] = value
             good = [jobs[1].job_id, 0, OK, 1, now - 0.1, now]
             sock.send_multipart([wire.DONE, wire.pack([bad, good])])
             wait_for(lambda: cluster.status()["jobs_done"] == 2 * (round_ + 1), 5, f"round {round_}: both rows counted")
@@ -665,12 +728,14 @@ def test_sigterm_stops_cleanly(running: Cluster) -> None:
     assert any(e["event"] == "worker.stopped" for e in running.log_events("worker0"))
 
 
-@pytest.mark.parametrize(("name", "value"), [("priority", "0"), ("created", -math.inf), ("deadline", math.inf)])
+@pytest.mark.parametrize(("name", "value"), [("priority", "0"), ("created", -math.inf), ("deadline", math.inf),
+                                           ("created", -1e300), ("deadline", 1e300)])
 def test_a_malformed_job_is_refused_and_the_broker_keeps_serving(running: Cluster, name: str, value: Any) -> None:
     """A job with a wrongly typed field (a priority sent as a string) or a time that is no time
-    (infinite: a job created at -inf would have waited forever, and the admission load would
-    read infinite for good) is refused on its own, logged naming the ingest and the field and
-    answered FAILED; the jobs around it and after it are served as ever, and the broker lives on."""
+    (infinite, or absurdly far from the broker's clock: a job created at -inf would have waited
+    forever, and the admission load would read infinite for good; at -1e300, for a thousand
+    ticks) is refused on its own, logged naming the ingest and the field and answered FAILED;
+    the jobs around it and after it are served as ever, and the broker lives on."""
     [bad] = running.jobs(1, **{name: value})
     first = running.jobs(3)
     running.ingest.submit([*first, bad])

@@ -509,12 +509,12 @@ def test_job_rows_with_badly_typed_fields_are_refused_one_by_one() -> None:
     rows[3][10] = None  # deadline
     rows[4] = rows[4][:5]
     rows[5][2] = b"a"  # stream
-    jobs, bad = wire.unpack_jobs_checked(wire.pack([*rows, "x"]))
+    jobs, bad = wire.unpack_jobs_checked(wire.pack([*rows, "x"]), NOW)
     assert jobs == [good]
     assert [(b.job_id, b.field) for b in bad] == [(good.job_id, "priority"), (good.job_id, "final"), (good.job_id, "deadline"),
                                                   (good.job_id, "row"), (good.job_id, "stream"), (None, "row")]
     with pytest.raises(ValueError):
-        wire.unpack_jobs_checked(wire.pack({"jobs": rows}))
+        wire.unpack_jobs_checked(wire.pack({"jobs": rows}), NOW)
 
 
 def test_a_job_whose_audio_ends_before_it_starts_is_refused_and_prices_no_stream() -> None:
@@ -528,7 +528,7 @@ def test_a_job_whose_audio_ends_before_it_starts_is_refused_and_prices_no_stream
         d.realtime_use(NOW)
         good = job("a", final=True, end=16_000)
         backwards = replace(job("b", final=True, end=16_000), start=48_000)
-        jobs, bad = wire.unpack_jobs_checked(wire.pack([list(j.to_wire()) for j in (backwards, good)]))
+        jobs, bad = wire.unpack_jobs_checked(wire.pack([list(j.to_wire()) for j in (backwards, good)]), NOW)
         assert [(b.job_id, b.field) for b in bad] == [(backwards.job_id, "end")]
         d.submit(jobs, NOW)
         d.complete(b"w", [JobResult(job_id=j.job_id, ingest=0, started=NOW, finished=NOW + 0.5, batch_size=1)

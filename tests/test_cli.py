@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -21,7 +22,7 @@ from conftest import ROOT
 
 from config import settings
 from shm import pool
-from streamasr import service, testdata
+from streamasr import cli, service, testdata
 from streamasr.service import free_ports
 
 
@@ -154,6 +155,35 @@ def test_a_stale_pid_file_naming_another_program_is_not_taken_for_the_instance(t
         for proc in (other, elsewhere):
             proc.kill()
             proc.wait()
+
+
+def test_stop_of_an_instance_run_by_another_user_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """An operator who runs `stop` as the wrong user must hear whose instance it is, not get a
+    traceback. The system refusing the signal is faked (one user runs these tests); the
+    instance's supervisord, found by its pid file, is a real process."""
+    cfg = settings.load(None, {"run_dir": str(tmp_path / "run"), "instance": f"other{uuid.uuid4().hex[:8]}"})
+    cfg.run_path.mkdir()
+    config = tmp_path / "streamasr.toml"
+    config.write_text(settings.dump(cfg))
+    theirs = _a_process(tmp_path / "supervisord", "", args=["-n"], env={"STREAMASR_RUN_DIR": str(cfg.run_path)})
+    signalled = os.kill
+
+    def kill(pid: int, sig: int) -> None:
+        if pid == theirs.pid:
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+        signalled(pid, sig)
+
+    try:
+        (cfg.run_path / "supervisord.pid").write_text(str(theirs.pid))
+        with monkeypatch.context() as patched:
+            patched.setattr(os, "kill", kill)
+            assert cli.main(["stop", "--config", str(config)]) == 1
+        assert capsys.readouterr().err == f"instance {cfg.instance!r} runs as another user, who may stop it: {cfg.run_path}\n"
+        assert theirs.poll() is None
+    finally:
+        theirs.kill()
+        theirs.wait()
 
 
 def test_ops_commands_follow_the_running_instance_from_anywhere(tmp_path: Path) -> None:

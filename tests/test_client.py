@@ -12,12 +12,14 @@ import sys
 import threading
 import time
 from collections import Counter
+from typing import Any, Callable
 
 import numpy as np
 import pytest
 import zmq
 
 from client import AsyncClient, Client, StreamError, status
+from client.client import ingest_socket
 from client.core import CLOSED, LOST
 from config import settings
 from conftest import ROOT
@@ -26,6 +28,7 @@ from protocol.messages import (
     OVERLOADED,
     UNKNOWN_MODEL,
     UNKNOWN_STREAM,
+    Audio,
     Closed,
     End,
     ErrorMsg,
@@ -39,6 +42,7 @@ from protocol.messages import (
     encode,
 )
 from streamasr import remote, testdata
+from streamasr.service import free_ports
 
 RATE = 16000
 
@@ -262,6 +266,24 @@ def test_async_client(null_service) -> None:
         assert events[-1].audio_s == pytest.approx(len(pcm) / RATE, abs=0.01)
 
 
+def test_cancelling_the_task_that_closes_an_async_client_cancels_it(null_service) -> None:
+    """close() waits for its reader task; a cancellation of the caller's task meanwhile is the
+    caller's (a shutdown, a timeout) and must reach it, with the client closed all the same."""
+
+    async def main() -> AsyncClient:
+        aclient = await AsyncClient.connect(null_service.address)
+        await aclient.open()
+        closer = asyncio.create_task(aclient.close())
+        await asyncio.sleep(0)  # the closer now waits for the reader
+        closer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closer
+        return aclient
+
+    aclient = asyncio.run(main())
+    assert aclient._ctx.closed
+
+
 def test_transcribe_files_concurrently(service) -> None:
     files = [utterance("goforward").path, testdata.utterances()[0].path]
     out = io.StringIO()
@@ -304,19 +326,21 @@ class FakeIngest:
     swallows audio unanswered, like an ingest still connected but wedged, and answers `end` with
     `closed` (`unknown_stream` for a stream it has not open), in order after the replies it holds.
 
-    `ingest` makes it a front door only, naming that ingest; `garble_hellos` are the hellos (1 for
-    the first) it answers with bytes that are not msgpack; `refuse_reopens` answers an `open` of an
-    id it opened before `overloaded`, like a busy service refusing a resume; `ready_delay` is how
+    `ingest` makes it a front door only, naming that ingest; `resumed` replaces welcome fields from
+    the second hello on (a resume: another ingest, other limits); `garble_hellos` are the hellos (1
+    for the first) it answers with bytes that are not msgpack; `refuse_reopens` answers an `open` of
+    an id it opened before `overloaded`, like a busy service refusing a resume; `ready_delay` is how
     long the first `ready` of each id takes, like a busy ingest's.
     """
 
-    def __init__(self, *, ingest: str | None = None, garble_hellos: tuple[int, ...] = (), refuse_reopens: bool = False,
-                 ready_delay: float = 0.0) -> None:
+    def __init__(self, *, ingest: str | None = None, resumed: dict[str, Any] | None = None, garble_hellos: tuple[int, ...] = (),
+                 refuse_reopens: bool = False, ready_delay: float = 0.0) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
         self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
         self.ingest = ingest or self.address
+        self.resumed = resumed or {}
         self.garble_hellos = garble_hellos
         self.refuse_reopens = refuse_reopens
         self.ready_delay = ready_delay
@@ -325,6 +349,7 @@ class FakeIngest:
         self.live: set[str] = set()  # opened and not ended
         self.received: Counter[str] = Counter()
         self.log: list[str] = []  # "<type> <stream>" of each open and end received
+        self.audio: list[tuple[int, int]] = []  # (hellos received by then, payload bytes) of each audio message
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
@@ -344,7 +369,8 @@ class FakeIngest:
                 self.sock.send_multipart([ident, b"\xc1"])  # a byte msgpack never uses
                 continue
             if isinstance(msg, Hello):
-                reply: Welcome | Ready | ErrorMsg = Welcome(ingest=self.ingest)
+                fields = {"ingest": self.ingest, **(self.resumed if self.received["hello"] > 1 else {})}
+                reply: Welcome | Ready | ErrorMsg = Welcome(**fields)
             elif isinstance(msg, Open) and self.refuse_reopens and msg.stream in self.opened:
                 reply = ErrorMsg(code=OVERLOADED, message="the service is busy", stream=msg.stream)
             elif isinstance(msg, Open):
@@ -363,6 +389,9 @@ class FakeIngest:
                     reply = Closed(stream=msg.stream)
                 else:
                     reply = ErrorMsg(code=UNKNOWN_STREAM, message="no such stream", stream=msg.stream)
+            elif isinstance(msg, Audio):
+                self.audio.append((self.received["hello"], len(msg.data)))
+                continue
             else:
                 continue
             if self.held:  # answers leave in order
@@ -761,3 +790,164 @@ def test_opens_the_protocol_does_not_allow_are_refused_at_once(null_service) -> 
                     await asyncio.wait_for(aclient.open(**kwargs), 0.5)
 
     asyncio.run(main())
+
+
+def finishes(fn: Callable[[], object], timeout: float = 10.0) -> bool:
+    """Whether `fn` returns within `timeout`; run on a daemon thread, so a hang fails the test instead of stalling it."""
+    thread = threading.Thread(target=fn, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return not thread.is_alive()
+
+
+@pytest.mark.parametrize("unreachable", [False, True], ids=["ingest-never-acks", "ingest-unreachable"])
+def test_a_resume_that_never_makes_progress_fails_when_the_resume_timeout_runs_out(unreachable: bool) -> None:
+    """The front door answers every resume, but the ingest it names takes the re-open and never acks the
+    resent audio, or cannot be reached at all: each loss starts another resume, so the deadline must
+    count from the first loss, or the stream retries for ever."""
+    resumed = {"ingest": f"tcp://127.0.0.1:{free_ports(1)}"} if unreachable else None  # nothing listens there
+    fake = FakeIngest(resumed=resumed)
+    try:
+        with Client(fake.address, timeout=2.0, liveness=0.5, resume_timeout=1.5) as client:
+            stream = client.open("s")
+            stream.send(np.zeros(RATE // 2, np.int16))  # never acked: the ingest is taken for lost
+            with pytest.raises(StreamError) as failed:
+                drain(stream, timeout=20)
+            assert (failed.value.code, failed.value.stream) == (LOST, "s") and client.reconnects >= 1
+    finally:
+        fake.close()
+
+    async def main() -> tuple[StreamError, int]:
+        async with AsyncClient(afake.address, timeout=2.0, liveness=0.5, resume_timeout=1.5) as aclient:
+            astream = await aclient.open("a")
+            await astream.send(np.zeros(RATE // 2, np.int16))
+            with pytest.raises(StreamError) as failed:
+                async for _ in astream.events(timeout=20):
+                    pass
+            return failed.value, aclient.reconnects
+
+    afake = FakeIngest(resumed=resumed)
+    try:
+        error, reconnects = asyncio.run(main())
+        assert (error.code, error.stream) == (LOST, "a") and reconnects >= 1
+    finally:
+        afake.close()
+
+
+def test_a_welcome_naming_an_endpoint_that_cannot_be_connected_to_leaves_no_socket_open() -> None:
+    """ZeroMQ refuses the connect at once: the new socket and its monitor must be closed, or the
+    context's term, and so the client's close(), waits for them for ever."""
+    bad = "tcp://127.0.0.1:notaport"
+    ctx = zmq.Context()
+    with pytest.raises(zmq.ZMQError) as failed:  # kept, and with it the frames of the failed call
+        ingest_socket(ctx, bad)
+    assert "notaport" in str(failed.value) and finishes(ctx.term), "a socket was left open"
+
+    fake = FakeIngest(ingest=bad)
+    try:
+        aclient = AsyncClient(fake.address, timeout=2.0)
+
+        def start() -> None:
+            with pytest.raises(zmq.ZMQError):
+                asyncio.run(aclient.start())
+
+        assert finishes(start) and aclient._ctx.closed, "start() failed leaving its context open"
+    finally:
+        fake.close()
+
+    errors: list[StreamError] = []
+
+    async def main() -> None:  # the resume's welcome names it
+        aclient = await AsyncClient.connect(fake.address, timeout=2.0, liveness=0.5, resume_timeout=5.0)
+        astream = await aclient.open("a")
+        await astream.send(np.zeros(RATE // 2, np.int16))  # never acked: the ingest is taken for lost
+        with pytest.raises(StreamError) as failed:
+            async for _ in astream.events(timeout=10):
+                pass
+        errors.append(failed.value)
+        await aclient.close()
+
+    fake = FakeIngest(resumed={"ingest": bad})
+    try:
+        assert finishes(lambda: asyncio.run(main()), 20.0), "close() hangs"
+        assert len(errors) == 1, "the stream did not fail"
+    finally:
+        fake.close()
+
+
+def test_a_resume_cuts_its_audio_to_the_limits_the_new_welcome_gives() -> None:
+    """The ingest a stream resumes on may take smaller messages than the first one: resent at the
+    first one's size they would be refused `frame_too_large`, and the stream would take no more."""
+    def resent(fake: FakeIngest) -> list[int]:
+        return [size for hellos, size in fake.audio if hellos > 1]
+
+    fake = FakeIngest(resumed={"limits": {"max_frame_bytes": 3200}})
+    try:
+        with Client(fake.address, timeout=2.0, liveness=0.5, resume_timeout=30.0) as client:
+            stream = client.open("s")
+            stream.send(np.zeros(RATE, np.int16))  # one 32000-byte message, never acked: the ingest is taken for lost
+            assert wait_for(lambda: sum(resent(fake)) >= RATE * 2, 10.0), fake.audio
+            assert client.limits.max_frame_bytes == 3200
+        assert fake.audio[0] == (1, RATE * 2) and max(resent(fake)) <= 3200
+    finally:
+        fake.close()
+
+    async def main() -> int:
+        async with AsyncClient(afake.address, timeout=2.0, liveness=0.5, resume_timeout=30.0) as aclient:
+            astream = await aclient.open("a")
+            await astream.send(np.zeros(RATE, np.int16))
+            deadline = time.monotonic() + 10.0
+            while sum(resent(afake)) < RATE * 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            return aclient.limits.max_frame_bytes
+
+    afake = FakeIngest(resumed={"limits": {"max_frame_bytes": 3200}})
+    try:
+        assert asyncio.run(main()) == 3200
+        assert afake.audio[0] == (1, RATE * 2) and sum(resent(afake)) >= RATE * 2 and max(resent(afake)) <= 3200, afake.audio
+    finally:
+        afake.close()
+
+
+def test_an_open_waiting_on_a_resume_that_fails_fails_with_it() -> None:
+    """An open asked for while the IO thread resumes is taken only after the resume; if the resume
+    fails, the thread ends without taking it, and the open must fail then, not wait out its timeout."""
+    fake = FakeIngest()
+    client = Client(fake.address, timeout=300.0, resume_timeout=2.0)
+    failures: list[BaseException] = []
+
+    def open_new() -> None:
+        try:
+            client.open("new")
+        except BaseException as exc:  # noqa: BLE001 - checked by the test
+            failures.append(exc)
+
+    try:
+        client.open("s")
+        ingest = client._sock
+        fake.close()  # the whole service goes: the client resumes, and fails
+        assert wait_for(lambda: ingest.closed, 10.0), "no resume started"
+        assert finishes(open_new, 60.0), "open() waits out its own timeout"
+        assert len(failures) == 1 and isinstance(failures[0], StreamError) and failures[0].code == LOST, failures
+    finally:
+        client.close()
+
+
+def test_an_open_in_flight_when_the_ingest_is_lost_reports_no_resume() -> None:
+    """The open is sent again on the new connection; the caller never had the stream before, so
+    it was not resumed, in either client."""
+    fake = FakeIngest(ready_delay=3.0)  # the first open's `ready` (and those sent meanwhile) come well past `liveness`
+    try:
+        with Client(fake.address, timeout=10.0, liveness=1.0) as client:
+            stream = client.open("s")
+            assert client.reconnects >= 1 and stream.resumes == []
+
+        async def main() -> tuple[int, list[int]]:
+            async with AsyncClient(fake.address, timeout=10.0, liveness=1.0) as aclient:
+                astream = await aclient.open("a")
+                return aclient.reconnects, astream.resumes
+
+        reconnects, resumes = asyncio.run(main())
+        assert reconnects >= 1 and resumes == []
+    finally:
+        fake.close()

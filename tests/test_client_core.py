@@ -22,6 +22,7 @@ from client.core import (
     StreamCore,
     StreamError,
     check_open,
+    expire,
     ingest_endpoint,
     route,
     to_pcm,
@@ -558,6 +559,57 @@ def test_busy_refusals_of_a_resume_back_off_until_the_resume_timeout() -> None:
     assert waits == [REOPEN_S, 2 * REOPEN_S, 4 * REOPEN_S, MAX_REOPEN_S]  # 15 s: the next would end past 20
     failure = e.events.get_nowait()[1]
     assert isinstance(failure, StreamError) and failure.code == LOST and failure.stream == "s"
+
+
+def test_a_resume_has_until_its_deadline_to_make_progress_however_often_it_is_lost() -> None:
+    """`ready` is no progress: an ingest may take the re-open, then never ack what is resent (or
+    crash on it), and every loss would start a fresh resume. An ack of resent audio or a final is."""
+    c = core()
+    e = entry(c)
+    streams = {"s": e}
+    c.push(b"\0" * 100)  # 50 frames, never acked
+    c.take(1.0)
+    e.resume(until=10.0)
+    route(streams, Ready("s", window=1000), 2.0)
+    c.take(2.0)
+    e.resume(until=20.0)  # lost again: the first deadline stands
+    assert c.resume_by == 10.0 and not expire(streams, 9.9, "late")
+    route(streams, Ready("s", window=1000), 3.0)
+    c.take(3.0)
+    route(streams, Ack("s", seq=0, samples=50, window=1000), 3.1)
+    assert c.resume_by is None  # the next loss gets a deadline of its own
+    e.resume(until=30.0)
+    route(streams, Ready("s", window=1000), 4.0)
+    route(streams, Final("s", seg=0, text="one", start=0.0, end=0.5, durable=0), 4.1)
+    assert c.resume_by is None
+
+    e.resume(until=40.0)
+    assert expire(streams, 40.0, "no progress") and streams == {}
+    failure = [item for _, item in (e.events.get_nowait() for _ in range(e.events.qsize()))][-1]
+    assert isinstance(failure, StreamError) and (failure.code, failure.stream) == (LOST, "s")
+
+
+def test_a_resume_with_less_to_resend_than_the_ingest_acks_is_done_when_ready() -> None:
+    """No ack is owed for it, so none may come: a deadline kept would fail the stream at a later loss."""
+    c = core()
+    e = entry(c)
+    c.push(b"\0" * 10)  # 5 frames: less than the 10 (100 ms) the ingest acks at
+    c.take(1.0)
+    e.resume(until=10.0)
+    route({"s": e}, Ready("s", window=1000), 2.0)
+    assert c.resume_by is None
+
+
+def test_only_a_stream_that_was_ready_counts_its_resumes() -> None:
+    """An open unanswered when the connection is lost (or made while resuming) is sent again on
+    the new connection: the caller never had the stream, so it is opened, not resumed."""
+    c = StreamCore("s", priority="realtime", frame_bytes=2, limits=Limits(), rate=100)
+    c.rewind(until=60.0)
+    assert c.resumes == []
+    c.on_ready(1000)
+    c.rewind(until=60.0)
+    c.rewind(until=60.0)  # lost again before its new `ready`: resumed all the same
+    assert c.resumes == [0, 0]
 
 
 def test_a_refused_resume_waiting_for_its_retry_is_owed_nothing() -> None:

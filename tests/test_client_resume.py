@@ -31,10 +31,12 @@ from protocol.messages import Closed, ErrorMsg, Final
 from shm import pool
 from streamasr import service as svc
 from streamasr import testdata
+from streaming import wait_for
 
 RATE = 16000
 CHUNK = RATE // 10  # 100 ms per send, as a microphone delivers it
 NAMES = ("0880", "0930", "0890")  # 3.0 s, 3.3 s and 5.3 s of read speech
+FROZEN_S = 8.0  # past the clients' liveness (5 s here)
 
 
 @pytest.fixture(scope="module")
@@ -170,12 +172,12 @@ class Killer:
 
 
 def check_resumed(killer: Killer, reconnects: int, resumes: list[int], finals: list[Final],
-                  errors: list[ErrorMsg], baseline: tuple[str, list[Final]]) -> None:
-    """The stream resumed on a restarted ingest and its finals read as one undisturbed stream."""
+                  errors: list[ErrorMsg], baseline: tuple[str, list[Final]], restarted: bool = True) -> None:
+    """The stream resumed (on a restarted ingest, unless told) and its finals read as one undisturbed stream."""
     assert killer.at is not None, "no final arrived before the end"
     assert reconnects >= 1 and resumes, "the client never resumed"
     new_pid, state = ingest_pid(killer.service)
-    assert new_pid != killer.pid and state == "RUNNING"
+    assert (new_pid != killer.pid) == restarted and state == "RUNNING"
     assert errors == []
 
     # nothing repeated, numbered and timed as one stream
@@ -207,3 +209,37 @@ def test_async_client_resumes_after_ingest_killed(asr: Service, baseline: tuple[
     killer = Killer(asr, sig)
     client, stream, finals, errors = asyncio.run(run_async(asr, pcm, speed=1.0, on_final=killer))
     check_resumed(killer, client.reconnects, stream.resumes, finals, errors, baseline)
+
+
+def test_a_stream_resumed_away_from_a_frozen_ingest_leaves_nothing_there(asr: Service, baseline: tuple[str, list[Final]]) -> None:
+    """The ingest is frozen (SIGSTOP, as a host that stalls) past the client's liveness: the
+    client gives it up for dead, closes that connection and resumes its stream. The ingest was
+    alive and thaws with the stream's old copy still open: that copy must go as soon as the
+    ingest finds its connection closed, not after the idle timeout (30 s), during which it would
+    hold its ring and be decoded for nobody."""
+    pcm, _ = speech()
+    freezer = Killer(asr, signal.SIGSTOP)
+    thaw = threading.Timer(FROZEN_S, os.kill, (freezer.pid, signal.SIGCONT))
+
+    def freeze(final: Final) -> None:
+        if freezer.at is None:
+            freezer(final)
+            thaw.start()
+
+    try:
+        client, stream, finals, errors = run(asr, pcm, speed=1.0, on_final=freeze)
+    finally:
+        thaw.cancel()
+        os.kill(freezer.pid, signal.SIGCONT)
+    check_resumed(freezer, client.reconnects, stream.resumes, finals, errors, baseline, restarted=False)
+
+    def ours() -> list[dict]:
+        return [e for e in asr.events("ingest-0") if e.get("stream") == stream.id and e["event"] in
+                ("ingest.stream_opened", "ingest.stream_dropped", "ingest.stream_closed", "ingest.stream_idle")][-3:]
+
+    wait_for(lambda: ours()[-1]["event"] == "ingest.stream_closed", what="the ingest's log of the stream's close")
+    assert [(e["event"], e.get("reason")) for e in ours()] == [
+        ("ingest.stream_dropped", "client_gone"),  # the old copy, as soon as the ingest thawed
+        ("ingest.stream_opened", None),  # the resumed stream, opened once the old connection was found closed
+        ("ingest.stream_closed", "end"),
+    ], ours()

@@ -9,7 +9,6 @@ only decodes and the comparison is exact.
 from __future__ import annotations
 
 import difflib
-import json
 import os
 import signal
 import threading
@@ -101,11 +100,6 @@ def holds_a_job(service: Service, worker_id: str) -> bool:
     return any(w["id"] == worker_id and w["inflight"] > 0 for w in svc.status(service.cfg).get("workers", []))
 
 
-def log_events(service: Service, program: str) -> list[dict[str, Any]]:
-    """Every JSON line of a program's log."""
-    return [json.loads(line) for line in service.logs(program).splitlines() if line.startswith("{")]
-
-
 def test_worker_killed_mid_job(asr: Service, corpus: dict[str, bytes], baseline: dict[str, list[tuple[float, float, str]]]) -> None:
     killed: dict[str, Any] = {}
 
@@ -134,7 +128,7 @@ def test_worker_killed_mid_job(asr: Service, corpus: dict[str, bytes], baseline:
     name = "worker-" + killed["id"].split("-")[1]
     restarted(asr, name, killed["pid"])
     # the broker gave the killed worker up and queued its job again for the other
-    lost = [e for e in log_events(asr, "broker") if e["event"] == "broker.worker_lost" and e["worker"] == killed["id"]]
+    lost = [e for e in asr.events("broker") if e["event"] == "broker.worker_lost" and e["worker"] == killed["id"]]
     assert len(lost) == 1 and lost[0]["requeued"] >= 1, lost
 
 
@@ -191,7 +185,7 @@ def test_ingest_killed_client_resumes(asr: Service, corpus: dict[str, bytes], ba
     assert pool.segments(asr.cfg.instance) == [segment]
     assert (pool.SHM_DIR / segment).stat().st_ino != inode
     # and said so, on a line an operator finds by the ingest's index as all of that process's lines
-    lines = log_events(asr, "ingest-0")
+    lines = asr.events("ingest-0")
     assert any(e["event"] == "shm.leftover_unlinked" for e in lines)
     assert all(e.get("ingest") == 0 for e in lines), [e for e in lines if e.get("ingest") != 0][:3]
 
@@ -343,8 +337,8 @@ def test_a_stream_abandoned_at_shutdown_is_told_so(service_factory: Any) -> None
         os.kill(worker, signal.SIGCONT)
         stopper.join(5)
     assert result.closed is not None and result.closed.reason == "shutdown", result
+    assert service.proc.wait(60) == 0  # supervisord gone: every line its programs wrote is in their logs
     assert "ingest.stream_abandoned_at_shutdown" in service.logs("ingest-0")
-    assert service.proc.wait(60) == 0
 
 
 def _alive(pid: int) -> bool:

@@ -406,6 +406,40 @@ def test_partials_on_int8_finals_on_fp32(tiny, tiny_int8, dev):
     assert differ, "fp32 and int8 scored every partial alike: the check above could not tell them apart"
 
 
+def test_a_model_of_128_mel_bins_decodes_on_features_of_its_size(tiny, dev):
+    """large-v3 and its distillations take 128 mel bins where the other sizes take 80: the
+    decoder computes as many as the model's encoder takes (its dims), not a fixed 80, which
+    every decode of such a model would fail on. No such model is installed, so tiny.en stands
+    in, its first convolution widened to read 128 bins: each of its 80 bins' weights spread over
+    the 128-bin bank by centre frequency, the interpolation that gives an 80-bin log-mel from a
+    128-bin one. It transcribes only if the features are the 128-bin log-mel, in order."""
+    import onnxruntime as ort
+
+    from speech.ct2 import CT2Model
+    from speech.export import build_decoder, build_encoder, model_dims
+    from speech.mel import _hz_to_mel, _mel_to_hz
+
+    def centres(n: int) -> np.ndarray:
+        return _mel_to_hz(np.linspace(_hz_to_mel(0.0), _hz_to_mel(SAMPLE_RATE / 2), n + 2))[1:-1]
+
+    spread = np.zeros((80, 128))
+    for i, hz in enumerate(centres(80)):
+        j = int(np.clip(np.searchsorted(centres(128), hz), 1, 127))
+        lo, hi = centres(128)[j - 1 : j + 1]
+        spread[i, j - 1 : j + 1] = (hi - hz) / (hi - lo), (hz - lo) / (hi - lo)
+    m = CT2Model(tiny.model_dir / "model.bin")
+    m.raw["encoder/conv1/weight"] = np.einsum("dic,ij->djc", m.get("encoder/conv1/weight"), spread).astype(np.float32)
+    dims = model_dims(m)
+    assert dims["n_mels"] == 128
+    encoder, decoder = (ort.InferenceSession(g.SerializeToString(), providers=["CPUExecutionProvider"])
+                        for g in (build_encoder(m), build_decoder(m)))
+    assert encoder.get_inputs()[0].shape[1] == 128
+    decoding = WhisperDecoder(encoder, decoder, tiny.tokenizer, dims, DecodeOptions())
+    libri = [(u, a) for u, a in dev if u.name.startswith("librivox/")][:4]
+    hyps = [r.text for r in decoding.decode([DecodeRequest(audio=a) for _, a in libri])]
+    assert wer([u.reference for u, _ in libri], hyps) <= 0.15, hyps
+
+
 def test_beam_search(tiny, dev):
     beam = WhisperDecoder(tiny.encoder, tiny.decoder, tiny.tokenizer, tiny.dims, DecodeOptions(beam_size=4))
     libri = [(u, a) for u, a in dev if u.name.startswith("librivox/")]

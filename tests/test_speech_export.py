@@ -70,20 +70,32 @@ def test_int8_dequantization(tmp_path):
     np.testing.assert_allclose(m.get("alias/weight"), [[1.0, -2.0], [1.5, 2.0]])
 
 
-def test_mel_filters_match_reference():
+@pytest.mark.parametrize("n_mels", [80, 128])
+def test_mel_filters_match_reference(n_mels):
+    """Whisper's filterbanks are librosa's (16 kHz, n_fft 400; 80 bins, 128 for large-v3), which
+    faster-whisper's copy of librosa's formula gives; and the bank is shaped like a Slaney one:
+    every filter non-empty, peaks rising with the bin, each triangle's area 1 (in Hz, checked
+    where it spans enough FFT bins for the sum to tell)."""
     from faster_whisper.feature_extractor import FeatureExtractor
 
-    ref = FeatureExtractor(feature_size=80).mel_filters
-    np.testing.assert_allclose(mel_filters(), ref, atol=1e-6)
+    ours = mel_filters(n_mels)
+    assert ours.shape == (n_mels, 201)
+    np.testing.assert_allclose(ours, FeatureExtractor.get_mel_filters(16_000, 400, n_mels), atol=1e-6)
+    peaks = ours.argmax(axis=1)
+    assert np.all(ours.max(axis=1) > 0) and np.all(np.diff(peaks) >= 0) and peaks[-1] > peaks[0]
+    wide = (ours > 0).sum(axis=1) >= 8
+    assert wide.sum() >= 5
+    np.testing.assert_allclose(ours[wide].sum(axis=1) * 40.0, 1.0, atol=0.02)  # 40 Hz between FFT bins
 
 
-def test_log_mel_matches_reference(speech_audio):
+@pytest.mark.parametrize("n_mels", [80, 128])
+def test_log_mel_matches_reference(speech_audio, n_mels):
     from faster_whisper.feature_extractor import FeatureExtractor
 
     audio = speech_audio
-    ours = LogMel()([audio])[0]
-    assert ours.shape == (80, N_FRAMES) and ours.dtype == np.float32
-    ref = FeatureExtractor(feature_size=80)(audio, padding=160 * N_FRAMES)  # audio + 30 s of zeros
+    ours = LogMel(n_mels)([audio])[0]
+    assert ours.shape == (n_mels, N_FRAMES) and ours.dtype == np.float32
+    ref = FeatureExtractor(feature_size=n_mels)(audio, padding=160 * N_FRAMES)  # audio + 30 s of zeros
     content = len(audio) // 160
     np.testing.assert_allclose(ours[:, :content], ref[:, :content], atol=MEL_ATOL)
     assert np.all(ours[:, content:] == 0.0)  # Whisper pads the mel itself with zeros

@@ -206,6 +206,77 @@ def test_failed_reattach_is_retried_on_the_next_job(worker: Worker, segment_name
     second.close()
 
 
+def test_a_segment_its_ingest_unlinked_or_replaced_is_released(worker: Worker, segment_name: str) -> None:
+    """The serve loop's check keeps a current segment mapped and closes one whose ingest let go."""
+    first, ring = segment_with_audio(segment_name)
+    assert worker.process([job(first, 0, ring.generation, 0, 100)])[0].status == OK
+    worker.release_stale_pools()
+    assert list(worker._pools) == [segment_name]  # still the ingest's: kept
+    first.close()
+    second, ring = segment_with_audio(segment_name)  # the ingest restarted
+    with capture_logs() as logs:
+        worker.release_stale_pools()
+    assert worker._pools == {} and [e["segment"] for e in logs if e["event"] == "worker.segment_released"] == [segment_name]
+    assert worker.process([job(second, 0, ring.generation, 0, 100)])[0].status == OK
+    second.close()
+
+
+def _maps(pid: int, name: str) -> bool:
+    """Whether process `pid` maps the shm segment `name` (unlinked or not)."""
+    return f"/{name}" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_a_worker_unmaps_a_segment_its_ingest_unlinked_without_waiting_for_a_job(segment_name: str) -> None:
+    """An unlinked segment's pages stay in /dev/shm while any process maps it: a worker holding a
+    stopped ingest's segment would leave no room for the restarted ingest's new one, and no job
+    of the old segment comes to tell it. A real worker process, a fake broker: the worker reads
+    a job's audio from the segment, the ingest unlinks it, the worker unmaps it on its own."""
+    pool, ring = segment_with_audio(segment_name)
+    run = Path(tempfile.mkdtemp(prefix="sasr-"))  # short: ipc paths are limited to about 100 bytes
+    cfg = settings.load(None, {"run_dir": str(run), "instance": f"t{uuid.uuid4().hex[:8]}",
+                               "model": {"name": "null", "backend": "null"}})
+    config_file = run / "config.toml"
+    config_file.write_text(settings.dump(cfg))
+    ctx = zmq.Context()
+    broker = ctx.socket(zmq.ROUTER)
+    broker.bind(cfg.broker_worker_endpoint)
+    proc = subprocess.Popen([sys.executable, "-m", "workers", "--index", "0", "--config", str(config_file)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def receive(kind: bytes | None, seconds: float) -> list[bytes] | None:
+        """The next message of `kind` from the worker within `seconds`, heartbeats answered meanwhile."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if broker.poll(int(left * 1000) + 1):
+                frames = broker.recv_multipart()
+                if frames[1] == wire.HEARTBEAT:
+                    broker.send_multipart([frames[0], wire.HEARTBEAT])
+                elif frames[1] == kind:
+                    return frames
+        return None
+
+    try:
+        ready = receive(wire.READY, 30)
+        assert ready, "the worker never registered"
+        broker.send_multipart([ready[0], wire.JOBS, wire.pack_jobs([job(pool, 0, ring.generation, 0, 100)])])
+        done = receive(wire.DONE, 30)
+        assert done and [row[2] for row in wire.unpack(done[2])] == [OK]
+        assert _maps(proc.pid, segment_name)
+        del ring
+        pool.close()
+        pool.unlink()  # the ingest exits
+        deadline = time.monotonic() + 10
+        while _maps(proc.pid, segment_name) and time.monotonic() < deadline:
+            receive(None, 0.1)
+        assert not _maps(proc.pid, segment_name), "the worker still maps the unlinked segment"
+    finally:
+        proc.terminate()
+        proc.wait(15)
+        broker.close(linger=0)
+        ctx.term()
+        shutil.rmtree(run, ignore_errors=True)
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 0.0

@@ -50,6 +50,7 @@ REGISTER = b"REGISTER"  # IO -> main thread: the broker was silent, or is new or
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 2.0
 FLUSH_S = 1.0  # at shutdown, how long results may wait for the broker and the ingests
+POOL_CHECK_S = 1.0  # how often the shm segments a worker maps are checked for an ingest that let go of them
 # Exit status of a worker the watchdog ended: not 1 (crashed, or its IO thread failed), so
 # supervisord's log tells a hung model call from the other failures.
 STUCK_EXIT_STATUS = 3
@@ -420,17 +421,24 @@ class Worker:
     def _serve(self, link: _JobLink, answers: _ResultLinks, pipe: zmq.Socket, stop: StopSignal) -> None:
         """Gather jobs from the broker and run a batch whenever one is due; a batch already
         running when SIGTERM arrives is finished and its results sent, jobs not started are left
-        to the broker (see wire.LEAVING)."""
+        to the broker (see wire.LEAVING). Once a second it lets go of segments their ingests left."""
         poller = zmq.Poller()
         poller.register(pipe, zmq.POLLIN)
         poller.register(stop.fileno(), zmq.POLLIN)
+        checked = time.monotonic()
         while not stop.stopping:
             poller.register(link.sock, zmq.POLLIN | (zmq.POLLOUT if link.outbox else 0))
-            timeout = self._batcher.timeout(time.monotonic())
-            events = dict(poller.poll(None if timeout is None else timeout * 1000))
+            now = time.monotonic()
+            wait = checked + POOL_CHECK_S - now
+            if (timeout := self._batcher.timeout(now)) is not None:
+                wait = min(wait, timeout)
+            events = dict(poller.poll(max(0.0, wait) * 1000))
             stop.drain()
             if stop.stopping:
                 break  # jobs not started are handed back with the goodbye: another worker is quicker than this batch
+            if (now := time.monotonic()) - checked >= POOL_CHECK_S:
+                checked = now
+                self.release_stale_pools()
             if pipe in events:
                 pipe.recv()  # REGISTER: the broker is new or forgot us
                 poller.unregister(link.sock)
@@ -511,9 +519,20 @@ class Worker:
         if finals < len(taken):
             self.metrics.inc("worker_jobs_total", len(taken) - finals, kind="partial")
 
+    def release_stale_pools(self) -> None:
+        """Unmap the segments whose ingest unlinked or replaced them. tmpfs keeps an unlinked
+        segment's pages while any process maps it, and a restarted ingest needs that room for its
+        new segment; no job of the old one may come to tell. Runs on the main thread between
+        batches, so no view of a pool is in use when it is closed."""
+        for name, pool in list(self._pools.items()):
+            if not pool.is_current():
+                del self._pools[name]
+                pool.close()
+                log.info("worker.segment_released", segment=name)
+
     def _audio(self, job: Job) -> tuple[Ring, np.ndarray]:
-        """The job's samples as a view into shm (attached on first use, re-attached when the
-        ingest recreated its segment)."""
+        """The job's samples from shm: a view, or a copy when the range wraps around the ring
+        (attached on first use, re-attached when the ingest recreated its segment)."""
         pool = self._pools.get(job.shm)
         if pool is None or (not _holds(pool, job) and not pool.is_current()):
             if pool is not None:
