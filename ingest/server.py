@@ -47,6 +47,11 @@ CLOSE_LINGER_MS = 1000
 # gathered over 10 ms they are ~60 chunks each. A chunk that could start or end a segment does
 # not wait for the gathering: a segment's first partial, or its final, is due on its verdict.
 VAD_ROUND_S = 0.010
+# Restarted after a crash, the ingest makes its segment while the workers still map the dead
+# one's (they let go within a second, or a batch): /dev/shm sized for one segment per ingest,
+# as `streamasr serve` checks, has its room back by then.
+SHM_WAIT_S = 5.0
+GONE_KEEP_S = 60.0  # how long messages of a closed connection, still queued, are dropped unread
 
 
 class IngestServer:
@@ -80,7 +85,8 @@ class IngestServer:
         self.broker: zmq.Socket | None = None
         self.sessions: dict[str, Session] = {}
         self.per_client: dict[bytes, int] = {}
-        self.gone: set[bytes] = set()  # connections a send found closed: their streams go (see _drop_gone)
+        self.gone: dict[bytes, float] = {}  # connections a send found closed, and when: see _drop_gone
+        self.newly_gone = False  # one was found since the last _drop_gone
         self.owner: dict[int, str] = {}  # job id -> session key
         self.scratch: dict[str, np.ndarray] = {}  # per-session VAD chunk buffer for ring wrap-around
         self.dirty: set[str] = set()  # streams to step this iteration
@@ -101,7 +107,8 @@ class IngestServer:
         self.stop_at: float | None = None
         self._connect_broker()
         # Last: from here on only close() unlinks the segment, so nothing that can fail comes after it.
-        self.pool = RingPool.create(cfg.shm_name(index), cfg.shm.streams_per_ingest, ring_capacity(cfg.shm.ring_seconds))
+        self.pool = RingPool.create(cfg.shm_name(index), cfg.shm.streams_per_ingest, ring_capacity(cfg.shm.ring_seconds),
+                                    wait_s=SHM_WAIT_S)
 
     # ------------------------------------------------------------------ broker link
 
@@ -207,6 +214,8 @@ class IngestServer:
     def _on_client(self, frames: list[zmq.Frame]) -> None:
         """One client message; a bug in handling it fails that message, never the process."""
         ident = frames[0].bytes
+        if ident in self.gone:  # sent before its connection closed, read after: its streams were dropped
+            return
         try:
             self._handle_client(ident, frames)
         except Exception as exc:
@@ -312,7 +321,7 @@ class IngestServer:
 
     def _realtime_open(self) -> int:
         """Realtime streams open here: counted when needed (an open, a heartbeat), not kept in step."""
-        return sum(s.priority == REALTIME for s in self.sessions.values())
+        return sum(s.priority == REALTIME and not s.abandoned for s in self.sessions.values())
 
     def _send(self, ident: bytes, msg: m.ServerMessage) -> bool:
         try:
@@ -322,26 +331,28 @@ class IngestServer:
             if exc.errno != zmq.EHOSTUNREACH:
                 self.log.warning("ingest.client_unreachable", client=ident.hex(), error=exc.strerror, event_type=msg.type)
             elif ident not in self.gone:
+                self.gone[ident] = time.monotonic()
+                self.newly_gone = True
                 self.log.warning("ingest.client_gone", client=ident.hex(), streams=self.per_client.get(ident, 0), event_type=msg.type)
-                if ident in self.per_client:
-                    self.gone.add(ident)
             return False
 
     def _drop_gone(self) -> None:
         """Drop the streams of connections that are closed: nothing they decode can reach anyone.
 
-        A client's connection is a routing id of the ROUTER, new on every connect, so a closed one
-        never comes back: its client, if alive, has resumed the streams elsewhere from their
-        `durable` (it gave up on this ingest as silent, say, while the ingest was only slow). Left
-        to the idle timeout they would hold their rings and be decoded, for nobody, for 30 s.
+        A reference client's connection is a routing id of the ROUTER, new on every connect, so a
+        closed one never comes back: its client, if alive, has resumed the streams elsewhere from
+        their `durable` (it gave up on this ingest as silent, say, while the ingest was only slow).
+        Left to the idle timeout they would hold their rings and be decoded, for nobody, for 30 s.
         """
-        for s in [s for s in self.sessions.values() if s.client in self.gone]:
+        self.newly_gone = False
+        for s in [s for s in self.sessions.values() if s.client in self.gone and not s.abandoned]:
             s.log.warning("ingest.stream_dropped", reason="client_gone", pending_jobs=len(s.inflight), **s.figures())
-            for job_id in s.inflight:
-                self.owner.pop(job_id, None)
-            self.dirty.discard(s.key)
-            self._release(s)
-        self.gone.clear()
+            s.abandon()
+            self.vad_due.discard(s.key)
+            self.vad_urgent.discard(s.key)
+            if s.closed:
+                self.dirty.discard(s.key)
+                self._release(s)
 
     # ------------------------------------------------------------------ per-iteration work
 
@@ -420,7 +431,7 @@ class IngestServer:
             for msg in s.outbox:
                 self._send(s.client, msg)
             s.outbox.clear()
-            ack = None if s.closed else s.due_ack()
+            ack = None if s.closed or s.abandoned else s.due_ack()
             if ack is not None:
                 self._send(s.client, ack)
             if s.closed:
@@ -428,6 +439,8 @@ class IngestServer:
         if jobs_out:
             self.broker.send_multipart([j.JOBS, j.pack_jobs(jobs_out)])
         self.dirty.clear()
+        if self.newly_gone:  # before the loop takes more of their audio, or steps them again
+            self._drop_gone()
 
     def _release(self, s: Session) -> None:
         del self.sessions[s.key]
@@ -443,7 +456,10 @@ class IngestServer:
             self.per_client.pop(s.client, None)
 
     def _sweep(self, now: float) -> None:
-        """Close streams whose client went quiet: their accepted audio is still transcribed."""
+        """Close streams whose client went quiet: their accepted audio is still transcribed. Forget
+        closed connections after GONE_KEEP_S: what they sent before closing is read by then."""
+        for ident in [i for i, at in self.gone.items() if now - at > GONE_KEEP_S]:
+            del self.gone[ident]
         for key, s in self.sessions.items():
             if not s.ending and s.check_idle(now):
                 s.log.warning("ingest.stream_idle", idle_s=round(now - s.last_activity, 1))
@@ -531,7 +547,7 @@ class IngestServer:
             self._run_vad(now)
             if self.dirty:  # segments the deciding chunks just opened or closed
                 self._flush()
-            if self.gone:
+            if self.newly_gone:  # found by a send outside a flush (a refused open, say)
                 self._drop_gone()
             self._heartbeat(now)
             stall.turned(now)
@@ -540,6 +556,8 @@ class IngestServer:
 
     def close(self) -> None:
         for s in self.sessions.values():
+            if s.abandoned:  # dropped already, its client gone: only its jobs' answers were awaited
+                continue
             self._send(s.client, s.closed_message("shutdown", durable=s.durable()))  # from where its finals are owed
             s.log.error("ingest.stream_abandoned_at_shutdown", pending_jobs=len(s.inflight), **s.figures())
         self.vad.close()

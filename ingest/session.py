@@ -87,6 +87,7 @@ class Session:
         self.previous_text = opened.resume_text or ""  # a resumed stream is prompted as if never interrupted
         self.ending = False
         self.closed = False
+        self.abandoned = False  # its connection is closed: see abandon
         self.close_reason = "end"
         self.refused_at_shutdown = False  # audio refused since a shutdown ended the stream: its client must resume
         self.last_activity = time.monotonic()
@@ -232,6 +233,8 @@ class Session:
         return pending > 0 and self.segmenter.may_decide(pending)
 
     def on_vad(self, prob: float, chunk: int) -> None:
+        if self.abandoned:  # a round already under way: no segment may start or end, nor a final go out
+            return
         self.vad_pos += chunk
         for ev in self.segmenter.push(prob, self.vad_pos):
             self._on_segment_event(ev)
@@ -242,6 +245,9 @@ class Session:
         A partial covers all the audio received, not only what the VAD has classified: the VAD
         decides where segments start and end, and a partial need not wait for it.
         """
+        if self.abandoned:
+            self._maybe_close()
+            return
         seg = self.open_segment
         interval = self.cfg.ingest.partial_interval_ms * SAMPLE_RATE // 1000
         written = self.ring.written
@@ -303,6 +309,9 @@ class Session:
         job = self.inflight.pop(res.job_id, None)
         if job is None:
             return  # a job of an earlier stream under the same key (duplicates stop at the server)
+        if self.abandoned:  # nobody to show it to: no retry, no next final
+            self._maybe_close()
+            return
         now = time.monotonic()
         if job.created and res.status == OK:  # a result: a partial skipped as stale, or a failure, has no latency to show
             self.metrics.observe("final_latency_seconds" if job.final else "partial_latency_seconds", now - job.created)
@@ -440,7 +449,21 @@ class Session:
             return False
         return now - self.last_activity > self.cfg.ingest.idle_timeout_s
 
+    def abandon(self) -> None:
+        """Its connection is closed (the client resumed elsewhere, or died): nothing it decodes can
+        reach anyone. No job, message or VAD verdict is made from here on; the stream closes once
+        the jobs already out are answered, since until then a worker may be reading its ring,
+        which the next stream would otherwise be given at once."""
+        self.abandoned = self.ending = True
+        self.close_reason = "client_gone"
+        self.outbox.clear()
+        self.jobs_out.clear()
+        self._maybe_close()
+
     def _maybe_close(self) -> None:
+        if self.abandoned:
+            self.closed = self.closed or not self.inflight
+            return
         if self.closed or not self.ending or self.open_segment is not None or self.inflight or self.segments:
             return
         if self.vad_chunk_due(VAD_CHUNK):

@@ -29,6 +29,7 @@ import structlog
 from shm.ring import GENERATION, SAMPLE_RATE, Ring
 
 SHM_DIR = Path("/dev/shm")
+NO_ROOM_RETRY_S = 0.2  # how often create() tries again while /dev/shm has no room (see wait_s)
 MAGIC = b"SASRRING"
 VERSION = 1
 ALIGN = 64
@@ -100,8 +101,22 @@ class RingPool:
         return f"RingPool({self.name!r}, slots={self.slots}, capacity={self.capacity}, in_use={self.in_use})"
 
     @classmethod
-    def create(cls, name: str, slots: int, capacity: int, sample_rate: int = SAMPLE_RATE) -> "RingPool":
-        """Create and map the segment; a leftover of the same name (a crash) is replaced."""
+    def create(cls, name: str, slots: int, capacity: int, sample_rate: int = SAMPLE_RATE, wait_s: float = 0.0) -> "RingPool":
+        """Create and map the segment; a leftover of the same name (a crash) is replaced. Without
+        room it is tried again for up to `wait_s`: a segment just unlinked gives its pages back
+        only once every process that maps it has let go."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return cls._create(name, slots, capacity, sample_rate)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC or time.monotonic() >= deadline:
+                    raise
+                log.warning("shm.no_room_yet", segment=name, error=exc.strerror)
+                time.sleep(min(NO_ROOM_RETRY_S, max(0.0, deadline - time.monotonic())))
+
+    @classmethod
+    def _create(cls, name: str, slots: int, capacity: int, sample_rate: int) -> "RingPool":
         if slots <= 0 or capacity <= 0:
             raise ValueError(f"slots and capacity must be positive, got {slots}, {capacity}")
         path = _path(name)

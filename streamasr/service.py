@@ -10,6 +10,7 @@ supervisord starts reads exactly the same settings, then hands over to superviso
 from __future__ import annotations
 
 import configparser
+import errno
 import os
 import signal
 import socket
@@ -127,15 +128,11 @@ def prepare(cfg: Config) -> dict[str, str]:
         ensure_all_exported(cfg.model)
     for name in pool.reclaim(cfg.instance):
         print(f"reclaimed shm segment {name} left by a previous run", file=sys.stderr)
-    segment = pool.segment_size(cfg.shm.streams_per_ingest, pool.ring_capacity(cfg.shm.ring_seconds))
-    need = cfg.ingest.processes * segment
-    # Each ingest process would fail to allocate its rings at start, over and over. One segment
-    # more: an ingest restarted after a crash makes its new segment while the workers still map
-    # the old one (they let go within a second or a batch), and tmpfs frees it only then.
-    if need + segment > (free := pool.free_bytes()):
+    need = cfg.ingest.processes * pool.segment_size(cfg.shm.streams_per_ingest, pool.ring_capacity(cfg.shm.ring_seconds))
+    if need > (free := pool.free_bytes()):
+        # Each ingest process would fail to allocate its rings at start, over and over.
         raise SystemExit(f"{pool.SHM_DIR} has {free / 2**20:,.0f} MiB free; {cfg.ingest.processes} ingest process(es) of "
-                         f"{cfg.shm.streams_per_ingest} streams of {cfg.shm.ring_seconds:g} s need {need / 2**20:,.0f} MiB, "
-                         f"and {segment / 2**20:,.0f} MiB more for one to restart: "
+                         f"{cfg.shm.streams_per_ingest} streams of {cfg.shm.ring_seconds:g} s need {need / 2**20:,.0f} MiB: "
                          "lower shm.streams_per_ingest or shm.ring_seconds, or give it more room (a container's --shm-size)")
     run = cfg.run_path
     run.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -281,7 +278,9 @@ def wait_ready(cfg: Config, timeout: float) -> dict[str, Any]:
 def stop(cfg: Config, timeout: float | None = None) -> bool:
     """SIGTERM to supervisord, which stops ingest (draining), workers, then the broker; waits
     up to `timeout` (default: the longest the programs' stop times allow) for it to exit.
-    PermissionError: the caller may not signal it (another user's instance)."""
+    PermissionError: the caller may not read its run directory or signal it (another user's instance)."""
+    if cfg.run_path.is_dir() and not os.access(cfg.run_path, os.R_OK | os.X_OK):  # `serve` makes it 0700
+        raise PermissionError(errno.EACCES, "the run directory is another user's", str(cfg.run_path))
     pid = supervisord_pid(cfg)
     if pid is None:
         return False
@@ -290,7 +289,7 @@ def stop(cfg: Config, timeout: float | None = None) -> bool:
     while time.monotonic() < deadline:
         try:
             os.kill(pid, 0)
-        except ProcessLookupError:
+        except OSError:  # gone (or its pid already another user's program)
             return True
         time.sleep(0.1)
     return False

@@ -157,27 +157,33 @@ def test_a_stale_pid_file_naming_another_program_is_not_taken_for_the_instance(t
             proc.wait()
 
 
+@pytest.mark.parametrize("refused", ["run_dir", "signal"])
 def test_stop_of_an_instance_run_by_another_user_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                        capsys: pytest.CaptureFixture[str]) -> None:
+                                                        capsys: pytest.CaptureFixture[str], refused: str) -> None:
     """An operator who runs `stop` as the wrong user must hear whose instance it is, not get a
-    traceback. The system refusing the signal is faked (one user runs these tests); the
+    traceback nor "not running". The system refusing (the run directory, which `serve` makes
+    0700, or the signal) is faked: one user runs these tests, and root may do both. The
     instance's supervisord, found by its pid file, is a real process."""
     cfg = settings.load(None, {"run_dir": str(tmp_path / "run"), "instance": f"other{uuid.uuid4().hex[:8]}"})
     cfg.run_path.mkdir()
     config = tmp_path / "streamasr.toml"
     config.write_text(settings.dump(cfg))
     theirs = _a_process(tmp_path / "supervisord", "", args=["-n"], env={"STREAMASR_RUN_DIR": str(cfg.run_path)})
-    signalled = os.kill
+    signalled, accessible = os.kill, os.access
 
     def kill(pid: int, sig: int) -> None:
-        if pid == theirs.pid:
+        if pid == theirs.pid and refused == "signal":
             raise PermissionError(errno.EPERM, "Operation not permitted")
         signalled(pid, sig)
+
+    def access(path: str | Path, mode: int) -> bool:
+        return not (Path(path) == cfg.run_path and refused == "run_dir") and accessible(path, mode)
 
     try:
         (cfg.run_path / "supervisord.pid").write_text(str(theirs.pid))
         with monkeypatch.context() as patched:
             patched.setattr(os, "kill", kill)
+            patched.setattr(os, "access", access)
             assert cli.main(["stop", "--config", str(config)]) == 1
         assert capsys.readouterr().err == f"instance {cfg.instance!r} runs as another user, who may stop it: {cfg.run_path}\n"
         assert theirs.poll() is None

@@ -31,7 +31,7 @@ from ingest.session import Session
 from protocol import messages as m
 from shm import pool
 from streamasr.service import free_ports
-from streaming import wait_for
+from streaming import read_wav, speech_files, wait_for
 
 FRAME = 1600  # 100 ms at 16 kHz
 
@@ -268,3 +268,66 @@ def test_a_stop_while_the_ingest_starts_leaves_no_shm_behind(tmp_path: Path) -> 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) in (0, -signal.SIGTERM), log.read_text()[-2000:]
         assert pool.segments(instance) == [], (after_s, log.read_text()[-2000:])
+
+
+def test_a_closed_connection_s_streams_are_dropped_and_their_rings_kept_until_their_jobs_are_answered(server: IngestServer) -> None:
+    """A client that closed its connection (it resumed elsewhere, or died) can be answered no
+    more: its streams are dropped as soon as a message for it fails, and make no more jobs. A
+    ring goes back to the pool only once the jobs already out are answered: a worker may still
+    be reading it, and the next stream would be given that very ring. The other connection's
+    stream is untouched. No broker here: the jobs are answered on the ingest's results socket,
+    as a worker does."""
+    speech = read_wav(speech_files()[0])[: 2 * 3 * 16_000]  # 3 s: a segment, and partials every 0.5 s of it
+    results = zmq.Context.instance().socket(zmq.PUSH)
+    results.linger = 0
+    results.connect(server.cfg.ingest_results_endpoint(0))
+
+    def turn() -> None:
+        _drain(server.clients, server._on_client, copy=False)
+        _drain(server.results, server._on_worker)
+        if server.vad.signal.poll(0):
+            server._on_vad()
+        server._run_vad(time.monotonic())
+        server._flush()
+
+    def answer(job_id: int) -> None:
+        now = time.monotonic()
+        results.send_multipart([jobs.RESULTS, jobs.pack_results([jobs.JobResult(job_id=job_id, ingest=0, text="words",
+                                                                                 started=now, finished=now)])])
+
+    with client_socket(server) as other:
+        other.send_multipart(m.encode(m.Open(stream="other")))
+        wait_for(lambda: (turn(), len(server.sessions) == 1)[1], what="the other stream open")
+        gone = zmq.Context.instance().socket(zmq.DEALER)
+        gone.linger = 0
+        gone.connect(server.endpoint)
+        gone.send_multipart(m.encode(m.Open(stream="a")))
+        frames = range(0, len(speech), 2 * FRAME)
+
+        def taken(sent: int, jobs: int) -> Session | None:
+            turn()
+            found = [s for s in server.sessions.values() if s.opened.stream == "a"]
+            return found[0] if found and found[0].in_frames == sent and len(found[0].inflight) >= jobs else None
+
+        for jobs_out, part in enumerate((frames[: len(frames) // 2], frames[len(frames) // 2 :]), start=1):
+            for at in part:  # in two parts: a partial is asked at most once a turn
+                gone.send_multipart(m.encode(m.Audio(stream="a", seq=at // (2 * FRAME), data=speech[at : at + 2 * FRAME])))
+            sent = min(len(speech), part[-1] + 2 * FRAME) // 2
+            session = wait_for(lambda: taken(sent, jobs_out), what=f"{sent} frames taken and {jobs_out} decodes out")
+        rings = server.pool.in_use
+        first, *rest = sorted(session.inflight)
+        gone.close()
+        time.sleep(0.5)  # ZeroMQ's I/O thread ends the connection
+        answer(first)
+        wait_for(lambda: (turn(), session.abandoned and first not in session.inflight)[1],
+                 what="the stream dropped when its partial could not be sent")
+        assert session.key in server.sessions and server.pool.in_use == rings, "the ring went back with decodes out"
+        assert not session.jobs_out and sorted(session.inflight) == rest
+        for job_id in rest:
+            answer(job_id)
+        wait_for(lambda: (turn(), session.key not in server.sessions)[1], what="the stream closed once its jobs were answered")
+        assert server.pool.in_use == rings - 1
+        other.send_multipart(m.encode(m.Audio(stream="other", seq=0, data=bytes(2 * FRAME))))
+        got = serve_until(server, other, lambda got: any(isinstance(a, m.Ack) for a in got))
+        assert [type(a) for a in got] == [m.Ready, m.Ack] and got[1].samples == FRAME, got
+    results.close()

@@ -10,6 +10,7 @@ import os
 import stat
 import struct
 import subprocess
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,13 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from config import settings
 from config.settings import ShmConfig
 from shm import PoolExhausted, RingOverrun, RingPool, reclaim, segments
 from shm import pool as shm_pool
 from shm.pool import SHM_DIR
 from shm.ring import SAMPLE_RATE
-from streamasr import service
 
 
 @pytest.fixture
@@ -270,31 +269,24 @@ def test_a_segment_that_does_not_fit_is_refused_when_created(instance: str, smal
     first.unlink()
 
 
-@pytest.mark.parametrize("streams", [16, 24])
-def test_what_serve_accepts_has_room_for_an_ingest_restarted_beside_its_old_segment(
-        instance: str, small_shm: Path, tmp_path: Path, streams: int) -> None:
+def test_a_segment_made_while_its_predecessor_is_still_mapped_waits_for_the_room(instance: str, small_shm: Path) -> None:
     """An ingest restarted after a crash replaces its segment while a worker still maps the old
-    one, whose pages tmpfs frees only when the worker lets go: `serve`'s room check asks for one
-    segment more than the ingests', so in whatever /dev/shm it accepts the restart fits, and it
-    refuses only where two segments do not. 26 s rings (the shortest the VAD allows) of 16
-    streams are 27 MB, of 24 streams 40 MB: in 64 MiB, two of the first fit, two of the second do not."""
-    base = service.free_ports(3)
-    cfg = settings.load(None, {"instance": instance, "run_dir": str(tmp_path / "run"), "model": {"name": "null"},
-                               "shm": {"streams_per_ingest": streams, "ring_seconds": 26.0},
-                               "ingest": {"address": f"tcp://127.0.0.1:{base}", "port_base": base + 1},
-                               "metrics": {"dashboard_port": base + 2}})
-    capacity = shm_pool.ring_capacity(cfg.shm.ring_seconds)
-    try:
-        service.prepare(cfg)
-    except SystemExit as refused:
-        assert 2 * shm_pool.segment_size(streams, capacity) > shm_pool.free_bytes(), f"refused with room: {refused}"
-        return
-    crashed = RingPool.create(seg(instance), slots=streams, capacity=capacity)
+    one, whose pages tmpfs gives back only when the worker lets go (within a second: see
+    workers.worker). Where /dev/shm has room for one segment, as `serve` checks, the new one
+    waits for that room rather than fail the start; without the wait it is refused."""
+    capacity = 40 * 2**20 // 4  # two do not fit in 64 MiB
+    crashed = RingPool.create(seg(instance), slots=1, capacity=capacity)
     worker = RingPool.attach(seg(instance))
     crashed.close()  # the ingest dies; its segment is left behind, mapped by the worker
-    restarted = RingPool.create(seg(instance), slots=streams, capacity=capacity)
-    assert not worker.is_current() and restarted.is_current()
-    worker.close()
+    with pytest.raises(OSError) as refused:
+        RingPool.create(seg(instance), slots=1, capacity=capacity)
+    assert refused.value.errno == errno.ENOSPC
+    letting_go = threading.Timer(0.5, worker.close)
+    letting_go.start()
+    restarted = RingPool.create(seg(instance), slots=1, capacity=capacity, wait_s=10.0)
+    letting_go.join()
+    assert restarted.is_current() and not worker.is_current()
+    restarted.acquire().write(signal(capacity))  # all its pages are there
     restarted.close()
     restarted.unlink()
 
