@@ -34,7 +34,7 @@ from metrics.registry import ProcessMetrics
 from metrics.stallwatch import StallWatch
 from protocol import auth
 from protocol import messages as m
-from shm.pool import PoolExhausted, RingPool, ring_capacity
+from shm.pool import PoolExhausted, RingPool, make_room, ring_capacity, segment_size
 from speech.loader import language_refusal, served_languages
 
 DRAIN_BATCH = 512  # messages taken from one socket per loop iteration
@@ -48,8 +48,8 @@ CLOSE_LINGER_MS = 1000
 # not wait for the gathering: a segment's first partial, or its final, is due on its verdict.
 VAD_ROUND_S = 0.010
 # Restarted after a crash, the ingest makes its segment while the workers still map the dead
-# one's (they let go within a second, or a batch): /dev/shm sized for one segment per ingest,
-# as `streamasr serve` checks, has its room back by then.
+# one's (they let go within a second of its name going, or of their batch): /dev/shm sized for
+# one segment per ingest, as `streamasr serve` checks, has its room back by then.
 SHM_WAIT_S = 5.0
 GONE_KEEP_S = 60.0  # how long messages of a closed connection, still queued, are dropped unread
 
@@ -105,10 +105,12 @@ class IngestServer:
         self.recent_elsewhere = 0  # realtime streams admitted on the other ingests within it
         self.draining = False
         self.stop_at: float | None = None
+        capacity = ring_capacity(cfg.shm.ring_seconds)
+        # before READY: the front door must not send clients here while this waits
+        make_room(cfg.shm_name(index), segment_size(cfg.shm.streams_per_ingest, capacity), SHM_WAIT_S)
         self._connect_broker()
         # Last: from here on only close() unlinks the segment, so nothing that can fail comes after it.
-        self.pool = RingPool.create(cfg.shm_name(index), cfg.shm.streams_per_ingest, ring_capacity(cfg.shm.ring_seconds),
-                                    wait_s=SHM_WAIT_S)
+        self.pool = RingPool.create(cfg.shm_name(index), cfg.shm.streams_per_ingest, capacity)
 
     # ------------------------------------------------------------------ broker link
 
@@ -551,7 +553,8 @@ class IngestServer:
                 self._drop_gone()
             self._heartbeat(now)
             stall.turned(now)
-            if self.draining and (not self.sessions or now >= self.stop_at):
+            # streams dropped with their connection wait only for answers nobody will receive
+            if self.draining and (all(s.abandoned for s in self.sessions.values()) or now >= self.stop_at):
                 break
 
     def close(self) -> None:

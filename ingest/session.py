@@ -456,8 +456,7 @@ class Session:
         which the next stream would otherwise be given at once."""
         self.abandoned = self.ending = True
         self.close_reason = "client_gone"
-        self.outbox.clear()
-        self.jobs_out.clear()
+        self.vad_pos = self.ring.written  # nothing left to classify: its ring takes no more audio
         self._maybe_close()
 
     def _maybe_close(self) -> None:

@@ -29,7 +29,7 @@ import structlog
 from shm.ring import GENERATION, SAMPLE_RATE, Ring
 
 SHM_DIR = Path("/dev/shm")
-NO_ROOM_RETRY_S = 0.2  # how often create() tries again while /dev/shm has no room (see wait_s)
+NO_ROOM_RETRY_S = 0.1  # how often make_room looks again
 MAGIC = b"SASRRING"
 VERSION = 1
 ALIGN = 64
@@ -72,6 +72,25 @@ def free_bytes() -> int:
     return vfs.f_bavail * vfs.f_frsize
 
 
+def make_room(name: str, size: int, wait_s: float) -> None:
+    """Before a segment of `size` bytes is made under `name`: unlink a leftover of that name (a
+    crashed predecessor's) and, if there was one, wait up to `wait_s` for /dev/shm to have the
+    room. The leftover's pages come back only once every process that maps it lets go, which
+    the workers do within a second of the name going. With no leftover nothing is waited for: a
+    /dev/shm that something else filled is `create`'s error at once."""
+    try:
+        _path(name).unlink()
+    except FileNotFoundError:
+        return
+    log.warning("shm.leftover_unlinked", segment=name)
+    if free_bytes() >= size:
+        return
+    log.warning("shm.no_room_yet", segment=name, free=free_bytes(), needs=size, wait_s=wait_s)
+    deadline = time.monotonic() + wait_s
+    while free_bytes() < size and time.monotonic() < deadline:
+        time.sleep(NO_ROOM_RETRY_S)
+
+
 def _path(name: str) -> Path:
     if not name or "/" in name or name in (".", ".."):
         raise ValueError(f"invalid shm segment name {name!r}")
@@ -101,22 +120,8 @@ class RingPool:
         return f"RingPool({self.name!r}, slots={self.slots}, capacity={self.capacity}, in_use={self.in_use})"
 
     @classmethod
-    def create(cls, name: str, slots: int, capacity: int, sample_rate: int = SAMPLE_RATE, wait_s: float = 0.0) -> "RingPool":
-        """Create and map the segment; a leftover of the same name (a crash) is replaced. Without
-        room it is tried again for up to `wait_s`: a segment just unlinked gives its pages back
-        only once every process that maps it has let go."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                return cls._create(name, slots, capacity, sample_rate)
-            except OSError as exc:
-                if exc.errno != errno.ENOSPC or time.monotonic() >= deadline:
-                    raise
-                log.warning("shm.no_room_yet", segment=name, error=exc.strerror)
-                time.sleep(min(NO_ROOM_RETRY_S, max(0.0, deadline - time.monotonic())))
-
-    @classmethod
-    def _create(cls, name: str, slots: int, capacity: int, sample_rate: int) -> "RingPool":
+    def create(cls, name: str, slots: int, capacity: int, sample_rate: int = SAMPLE_RATE) -> "RingPool":
+        """Create and map the segment; a leftover of the same name (a crash) is replaced."""
         if slots <= 0 or capacity <= 0:
             raise ValueError(f"slots and capacity must be positive, got {slots}, {capacity}")
         path = _path(name)

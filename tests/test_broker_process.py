@@ -757,6 +757,7 @@ class _Session:
     def __init__(self, jobs: list[Job]) -> None:
         self.inflight = {j.job_id: j for j in jobs}
         self.priority = REALTIME
+        self.abandoned = False
         self.answers: list[JobResult] = []
 
     def on_result(self, result: JobResult) -> None:

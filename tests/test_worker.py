@@ -11,6 +11,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -128,6 +129,27 @@ def test_backend_error_fails_the_batch_and_worker_goes_on(pool: RingPool, worker
     assert "device lost" in (results[0].error or "")
     worker.backend = NullBackend(worker.cfg.model)
     assert worker.process([job(pool, ring.slot, ring.generation, 0, 100)])[0].status == OK
+
+
+def test_a_request_the_backend_fails_on_does_not_fail_its_batch_mates(pool: RingPool, worker: Worker) -> None:
+    """One request the model raises on, in a batch of three: the worker decodes them again one at a
+    time, and only that one is answered FAILED. Failing all three, the ingest would retry each
+    final, maybe batched with the same request again, until its retries ran out."""
+
+    class FailsOnOne(Recording):
+        def transcribe_batch(self, requests: Sequence[DecodeRequest]) -> list[DecodeResult]:
+            if any(r.prompt == "poison" for r in requests):
+                raise ValueError("cannot decode this one")
+            return super().transcribe_batch(requests)
+
+    ring = pool.acquire()
+    ring.write(np.zeros(1000, dtype=np.float32))
+    worker.backend = FailsOnOne()
+    batch = [replace(job(pool, ring.slot, ring.generation, 0, 100 * (i + 1), i), prompt="poison" if i == 1 else None)
+             for i in range(3)]
+    results = worker.process(batch)
+    assert [(r.job_id, r.status, r.text, r.batch_size) for r in results] == [(0, OK, "100", 1), (1, FAILED, "", 0), (2, OK, "300", 1)]
+    assert "cannot decode this one" in (results[1].error or "")
 
 
 def test_audio_overwritten_during_decode_fails(pool: RingPool, worker: Worker) -> None:

@@ -479,22 +479,35 @@ class Worker:
                 audio=audio, language=job.language, prompt=job.prompt, prefix=job.prefix, partial=not job.final,
                 first=job.first,
             ))
-        if not requests:
-            return results
+        return results + self._decode(taken, requests) if requests else results
+
+    def _decode(self, taken: list[tuple[Job, Ring]], requests: list[DecodeRequest]) -> list[JobResult]:
+        """One backend call for the requests. A batch the backend raises on is decoded again one
+        request at a time: the request at fault must not fail the others with it, or a final
+        batched with it again would spend its retries there."""
+        assert self.backend is not None
         started = time.monotonic()
         self.watchdog.begin(started, [job for job, _ in taken])
         try:
             decoded = self.backend.transcribe_batch(requests)
             if len(decoded) != len(requests):
                 raise RuntimeError(f"backend returned {len(decoded)} results for {len(requests)} requests")
+            failure = None
         except Exception as exc:
-            self.metrics.inc("errors_total", len(taken), code=INTERNAL)
-            log.exception("worker.batch_failed", batch=len(requests))
-            return results + [_answer(job, FAILED, self.identity, f"backend error: {exc!r}") for job, _ in taken]
+            failure = exc
         finally:
             self.watchdog.end()
+        if failure is not None and len(taken) > 1:
+            log.warning("worker.batch_failed", batch=len(taken), error=repr(failure))
+            return [result for one, request in zip(taken, requests) for result in self._decode([one], [request])]
+        if failure is not None:
+            [(job, _)] = taken
+            self.metrics.inc("errors_total", code=INTERNAL)
+            log.error("worker.decode_failed", job=job.job_id, stream=job.stream, exc_info=failure)
+            return [_answer(job, FAILED, self.identity, f"backend error: {failure!r}")]
         finished = time.monotonic()
         self._record(taken, finished - started)
+        results: list[JobResult] = []
         for (job, ring), out in zip(taken, decoded):
             if not ring.intact(job.start, job.generation):
                 self.metrics.inc("errors_total", code=INTERNAL)
