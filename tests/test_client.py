@@ -479,6 +479,25 @@ def wait_for(cond, timeout: float) -> bool:
     return cond()
 
 
+async def await_for(cond, timeout: float) -> bool:
+    """`wait_for` on the event loop: the client's own tasks run while it waits."""
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    return cond()
+
+
+async def lost_stream(aclient: AsyncClient, timeout: float) -> StreamError:
+    """Open stream "a" and send it half a second the ingest never acks, so it is taken for lost:
+    what the stream's events end with once the client gives up resuming it."""
+    astream = await aclient.open("a")
+    await astream.send(np.zeros(RATE // 2, np.int16))
+    with pytest.raises(StreamError) as failed:
+        async for _ in astream.events(timeout=timeout):
+            pass
+    return failed.value
+
+
 def test_closing_right_after_end_still_sends_it() -> None:
     """A client closed right after `end` must still get it out (its socket lingers), or the server
     keeps the stream until its idle timeout and never decodes its last segment."""
@@ -553,9 +572,7 @@ def test_a_garbled_front_door_answer_during_a_resume_is_retried() -> None:
         async with AsyncClient(afake.address, timeout=2.0, liveness=0.5, resume_timeout=5.0) as aclient:
             astream = await aclient.open("a")
             await astream.send(np.zeros(RATE // 2, np.int16))
-            deadline = time.monotonic() + 5.0
-            while aclient.reconnects == 0 and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
+            await await_for(lambda: aclient.reconnects >= 1, 5.0)
             await astream.send(np.zeros(RATE // 10, np.int16))
             return aclient.reconnects
 
@@ -582,12 +599,7 @@ def test_a_resume_the_service_keeps_refusing_fails_when_the_resume_timeout_runs_
 
         async def main() -> StreamError:
             async with AsyncClient(fake.address, timeout=2.0, liveness=0.5, resume_timeout=2.5) as aclient:
-                astream = await aclient.open("a")
-                await astream.send(np.zeros(RATE // 2, np.int16))
-                with pytest.raises(StreamError) as failed:
-                    async for _ in astream.events(timeout=6.0):
-                        pass
-                return failed.value
+                return await lost_stream(aclient, timeout=6.0)
 
         assert asyncio.run(main()).code == LOST
         assert fake.received["open"] >= 6  # each client: its open, then at least two refused re-opens
@@ -819,12 +831,7 @@ def test_a_resume_that_never_makes_progress_fails_when_the_resume_timeout_runs_o
 
     async def main() -> tuple[StreamError, int]:
         async with AsyncClient(afake.address, timeout=2.0, liveness=0.5, resume_timeout=1.5) as aclient:
-            astream = await aclient.open("a")
-            await astream.send(np.zeros(RATE // 2, np.int16))
-            with pytest.raises(StreamError) as failed:
-                async for _ in astream.events(timeout=20):
-                    pass
-            return failed.value, aclient.reconnects
+            return await lost_stream(aclient, timeout=20), aclient.reconnects
 
     afake = FakeIngest(resumed=resumed)
     try:
@@ -859,12 +866,7 @@ def test_a_welcome_naming_an_endpoint_that_cannot_be_connected_to_leaves_no_sock
 
     async def main() -> None:  # the resume's welcome names it
         aclient = await AsyncClient.connect(fake.address, timeout=2.0, liveness=0.5, resume_timeout=5.0)
-        astream = await aclient.open("a")
-        await astream.send(np.zeros(RATE // 2, np.int16))  # never acked: the ingest is taken for lost
-        with pytest.raises(StreamError) as failed:
-            async for _ in astream.events(timeout=10):
-                pass
-        errors.append(failed.value)
+        errors.append(await lost_stream(aclient, timeout=10))
         await aclient.close()
 
     fake = FakeIngest(resumed={"ingest": bad})
@@ -896,9 +898,7 @@ def test_a_resume_cuts_its_audio_to_the_limits_the_new_welcome_gives() -> None:
         async with AsyncClient(afake.address, timeout=2.0, liveness=0.5, resume_timeout=30.0) as aclient:
             astream = await aclient.open("a")
             await astream.send(np.zeros(RATE, np.int16))
-            deadline = time.monotonic() + 10.0
-            while sum(resent(afake)) < RATE * 2 and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
+            await await_for(lambda: sum(resent(afake)) >= RATE * 2, 10.0)
             return aclient.limits.max_frame_bytes
 
     afake = FakeIngest(resumed={"limits": {"max_frame_bytes": 3200}})
