@@ -808,16 +808,12 @@ def served(target: Target, asked: str | None) -> tuple[str, int | None]:
     return model, len(reply.workers) or None
 
 
-def started_model(config: str | None) -> str:
-    """The model a service the bench starts serves without --model: --config's (a directory from
-    the file's own), else the default."""
-    return settings.read_absolute(config).get("model", {}).get("name", "whisper-tiny.en") if config else "whisper-tiny.en"
-
-
-def started_settings(args: argparse.Namespace, model: str, counts: list[int]) -> dict[str, Any]:
+def started_settings(args: argparse.Namespace, counts: list[int]) -> dict[str, Any]:
     """The settings of the service the bench starts: --config's (its relative paths from its own
-    directory, as `serve` takes them), under the bench's options."""
+    directory, as `serve` takes them), under the bench's options; the model is --model, else
+    --config's (a directory from the file's own), else the default."""
     base = settings.read_absolute(args.config) if args.config else {}
+    model = args.model or base.get("model", {}).get("name", "whisper-tiny.en")
     overrides: dict[str, Any] = {"log_level": "debug",  # the workers log each batch's size at debug
                                  "ingest": {"max_streams_per_client": max(64, max(counts))}}
     if args.max_batch:
@@ -851,8 +847,8 @@ def main(argv: list[str] | None = None) -> int:
             target = Target(args.server)
             model, workers = served(target, args.model)
         else:
-            model, workers = args.model or started_model(args.config), args.workers
-            overrides = started_settings(args, model, counts)
+            overrides = started_settings(args, counts)
+            model, workers = overrides["model"]["name"], args.workers
             print(f"starting the service: model {model}, {workers} workers ...", file=sys.stderr, flush=True)
             if args.tracemalloc:
                 trace_dir = workdir / "tracemalloc"

@@ -27,13 +27,13 @@ def run(
 
     cfg = ModelConfig(name=model, precision=precision, partial_precision="", threads=threads, cache_dir=cache_dir)
     try:
+        # refused before the model is loaded (and exported, on a first run), as the ingest refuses an open
+        if why := language_refusal(model, served_languages(cfg), language):
+            print(f"error: {why}", file=sys.stderr)
+            return 2
         backend = load_backend(cfg)
     except (ModelError, ValueError, NotImplementedError) as exc:
         print(f"error: cannot load model {model}: {exc}", file=sys.stderr)
-        return 2
-    if why := language_refusal(model, served_languages(cfg), language):
-        print(f"error: {why}", file=sys.stderr)
-        backend.close()
         return 2
     status = 0
     try:

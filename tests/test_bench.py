@@ -212,6 +212,6 @@ def test_the_started_services_config_takes_relative_paths_from_the_files_directo
     (tmp_path / "conf" / "bench.toml").write_text('[model]\ncache_dir = "cache"\n')
     monkeypatch.chdir(tmp_path / "elsewhere")
     args = streamasr_bench.parse(["--config", "../conf/bench.toml", "--model", "null"])
-    started = settings.load(None, streamasr_bench.started_settings(args, "null", [1]))
+    started = settings.load(None, streamasr_bench.started_settings(args, [1]))
     assert Path(started.model.cache_dir).resolve() == (tmp_path / "conf" / "cache").resolve()
     assert Path(started.model.cache_dir).resolve() == Path(settings.load(tmp_path / "conf" / "bench.toml").model.cache_dir).resolve()
