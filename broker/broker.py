@@ -154,6 +154,9 @@ class Broker:
         # Workers whose heartbeat socket has been heard: one of these becoming unreachable means
         # the process is gone (before that, its heartbeat socket may just not be connected yet).
         self._heartbeat_heard: set[bytes] = set()
+        # Until then a heartbeat socket found closed is not a lost worker: the broker was not
+        # listening for a while, and its workers are replacing the sockets they found silent.
+        self._replacing_until = -math.inf
         self._outbox: dict[int, list[JobResult]] = {}  # the broker's own answers per ingest, sent once per loop turn
         self._ctx = zmq.Context()
         self._ingest_sock = self._ctx.socket(zmq.ROUTER)
@@ -220,11 +223,15 @@ class Broker:
         for sock in handlers:
             poller.register(sock, zmq.POLLIN)
         poller.register(stop.fileno(), zmq.POLLIN)
-        tick = time.monotonic() + self._interval_s
+        turned = time.monotonic()
+        tick = turned + self._interval_s
         stall = StallWatch(self.cfg.broker.stall_after_s, wakes_every_s=self._interval_s)
         try:
             while not stop.stopping:
                 events = dict(poller.poll(max(0.0, tick - time.monotonic()) * 1000))
+                now = time.monotonic()
+                self._excuse_peers(now - turned - self._interval_s, now)
+                turned = now
                 stop.drain()
                 for sock, handle in handlers.items():
                     if sock in events:
@@ -427,6 +434,19 @@ class Broker:
 
     # -- liveness ------------------------------------------------------------------------------
 
+    def _excuse_peers(self, blind_s: float, now: float) -> None:
+        """The loop turns at least once a heartbeat interval; a turn `blind_s` later than that
+        (the broker was frozen or starved) is time it did not listen, not silence of its peers.
+        They found it silent meanwhile and are replacing their sockets, which drops what they
+        had queued for it: without this, the first check after the wake would give up every
+        peer for lost, re-queue the jobs at the workers as losses and drop the ingests' queued jobs."""
+        if blind_s <= 0:
+            return
+        for link in [*self.worker_links.values(), *(s.link for s in self.ingests.values())]:
+            link.seen += blind_s
+        self._replacing_until = now + self._patience_s
+        log.warning("broker.was_not_listening", seconds=round(blind_s + self._interval_s, 3))
+
     def _check_peers(self, now: float) -> None:
         """Declare silent peers dead and heartbeat the idle links; ingests get the admission figures every tick."""
         self.load = 0.5 * self.load + 0.5 * max(0.0, self.dispatcher.realtime_wait(now))
@@ -448,7 +468,7 @@ class Broker:
             if now - link.seen > self._patience_s:
                 self._lose_worker(ident, "silent", now)
             elif not self._send(self._worker_sock, wire.heartbeat_identity(ident), [wire.HEARTBEAT]) \
-                    and ident in self._heartbeat_heard:
+                    and ident in self._heartbeat_heard and now > self._replacing_until:
                 self._lose_worker(ident, "unreachable", now)
         for index, state in list(self.ingests.items()):
             if now - state.link.seen > self._patience_s:

@@ -494,6 +494,30 @@ def test_worker_back_from_the_dead_is_counted_once(running: Cluster) -> None:
     assert status["jobs_done"] == len(jobs)
 
 
+def test_a_broker_frozen_past_its_peers_patience_gives_none_of_them_up(running: Cluster) -> None:
+    """The broker's own freeze (a stalled host, say) is time it did not listen, not its peers'
+    silence. They found it silent meanwhile and replaced their sockets, dropping what they had
+    queued for it; given up for lost at its first look after the wake, the workers' jobs would
+    count a loss (two fail a job) and the ingest's queued jobs would be dropped."""
+    broker = running.procs["broker"]
+    broker.send_signal(signal.SIGSTOP)
+    try:
+        jobs = running.jobs(40)
+        running.ingest.submit(jobs)  # they wait for the frozen broker
+        time.sleep(25 * HEARTBEAT_MS / 1000)  # eight times the patience: the workers replace their sockets again and again
+    finally:
+        broker.send_signal(signal.SIGCONT)
+    # Each answered OK. A worker that registers again has what it held re-queued (what was sent
+    # to its old socket may be lost), so some may be answered twice: the ingest keeps the first.
+    by_job = running.wait_answers(jobs)
+    assert sorted(by_job) == sorted(j.job_id for j in jobs)
+    assert {r.status for answers in by_job.values() for r in answers} == {OK}
+    events = running.log_events("broker")
+    assert not [e for e in events if e["event"] in ("broker.worker_lost", "broker.ingest_lost")], events
+    assert any(e["event"] == "broker.was_not_listening" and e["seconds"] >= 2.4 for e in events)
+    assert len(running.wait_workers(2)["workers"]) == 2
+
+
 def test_broker_restart_workers_reregister(running: Cluster) -> None:
     before = {w["id"] for w in running.status()["workers"]}
     running.procs["broker"].kill()
