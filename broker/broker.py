@@ -286,14 +286,14 @@ class Broker:
                          decode_cost=cost, stream_share_prior=round(sum(self.share_prior), 4))
                 self._figures_changed()
             elif kind == wire.DONE:
-                results, bad = wire.unpack_done_checked(body[0], now)
+                results, unreadable, bad = wire.unpack_done_checked(body[0], now)
                 for row in bad:
                     self.metrics.inc("errors_total", code=m.INTERNAL)
                     log.warning("broker.bad_done_row", worker=ident.decode(errors="replace"), job=row.job_id, field=row.field, error=row.error)
                 worker = self.dispatcher.workers.get(ident)
                 held = worker.inflight if worker is not None else {}
-                finals = {key for key in map(job_key, results) if key in held and held[key].final}
-                self._count(self.dispatcher.complete(ident, results), finals)
+                finals = {key for key in map(job_key, results + unreadable) if key in held and held[key].final}
+                self._count(self.dispatcher.complete(ident, results + unreadable), finals, set(map(job_key, unreadable)))
             elif kind == wire.LEAVING:
                 if link is not None:
                     # not a loss: what it hands back it never started, so those jobs did not harm it
@@ -415,16 +415,20 @@ class Broker:
             self._outbox.setdefault(result.ingest, []).append(result)
         self._count(results, finals)
 
-    def _count(self, results: list[JobResult], finals: AbstractSet[JobKey] = frozenset()) -> None:
+    def _count(self, results: list[JobResult], finals: AbstractSet[JobKey] = frozenset(),
+               unreported: AbstractSet[JobKey] = frozenset()) -> None:
         """Count answered jobs. `finals` names the final jobs among them (looked up in the
         credit of the worker that held them); every other answer is a partial, since the queue
         never expires a final. Two rare answers count as partials whatever they are, only their
         `kind` label off: a late answer from a worker already declared lost (no longer in its
         credit), and a job row the broker refused (unreadable, so of no known kind).
+        `unreported`: jobs whose worker's DONE row was unreadable past the job's ids; the ingest
+        has the worker's answer, the broker does not know how it went (status `unreported`).
         """
         for result in results:
             kind = "final" if job_key(result) in finals else "partial"
-            self.metrics.inc("jobs_total", kind=kind, status=STATUS_NAMES.get(result.status, str(result.status)))
+            status = "unreported" if job_key(result) in unreported else STATUS_NAMES.get(result.status, str(result.status))
+            self.metrics.inc("jobs_total", kind=kind, status=status)
 
     def _flush_results(self) -> None:
         for index, results in self._outbox.items():

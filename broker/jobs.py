@@ -296,14 +296,17 @@ def check_done(row: Any, now: float) -> tuple[JobResult | None, BadJob | None]:
     return result, None
 
 
-def unpack_done_checked(data: bytes, now: float) -> tuple[list[JobResult], list[BadJob]]:
-    """A DONE message from a worker: the answers it reports, and what is wrong with its rows."""
+def unpack_done_checked(data: bytes, now: float) -> tuple[list[JobResult], list[JobResult], list[BadJob]]:
+    """A DONE message from a worker: the answers it reports, those of rows that name their job
+    but are otherwise wrong (their credit returns, their status is unknown), and what is wrong
+    with the rows."""
     results: list[JobResult] = []
+    unreadable: list[JobResult] = []
     bad: list[BadJob] = []
     for row in _rows(data, "DONE"):
         result, wrong = check_done(row, now)
         if result is not None:
-            results.append(result)
+            (results if wrong is None else unreadable).append(result)
         if wrong is not None:
             bad.append(wrong)
-    return results, bad
+    return results, unreadable, bad

@@ -353,6 +353,27 @@ def test_a_final_the_broker_gives_up_on_is_counted_as_a_final() -> None:
         broker.close()
 
 
+def test_a_job_whose_done_row_is_malformed_is_counted_unreported_not_done() -> None:
+    """The ingest has the worker's answer, the broker only the job's ids: jobs_total must not
+    claim the job went well. The well-formed row beside it counts as ever."""
+    broker = Broker(settings.load())
+    try:
+        d = broker.dispatcher
+        d.add_worker(b"w", capacity=2, now=NOW)
+        garbled, fine = job("a", final=True), job("b", final=True)
+        d.submit([garbled, fine], NOW)
+        assert len(d.dispatch(NOW)[0][b"w"]) == 2
+        rows = [[garbled.job_id, 0, OK, 2, 0.0, 0.0, "a field of a newer worker"], [fine.job_id, 0, OK, 2, 0.0, 0.0]]
+        with capture_logs() as logs:
+            broker._on_worker([b"w", wire.DONE, wire.pack(rows)], NOW)
+        assert [(e["event"], e["job"], e["field"]) for e in logs] == [("broker.bad_done_row", garbled.job_id, "row")]
+        assert d.workers[b"w"].inflight == {}  # both credits back
+        counters = {(c[1]["kind"], c[1]["status"]): c[2] for c in broker.metrics.snapshot()["counters"] if c[0] == "jobs_total"}
+        assert counters == {("final", "unreported"): 1, ("final", "done"): 1}
+    finally:
+        broker.close()
+
+
 def test_a_clean_leave_or_a_new_socket_is_not_a_loss() -> None:
     """A worker that says BYE hands back jobs it never started, and one that registers again
     replaced its socket, not its process: neither says anything about the jobs it held."""
