@@ -154,7 +154,7 @@ class Broker:
         # Workers whose heartbeat socket has been heard: one of these becoming unreachable means
         # the process is gone (before that, its heartbeat socket may just not be connected yet).
         self._heartbeat_heard: set[bytes] = set()
-        # Until then a heartbeat socket found closed is not a lost worker: the broker was not
+        # Until then a worker's connection found closed is not a lost worker: the broker was not
         # listening for a while, and its workers are replacing the sockets they found silent.
         self._replacing_until = -math.inf
         self._outbox: dict[int, list[JobResult]] = {}  # the broker's own answers per ingest, sent once per loop turn
@@ -305,6 +305,16 @@ class Broker:
             self.metrics.inc("errors_total", code=m.INTERNAL)
             log.warning("broker.bad_worker_message", worker=ident.decode(errors="replace"), error=repr(exc))
 
+    def _unreachable(self, ident: bytes, now: float) -> None:
+        """A worker's connection is closed: it died, or, while the broker is just back from not
+        listening, it is replacing the sockets it found silent. Either way it is forgotten (its
+        READY on a new socket registers it again), but only the first is a loss for its jobs."""
+        if now <= self._replacing_until:
+            log.info("broker.worker_reconnecting", worker=ident.decode(errors="replace"),
+                     requeued=self._forget_worker(ident, now, lost=False))
+        else:
+            self._lose_worker(ident, "unreachable", now)
+
     def _lose_worker(self, ident: bytes, why: str, now: float) -> None:
         log.warning("broker.worker_lost", worker=ident.decode(errors="replace"), why=why, requeued=self._forget_worker(ident, now))
 
@@ -335,7 +345,7 @@ class Broker:
                         log.warning("broker.final_late", job=job.job_id, stream=job.stream, late_s=round(now - job.deadline, 3))
                 if not self._send(self._worker_sock, ident, [wire.JOBS, wire.pack_jobs(batch)]):
                     self._answer(self.dispatcher.unsent(ident, batch, now))
-                    self._lose_worker(ident, "unreachable", now)
+                    self._unreachable(ident, now)
                     lost = True
             if not lost:
                 return
@@ -472,8 +482,8 @@ class Broker:
             if now - link.seen > self._patience_s:
                 self._lose_worker(ident, "silent", now)
             elif not self._send(self._worker_sock, wire.heartbeat_identity(ident), [wire.HEARTBEAT]) \
-                    and ident in self._heartbeat_heard and now > self._replacing_until:
-                self._lose_worker(ident, "unreachable", now)
+                    and ident in self._heartbeat_heard:
+                self._unreachable(ident, now)
         for index, state in list(self.ingests.items()):
             if now - state.link.seen > self._patience_s:
                 del self.ingests[index]

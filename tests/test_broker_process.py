@@ -42,6 +42,10 @@ from shm import RingPool, reclaim
 
 ROOT = Path(__file__).resolve().parents[1]
 HEARTBEAT_MS = 100
+# 1 s before a silent peer is given up: a process of the test's held up for a few tenths of a
+# second on a loaded machine must not count as lost, and a frozen one is found lost soon enough.
+LIVENESS = 10
+PATIENCE_S = HEARTBEAT_MS * LIVENESS / 1000
 MAX_BATCH = 4  # also each worker's capacity: the jobs the broker lets it hold
 SAMPLES = 16_000
 
@@ -220,7 +224,7 @@ def cluster() -> Iterator[Cluster]:
         "log_level": "info",
         "model": {"name": "null", "backend": "null", "max_batch": MAX_BATCH, "max_wait_ms": 2.0},
         "ingest": {"address": f"tcp://127.0.0.1:{free_port()}", "port_base": free_port()},
-        "broker": {"heartbeat_ms": HEARTBEAT_MS, "liveness": 3},
+        "broker": {"heartbeat_ms": HEARTBEAT_MS, "liveness": LIVENESS},
     })
     config_file = run / "config.toml"
     config_file.write_text(settings.dump(cfg))
@@ -289,7 +293,7 @@ def test_every_job_answered_spread_over_workers_within_credit(running: Cluster) 
     status = running.status()
     assert status["jobs_done"] >= len(jobs) and status["inflight"] == 0
     # A worker that registered again (given up for lost, or its heartbeats unanswered past the
-    # test's 0.3 s patience on a loaded machine) counts afresh; with no such one the counts add up.
+    # test's 1 s patience on a loaded machine) counts afresh; with no such one the counts add up.
     if sum(e["event"] == "broker.worker_ready" for e in running.log_events("broker")) == 2:
         assert sum(w["jobs_done"] for w in status["workers"]) >= len(jobs)
 
@@ -352,7 +356,7 @@ def test_killed_worker_jobs_are_redispatched(running: Cluster) -> None:
     victim.kill()
     by_job = running.wait_answers(first + second)
     assert_answered_twice_only_by(by_job, first + second, lost="0")
-    lost = [e for e in running.log_events("broker") if e["event"] == "broker.worker_lost"]
+    lost = [e for e in running.log_events("broker") if e["event"] == "broker.worker_lost" and e["worker"].split("-")[1] == "0"]
     assert lost and lost[0]["requeued"] > 0
     assert [w["id"].split("-")[1] for w in running.status()["workers"]] == ["1"]
 
@@ -504,7 +508,7 @@ def test_a_broker_frozen_past_its_peers_patience_gives_none_of_them_up(running: 
     try:
         jobs = running.jobs(40)
         running.ingest.submit(jobs)  # they wait for the frozen broker
-        time.sleep(25 * HEARTBEAT_MS / 1000)  # eight times the patience: the workers replace their sockets again and again
+        time.sleep(3 * PATIENCE_S)  # the workers replace their sockets again and again
     finally:
         broker.send_signal(signal.SIGCONT)
     # Each answered OK. A worker that registers again has what it held re-queued (what was sent
@@ -514,7 +518,7 @@ def test_a_broker_frozen_past_its_peers_patience_gives_none_of_them_up(running: 
     assert {r.status for answers in by_job.values() for r in answers} == {OK}
     events = running.log_events("broker")
     assert not [e for e in events if e["event"] in ("broker.worker_lost", "broker.ingest_lost")], events
-    assert any(e["event"] == "broker.was_not_listening" and e["seconds"] >= 2.4 for e in events)
+    assert any(e["event"] == "broker.was_not_listening" and e["seconds"] >= 3 * PATIENCE_S - 0.1 for e in events)
     assert len(running.wait_workers(2)["workers"]) == 2
 
 
@@ -568,7 +572,7 @@ def test_workers_up_before_the_broker_wait_for_it(cluster: Cluster) -> None:
     for name in ("worker0", "worker1"):
         wait_for(lambda: (cluster.dir / f"{name}.log").exists() and any(e["event"] == "worker.started" for e in cluster.log_events(name)),
                  20, f"{name} started")
-    time.sleep(10 * HEARTBEAT_MS / 1000)  # over three times the patience
+    time.sleep(3 * PATIENCE_S + 0.1)  # over three times the patience
     cluster.start_broker()
     cluster.ingest = FakeIngest(cluster.cfg)
     cluster.ingest.start()
@@ -595,7 +599,7 @@ def _replaced(endpoint: str, identity: bytes, ready: dict[str, Any]) -> zmq.Sock
 def _patient_broker(cluster: Cluster) -> None:
     """The broker with 1 s heartbeats: the hand-made peers below send none of their own, and
     must not be given up for silent while a round runs on a loaded machine."""
-    cfg = replace(cluster.cfg, broker=replace(cluster.cfg.broker, heartbeat_ms=1000))
+    cfg = replace(cluster.cfg, broker=replace(cluster.cfg.broker, heartbeat_ms=1000, liveness=3))
     cluster.config_file.write_text(settings.dump(cfg))
     cluster.start_broker()
 
@@ -864,7 +868,7 @@ def test_an_ingest_given_up_on_registers_again_and_gets_its_final(cluster: Clust
     try:
         serve(0.5)
         assert [i["index"] for i in cluster.status()["ingests"]] == [0] and cluster.status()["queued"]["realtime"] == 1
-        time.sleep(8 * HEARTBEAT_MS / 1000)  # the loop stalls: the broker gives up on it and drops the final
+        time.sleep(2 * PATIENCE_S)  # the loop stalls: the broker gives up on it and drops the final
         wait_for(lambda: not cluster.status()["ingests"] and not cluster.status()["queued"]["realtime"], 5, "the ingest dropped")
         serve(1.0, partials=True)
         status = cluster.status()

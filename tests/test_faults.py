@@ -201,10 +201,12 @@ def test_sigterm_drains_open_streams(service_factory: Any) -> None:
     whole = {name.removeprefix("whole-"): finals(r) for name, r in
              stream_many(service.address, {f"whole-{n}": pcm for n, pcm in buffers.items()}, speed=None, partials=False).items()}
     stopping = threading.Event()
+    draining = threading.Event()
 
     def resume_workers() -> None:
         try:
             wait_for(lambda: "ingest.draining" in service.logs("ingest-0"), 30, "the drain to begin")
+            draining.set()
             time.sleep(1.0)  # the drain waits on the finals while the clients send 2 s of audio more
         finally:
             for pid in workers:
@@ -213,13 +215,17 @@ def test_sigterm_drains_open_streams(service_factory: Any) -> None:
     def stop_midway(client: StreamClient, pos: int) -> None:
         # SIGTERM to supervisord, as `streamasr stop` sends it. (The CLI itself polls the pid,
         # which stays a zombie here until this test, its parent, reaps it.) The workers are held
-        # up for a while, so that audio arrives after the drain began and before it ends.
-        if pos > client.total // 3 and not stopping.is_set():
-            stopping.set()
-            for pid in workers:
-                os.kill(pid, signal.SIGSTOP)
-            service.proc.send_signal(signal.SIGTERM)
-            threading.Thread(target=resume_workers, daemon=True).start()
+        # up for a while, so that audio arrives after the drain began and before it ends. The
+        # clients send nothing more until the drain has begun (supervisord may take a second to
+        # act on the signal): what the service takes ends near a third of each stream.
+        if pos > client.total // 3:
+            if not stopping.is_set():
+                stopping.set()
+                for pid in workers:
+                    os.kill(pid, signal.SIGSTOP)
+                service.proc.send_signal(signal.SIGTERM)
+                threading.Thread(target=resume_workers, daemon=True).start()
+            draining.wait(30)
 
     pids = [p["pid"] for p in svc.processes(service.cfg) if p["pid"]]
     results = stream_many(service.address, buffers, speed=2.0, partials=False, on_progress=stop_midway)
