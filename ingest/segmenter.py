@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from config.settings import VadConfig
 
-CUT_WINDOW_S = 2.0  # how far back a forced cut looks for the quietest chunk
+CUT_WINDOW_S = 2.0  # how far back a forced cut looks for the quietest chunk (at most half of max_segment_s)
 
 
 @dataclass(slots=True)
@@ -37,7 +37,9 @@ class Segmenter:
         self.min_speech = int(cfg.min_speech_ms * ms)
         self.max_segment = int(cfg.max_segment_s * sample_rate)
         self.pad = int(cfg.pad_ms * ms)
-        self.cut_window = int(CUT_WINDOW_S * sample_rate)
+        # At most half the longest segment: a cut must leave the segment it closes its due length,
+        # and the one it opens short of the limit, or that one would be due a cut at once.
+        self.cut_window = min(int(CUT_WINDOW_S * sample_rate), self.max_segment // 2)
         self.in_speech = False  # a "start" was emitted and its "end" not yet
         self.segment_start: int | None = None
         self._triggered = False  # speech detected, maybe not yet long enough to be a segment
@@ -160,6 +162,9 @@ class Segmenter:
     def _force_cut(self) -> list[SegmentEvent]:
         """Split at the quietest chunk of the last CUT_WINDOW_S; speech carries on after it."""
         assert self.segment_start is not None
+        if not self._recent_prob:  # opened by `flush`, longer already (min_speech_ms and pad_ms past the limit)
+            closed = self._close(self.segment_start + self.max_segment, forced=True)
+            return [closed, self._open(closed.end)]
         # the latest of equally quiet chunks keeps the segment longest
         quietest = min(self._recent_prob)
         i = max(i for i, p in enumerate(self._recent_prob) if p == quietest)

@@ -125,6 +125,28 @@ def test_speech_past_the_limit_after_the_last_chunk_is_not_dropped_at_the_end() 
     assert all(e - s <= 16000 for s, e, _ in segs)
 
 
+def test_a_short_limit_cuts_in_the_segment_s_second_half_and_a_stream_ending_after_it_closes() -> None:
+    """With max_segment_s under twice the cut's look-back, a quiet chunk early in the segment
+    must not be taken: the cut would leave a sliver of a segment and open one already at the
+    limit, and a stream ending before its next chunk would find no chunk to cut at."""
+    cfg = VadConfig(max_segment_s=1.0)  # 16,000 samples
+    seg = Segmenter(cfg)
+    probs = [0.9] * 32 + [0.6] + [0.9] * 30  # the quietest chunk a tenth of a second in
+    events = [e for i, p in enumerate(probs) for e in seg.push(p, (i + 1) * CHUNK)]
+    events += seg.flush(len(probs) * CHUNK + 400)
+    segs = [(e.start, e.end) for e in events if e.kind == "end"]
+    assert segs[0][0] == 0 and segs[-1][1] == len(probs) * CHUNK + 400
+    for (_, e1), (s2, _) in zip(segs, segs[1:]):
+        assert s2 == e1
+    assert all(8000 - CHUNK <= e - s <= 16000 for s, e in segs[:-1]), segs  # forced cuts: in the second half
+    assert segs[-1][1] - segs[-1][0] <= 16000
+    # speech that becomes a segment only at the end, already past the limit with its padding
+    seg = Segmenter(VadConfig(max_segment_s=1.0, min_speech_ms=1500, pad_ms=200))
+    assert [e for i in range(46) for e in seg.push(0.9, (i + 1) * CHUNK)] == []
+    assert [(e.kind, e.start, e.end) for e in seg.flush(46 * CHUNK + 500)] == [
+        ("start", 0, None), ("end", 0, 16000), ("start", 16000, None), ("end", 16000, 46 * CHUNK + 500)]
+
+
 def test_forced_cut_during_a_pause_ends_there() -> None:
     cfg = VadConfig(max_segment_s=5.0)
     events = run([0.95] * 150 + [0.0] * 40, cfg)
@@ -166,9 +188,11 @@ def test_flush() -> None:
     st.lists(st.sampled_from([0.0, 0.1, 0.3, 0.4, 0.45, 0.5, 0.7, 1.0]), max_size=600),
     st.integers(0, 600),
     st.sampled_from([0.0, 0.3, 0.9]),
+    st.sampled_from([1.0, 1.5, 3.0]),
 )
-def test_invariants(probs: list[float], tail: int, run_prob: float) -> None:
-    cfg = VadConfig(max_segment_s=3.0, pad_ms=300)
+def test_invariants(probs: list[float], tail: int, run_prob: float, max_segment_s: float) -> None:
+    cfg = VadConfig(max_segment_s=max_segment_s, pad_ms=300)
+    limit = int(max_segment_s * 16000)
     probs = probs + [run_prob] * 100  # long runs reach the forced cut
     seg = Segmenter(cfg)
     events: list[SegmentEvent] = []
@@ -184,7 +208,9 @@ def test_invariants(probs: list[float], tail: int, run_prob: float) -> None:
             assert e.start >= earliest  # audio before earliest_start was safe to drop
             if e.kind == "end":
                 assert e.end is not None and e.start < e.end <= (i + 1) * CHUNK
-                assert e.end - e.start <= 48000
+                assert e.end - e.start <= limit
+                if e.forced and new[-1].kind == "start":  # cut in speech: never a sliver
+                    assert e.end - e.start >= limit // 2 - CHUNK
         events += new
     stream_end = len(probs) * CHUNK + tail % CHUNK
     events += seg.flush(stream_end)
