@@ -133,6 +133,17 @@ class Segmenter:
         self._end_speech()
         return events
 
+    def cut(self) -> list[SegmentEvent]:
+        """End the open segment now, as at max_segment_s: its stream's buffer is full of it and
+        cannot take the audio the VAD would need to find its end (see Session.accept_audio)."""
+        if not self.in_speech:
+            return []
+        if self._silence_from is None:
+            return self._force_cut()
+        event = self._close(self._silence_from + self.pad, forced=True)  # in a pause: end there, as push does
+        self._end_speech()
+        return [event]
+
     def _open(self, start: int) -> SegmentEvent:
         self.in_speech = True
         self.segment_start = start

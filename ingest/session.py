@@ -161,6 +161,7 @@ class Session:
         # checked before the resampler sees the frame: once it has, the frame must be accepted
         if self._room(frames) > self.ring.free_space():
             self.stats["refused"] += 1
+            self._cut_if_jammed()
             return self._refuse(m.OVERLOADED, "stream buffer full: the service is behind; resend this frame after the next ack", msg.seq)
         if self.direct_s16:
             self.ring.write(np.frombuffer(msg.data, dtype="<i2"), scale=S16_SCALE)
@@ -177,6 +178,20 @@ class Session:
         self.in_frames += frames
         self.largest = max(self.largest, frames)
         return True
+
+    def _cut_if_jammed(self) -> None:
+        """A message found no room, the ring holds nothing older than the open segment, and the
+        VAD has classified every whole chunk: no room comes until that segment ends, and the VAD
+        cannot end it without audio that does not fit (messages a realtime client sends at its
+        own pace, larger than what is left beyond `max_segment_s`). Cut it where the VAD has
+        got, as at `max_segment_s`: its final frees the room, and the refused message is taken
+        when resent."""
+        seg = self.open_segment
+        if seg is None or self.vad_chunk_due(VAD_CHUNK) or self._needed_from() < seg.start:
+            return
+        self.log.info("ingest.segment_cut_for_room", seg=seg.index, seconds=round((self.vad_pos - seg.start) / SAMPLE_RATE, 3))
+        for ev in self.segmenter.cut():
+            self._on_segment_event(ev)
 
     def _refuse(self, code: str, message: str, seq: int) -> bool:
         if code == m.OVERLOADED and self.refused_from is None:

@@ -147,6 +147,23 @@ def test_a_short_limit_cuts_in_the_segment_s_second_half_and_a_stream_ending_aft
         ("start", 0, None), ("end", 0, 16000), ("start", 16000, None), ("end", 16000, 46 * CHUNK + 500)]
 
 
+def test_a_cut_on_demand_splits_speech_at_the_quietest_chunk_and_ends_a_pause_where_it_began() -> None:
+    """Session cuts a segment that fills its stream's buffer: the same cut as at max_segment_s."""
+    seg = Segmenter(CFG)
+    assert seg.cut() == []  # nothing open
+    probs = [0.95] * 40
+    probs[30] = 0.6
+    for i, p in enumerate(probs):
+        seg.push(p, (i + 1) * CHUNK)
+    cut = 30 * CHUNK + CHUNK // 2
+    assert seg.cut() == [SegmentEvent("end", 0, cut, True), SegmentEvent("start", cut)]
+    for i, p in enumerate([0.95] * 10 + [0.0] * 5, start=40):  # then a pause shorter than min_silence_ms
+        seg.push(p, (i + 1) * CHUNK)
+    # ends at the pause's start plus the padding, capped to the audio seen; no segment follows
+    assert seg.cut() == [SegmentEvent("end", cut, min(50 * CHUNK + PAD, 55 * CHUNK), True)]
+    assert not seg.in_speech and seg.cut() == []
+
+
 def test_forced_cut_during_a_pause_ends_there() -> None:
     cfg = VadConfig(max_segment_s=5.0)
     events = run([0.95] * 150 + [0.0] * 40, cfg)

@@ -280,6 +280,40 @@ def finals(s: Session) -> list[m.Final]:
     return [msg for msg in s.outbox if isinstance(msg, m.Final)]
 
 
+def test_a_ring_full_of_one_segment_cuts_it_rather_than_refuse_the_stream_for_ever() -> None:
+    """The smallest ring settings allow (`max_segment_s` + 0.5 s) and a realtime client sending
+    0.5 s messages of steady speech: the ring fills before the VAD has seen enough to cut at
+    `max_segment_s`, and no message fits. The segment is cut where the VAD got, so its final
+    frees the room: every message is taken on a resend, and the finals cover all the audio."""
+    cfg = settings.load(None, {"vad": {"max_segment_s": 3.0}, "shm": {"ring_seconds": 3.5}})
+    for pool in rings(int(3.5 * SAMPLE_RATE)):
+        s = Session("c/s", b"c", m.Open(stream="s", partials=False), pool.acquire(), cfg, 0, pool.name, METRICS)
+        message = SAMPLE_RATE // 2
+        refusals = 0
+        while s.next_seq < 20:  # 10 s
+            if not s.accept_audio(m.Audio(stream="s", seq=s.next_seq, data=tone(message, SAMPLE_RATE, s.next_seq * message))):
+                refusals += 1
+                assert refusals < 20, f"refused for good at {s.ring.written} samples written"
+            while s.vad_chunk_due(CHUNK):
+                s.on_vad(0.9, CHUNK)
+            s.step()
+            while any(j.final for j in s.jobs_out if j.job_id in s.inflight):
+                answer(s, final=True, text="words")
+                s.step()
+        s.outbox = [msg for msg in s.outbox if not isinstance(msg, m.ErrorMsg)]
+        s.client_end()
+        s.step()
+        while s.inflight:
+            answer(s, final=True, text="words")
+            s.step()
+        assert refusals > 0 and errors(s) == []
+        spans = [(f.start, f.end) for f in finals(s)]
+        assert spans[0][0] == 0 and spans[-1][1] == pytest.approx(10.0, abs=0.001), spans
+        assert all(b[0] == a[1] for a, b in zip(spans, spans[1:])), spans  # continuous: nothing left out
+        assert all(e - st <= 3.0 for st, e in spans), spans
+        assert isinstance(s.outbox[-1], m.Closed) and s.outbox[-1].reason == "end"
+
+
 def test_a_final_judged_a_hallucination_drops_the_words_its_partials_agreed_on(long_pool: RingPool) -> None:
     """Whisper hallucinates the same words on noise decode after decode, so its partials may
     agree on them; the final, decoded on the whole segment, is the judge: judged no speech, it
