@@ -429,8 +429,13 @@ class Session:
         return self.offset + self._needed_from() // VAD_CHUNK * VAD_CHUNK * self.rate // SAMPLE_RATE
 
     def _update_protection(self) -> None:
-        """The ring may overwrite only audio that no pending job and no future segment can need."""
-        self.ring.protected_from = self._needed_from()
+        """The ring may overwrite only audio that no pending job and no future segment can need:
+        a partial still decoding when its segment's final came first reads that audio too, and
+        would fail as overwritten (a false internal error) if a batch client's audio took it."""
+        oldest = self._needed_from()
+        for job in self.inflight.values():
+            oldest = min(oldest, job.start)
+        self.ring.protected_from = oldest
 
     # ------------------------------------------------------------------ acks and close
 

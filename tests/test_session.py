@@ -314,6 +314,31 @@ def test_a_ring_full_of_one_segment_cuts_it_rather_than_refuse_the_stream_for_ev
         assert isinstance(s.outbox[-1], m.Closed) and s.outbox[-1].reason == "end"
 
 
+def test_a_partial_still_decoding_after_its_segment_s_final_keeps_its_audio(long_pool: RingPool) -> None:
+    """Two workers: a segment's partial is still decoding when its final, decoded by the other,
+    comes back. A batch client's audio must not take the partial's samples meanwhile: the
+    worker would find them overwritten and fail the job, an internal error for nothing."""
+    s = session(long_pool, priority="batch")
+    feed(s, [0.0] * 5 + [0.9] * 40 + [0.0] * 20)
+    partials = [j for j in s.jobs_out if not j.final]
+    partial = partials[0]
+    answer(s, final=True, text="hello")
+    assert [f.seg for f in finals(s)] == [0] and all(j.job_id in s.inflight for j in partials)
+    taken = 0
+    while taken < 2 * long_pool.ring(0).capacity // CHUNK and s.accept_audio(m.Audio(stream="s", seq=s.next_seq, data=bytes(2 * CHUNK))):
+        s.on_vad(0.0, CHUNK)
+        s.step()
+        taken += 1
+    assert s.ring.intact(partial.start, partial.generation)
+    assert s.window() <= s.in_frames + CHUNK  # the client is told to wait, not refused inside its window
+    s.outbox.clear()
+    for job in partials:
+        s.on_result(JobResult(job_id=job.job_id, ingest=0, status=OK, text="hel"))
+    s.step()
+    assert s.window() > s.in_frames + 9 * SAMPLE_RATE and s.accept_audio(m.Audio(stream="s", seq=s.next_seq, data=bytes(2 * CHUNK)))
+    assert taken > 0 and not errors(s)
+
+
 def test_a_final_judged_a_hallucination_drops_the_words_its_partials_agreed_on(long_pool: RingPool) -> None:
     """Whisper hallucinates the same words on noise decode after decode, so its partials may
     agree on them; the final, decoded on the whole segment, is the judge: judged no speech, it
