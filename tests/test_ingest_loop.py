@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from conftest import ROOT
 
@@ -316,8 +317,14 @@ def test_a_closed_connection_s_streams_are_dropped_and_their_rings_kept_until_th
             session = wait_for(lambda: taken(sent, jobs_out), what=f"{sent} frames taken and {jobs_out} decodes out")
         rings = server.pool.in_use
         first, *rest = sorted(session.inflight)
-        gone.close()
-        time.sleep(0.5)  # ZeroMQ's I/O thread ends the connection
+        monitor = server.clients.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            gone.close()
+            assert monitor.poll(10_000), "the server never saw the connection end"
+            recv_monitor_message(monitor)  # ZeroMQ's I/O thread ended it: a send to it now fails
+        finally:
+            server.clients.disable_monitor()
+            monitor.close(linger=0)
         answer(first)
         wait_for(lambda: (turn(), session.abandoned and first not in session.inflight)[1],
                  what="the stream dropped when its partial could not be sent")
