@@ -595,7 +595,8 @@ def test_a_resume_the_service_keeps_refusing_fails_when_the_resume_timeout_runs_
             started = time.monotonic()
             with pytest.raises(StreamError) as failed:
                 drain(stream, timeout=6.0)
-            assert failed.value.code == LOST and time.monotonic() - started < 4.0
+            # liveness and resume_timeout come to 3 s; a second or two more on a loaded machine, never for ever
+            assert failed.value.code == LOST and time.monotonic() - started < 5.0
 
         async def main() -> StreamError:
             async with AsyncClient(fake.address, timeout=2.0, liveness=0.5, resume_timeout=2.5) as aclient:
@@ -789,7 +790,7 @@ def test_opens_the_protocol_does_not_allow_are_refused_at_once(null_service) -> 
             started = time.monotonic()
             with pytest.raises(ValueError):
                 client.open(**kwargs)
-            assert time.monotonic() - started < 0.5
+            assert time.monotonic() - started < 2.0  # not the 3 s timeout an answer would be awaited for
         with pytest.raises(TimeoutError):
             next(other.events(timeout=0.5))
         other.end()

@@ -247,7 +247,8 @@ def test_full_service_dashboard_under_bench(service_factory, tmp_path: Path) -> 
     assert counters(url, "streamasr_refusals") == {} and counters(url, "streamasr_errors") == {}
 
     bench = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "bench", "--server", svc.address,
-                              "--streams", "8", "--duration", "8", "--model", "null"],
+                              # long enough to be still running once a slowly starting Chromium reads its first figures
+                              "--streams", "8", "--duration", "15", "--model", "null"],
                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         screenshot = check_dashboard(url, names, tmp_path, watch_s=20)
