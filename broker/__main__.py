@@ -8,12 +8,14 @@ import sys
 from broker.broker import Broker
 from config import settings
 from streamasr import logs
+from streamasr.supervised import end_with_parent
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m broker", description=__doc__)
     parser.add_argument("--config", help=f"TOML config (default: ${settings.CONFIG_ENV}, then built-in defaults)")
     args = parser.parse_args(argv)
+    end_with_parent()
     cfg = settings.load(args.config)
     log = logs.configure("broker", cfg.log_level)
     try:

@@ -12,6 +12,7 @@ from config import settings
 from dashboard.server import Dashboard
 from metrics.collector import Collector
 from streamasr import logs
+from streamasr.supervised import end_with_parent
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="TOML config file (default: $STREAMASR_CONFIG, else the embedded default)")
     parser.add_argument("--port", type=int, default=None, help="port on 127.0.0.1 (default: the config's metrics.dashboard_port; 0 = any free)")
     args = parser.parse_args(argv)
+    end_with_parent()
     cfg = settings.load(args.config)
     log = logs.configure("dashboard", cfg.log_level)
     collector = Collector(cfg)

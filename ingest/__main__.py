@@ -5,11 +5,13 @@ import argparse
 from config import settings
 from ingest.server import main
 from streamasr.logs import configure
+from streamasr.supervised import end_with_parent
 
 parser = argparse.ArgumentParser(prog="python -m ingest")
 parser.add_argument("--config", default=None, help="TOML config (default: $STREAMASR_CONFIG or the embedded default)")
 parser.add_argument("--index", type=int, default=0, help="this process's index: picks its port and shm segment")
 args = parser.parse_args()
+end_with_parent()
 cfg = settings.load(args.config)
 configure(f"ingest-{args.index}", cfg.log_level, ingest=args.index)
 main(cfg, args.index)

@@ -19,6 +19,16 @@ if [ "$with_tests" = 1 ]; then
     fi
 fi
 
+# Python 3.11 or later with its venv module (Debian ships that apart, in python3-venv)
+python_ok() { command -v python3 >/dev/null && python3 -c 'import sys, ensurepip, venv; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; }
+if [ ! -x .venv/bin/python ] && ! python_ok; then
+    if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+        echo "need Python 3.11 or later with its venv module (Debian: apt-get install python3 python3-venv)" >&2; exit 1
+    fi
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-venv >/dev/null
+    python_ok || { echo "python3 is $(python3 --version 2>&1): 3.11 or later is needed" >&2; exit 1; }
+fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 if [ "$with_tests" = 1 ]; then

@@ -251,6 +251,24 @@ def segments(instance: str) -> list[str]:
     return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
 
 
+def users(instance: str) -> list[int]:
+    """Pids of the processes that map one of this instance's segments (by name, as present now):
+    the instance is running, whatever its run directory, or its processes outlived their
+    supervisord. Processes whose maps this user may not read are not seen."""
+    paths = {str(_path(name)) for name in segments(instance)}
+    found: list[int] = []
+    for entry in os.scandir("/proc") if paths else ():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/maps") as maps:  # address perms offset dev inode path
+                if any(line.rstrip("\n").split(maxsplit=5)[-1] in paths for line in maps):
+                    found.append(int(entry.name))
+        except OSError:  # gone meanwhile, or another user's
+            continue
+    return sorted(found)
+
+
 def reclaim(instance: str) -> list[str]:
     """Unlink every segment this instance left behind (after a crash); returns their names."""
     names = segments(instance)

@@ -28,7 +28,12 @@ def _config(args: argparse.Namespace) -> Config:
     put("workers", "processes", getattr(args, "workers", None))
     put("ingest", "processes", getattr(args, "ingest", None))
     put("ingest", "address", getattr(args, "address", None))
-    return settings.load(getattr(args, "config", None), over)
+    cfg = settings.load(getattr(args, "config", None), over)
+    if getattr(args, "model", None) not in (None, "null") and cfg.model.backend == "null":
+        # a config's null backend runs no model at all: a model named here runs on the default backend
+        put("model", "backend", Config().model.backend)
+        cfg = settings.load(getattr(args, "config", None), over)
+    return cfg
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -53,7 +58,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
     else:
-        state = "ready: yes" if report.get("ready") else "ready: no" if report.get("running") else "not running"
+        state = "ready: yes" if report.get("ready") else "not running" if report.get("running") is False else "ready: no"
         print(f"instance {report['instance']}  address {report['address']}  {state}")
         for p in report.get("processes", []):
             print(f"  {p['name']:<12} {p['state']:<9} pid {p['pid']:<7} up {p['uptime_s']} s")

@@ -101,12 +101,31 @@ def unbindable_addresses(cfg: Config) -> list[str]:
     return taken
 
 
+# What supervisord's command lines cannot carry: it splits them as a shell would, and the paths
+# are written into them in double quotes.
+UNQUOTABLE = '"\\%\n'
+
+
+def _check_run_dir(run: Path) -> None:
+    """`serve` makes the run directory private and clears its sockets: it must be this
+    instance's own (or new), and it and the interpreter must fit supervisord's command lines."""
+    if run.is_dir() and not os.access(run, os.R_OK | os.W_OK | os.X_OK):
+        raise SystemExit(f"run_dir {run} is another user's: serve as that user, or give this instance a directory of its own")
+    if run.is_dir() and any(run.iterdir()) and not (run / "config.toml").is_file():
+        raise SystemExit(f"run_dir {run} holds files of something else: give the instance a directory of its own "
+                         "(serve makes it private to its user and clears its sockets)")
+    for what, path in (("run_dir", str(run)), ("the Python interpreter", sys.executable), ("the installation", str(HOME))):
+        if bad := sorted(set(path) & set(UNQUOTABLE)):
+            raise SystemExit(f"{what} {path!r} has {''.join(bad)!r} in it, which supervisord's command lines cannot carry")
+
+
 def prepare(cfg: Config) -> dict[str, str]:
     """Model export, shm reclaim, run directory and config file; returns supervisord's
     environment. What cannot start is found first (the CURVE keys, the addresses, the model,
     room in /dev/shm) and leaves nothing behind."""
     if supervisord_pid(cfg) is not None:
         raise SystemExit(f"instance {cfg.instance!r} is already running (run dir {cfg.run_path})")
+    _check_run_dir(cfg.run_path)
     try:
         auth.check_server_keys(cfg.ingest.curve_secret_key, cfg.ingest.curve_authorized_keys)
     except ValueError as exc:
@@ -126,6 +145,11 @@ def prepare(cfg: Config) -> dict[str, str]:
         from speech.loader import ensure_all_exported
 
         ensure_all_exported(cfg.model)
+    if users := pool.users(cfg.instance):
+        # its segments are named by the instance alone: reclaiming them would pull the rings from under it
+        raise SystemExit(f"instance {cfg.instance!r} is running from another run directory, or its processes outlived "
+                         f"their supervisord: pid(s) {', '.join(map(str, users))} map its shm segments. Stop it, or give "
+                         "this one another instance name (--instance)")
     for name in pool.reclaim(cfg.instance):
         print(f"reclaimed shm segment {name} left by a previous run", file=sys.stderr)
     need = cfg.ingest.processes * pool.segment_size(cfg.shm.streams_per_ingest, pool.ring_capacity(cfg.shm.ring_seconds))
@@ -138,8 +162,8 @@ def prepare(cfg: Config) -> dict[str, str]:
     run.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(run, 0o700)
     (run / "logs").mkdir(mode=0o700, exist_ok=True)
-    for leftover in run.glob("*.sock"):
-        leftover.unlink()
+    for leftover in cfg.ipc_paths:  # this instance's own sockets, left by a crash: nothing else in the directory
+        Path(leftover).unlink(missing_ok=True)
     config_file = run / "config.toml"
     config_file.write_text(settings.dump(cfg))
     env = dict(os.environ)
@@ -226,21 +250,26 @@ def saved_config(cfg: Config) -> Config:
 def status(cfg: Config) -> dict[str, Any]:
     """Processes (supervisord) and readiness (the broker's front door) in one report, by the
     running instance's own config (`saved_config`). An instance whose supervisord is not running
-    is not ready, whatever answers at its address (another instance, or a leftover process)."""
-    if supervisord_pid(cfg) is None:
+    is not ready, whatever answers at its address (another instance, or a leftover process).
+    Another user's run directory (`serve` makes it private) hides its processes: `running` is
+    then None, and readiness is the front door's answer at the caller's address."""
+    foreign = cfg.run_path.is_dir() and not os.access(cfg.run_path, os.R_OK | os.X_OK)
+    if supervisord_pid(cfg) is None and not foreign:
         return {"instance": cfg.instance, "address": cfg.ingest.address, "running": False, "ready": False, "processes": [],
                 "supervisor_error": f"not running (no supervisord of this instance in {cfg.run_path})"}
     cfg = saved_config(cfg)
-    report: dict[str, Any] = {"instance": cfg.instance, "address": cfg.ingest.address, "running": True,
+    report: dict[str, Any] = {"instance": cfg.instance, "address": cfg.ingest.address, "running": None if foreign else True,
                               "expected": {"ingests": cfg.ingest.processes, "workers": cfg.worker_count}}
     try:
+        if foreign:
+            raise PermissionError(errno.EACCES, f"the run directory {cfg.run_path} is another user's: its processes are theirs to list")
         report["processes"] = [
             {"name": p["name"], "group": p["group"], "state": p["statename"], "pid": p["pid"], "uptime_s": p["now"] - p["start"] if p["pid"] else 0}
             for p in processes(cfg)
         ]
     except (OSError, xmlrpc.client.Fault) as exc:
         report["processes"] = []
-        report["supervisor_error"] = str(exc)
+        report["supervisor_error"] = exc.strerror if isinstance(exc, PermissionError) and foreign else str(exc)
     try:
         reply = front_door(cfg.ingest.address, m.Status(), curve=ops_curve(cfg))
         report.update(m.as_dict(reply))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import errno
 import json
 import os
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 import pytest
 import zmq
 import zmq.auth
@@ -185,7 +187,11 @@ def test_stop_of_an_instance_run_by_another_user_says_so(tmp_path: Path, monkeyp
             patched.setattr(os, "kill", kill)
             patched.setattr(os, "access", access)
             assert cli.main(["stop", "--config", str(config)]) == 1
-        assert capsys.readouterr().err == f"instance {cfg.instance!r} runs as another user, who may stop it: {cfg.run_path}\n"
+            assert capsys.readouterr().err == f"instance {cfg.instance!r} runs as another user, who may stop it: {cfg.run_path}\n"
+            if refused == "run_dir":  # status cannot list its processes, and says why rather than "not running"
+                assert cli.main(["status", "--config", str(config)]) == 1
+                out = capsys.readouterr().out
+                assert "not running" not in out and f"the run directory {cfg.run_path} is another user's" in out, out
         assert theirs.poll() is None
     finally:
         theirs.kill()
@@ -202,7 +208,8 @@ def test_ops_commands_follow_the_running_instance_from_anywhere(tmp_path: Path) 
     (tmp_path / "elsewhere").mkdir()
     instance = f"rel{uuid.uuid4().hex[:8]}"
     config = tmp_path / "conf" / "streamasr.toml"
-    config.write_text(f'instance = "{instance}"\nrun_dir = "run"\n[ingest]\nport_base = {base + 1}\n'
+    # a space and a quote in the run directory's name: supervisord splits its command lines as a shell would
+    config.write_text(f'instance = "{instance}"\nrun_dir = "run dir\'s"\n[ingest]\nport_base = {base + 1}\n'
                       f"[metrics]\ndashboard_port = {base + 2}\n[workers]\nprocesses = 1\n")
     serve = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "serve", "--config", "../conf/streamasr.toml", "--model", "null",
                               "--address", f"tcp://0.0.0.0:{base}"], cwd=tmp_path / "elsewhere",
@@ -213,12 +220,22 @@ def test_ops_commands_follow_the_running_instance_from_anywhere(tmp_path: Path) 
         done = _streamasr("status", "--config", str(config), "--wait", "120", "--json", timeout=180)
         report = json.loads(done.stdout)
         assert done.returncode == 0 and report["ready"], (report, serve.stderr.read() if serve.poll() is not None and serve.stderr else "")
-        assert (tmp_path / "conf" / "run" / "config.toml").is_file()
+        assert (tmp_path / "conf" / "run dir's" / "config.toml").is_file()
         assert report["address"] == f"tcp://0.0.0.0:{base}"
         assert [i["endpoint"] for i in report["ingests"]] == [f"tcp://0.0.0.0:{base + 1}"]
         audio = next(u.path for u in testdata.utterances() if u.name == "goforward")
         done = _streamasr("transcribe", "--config", str(config), "--offline", audio)
         assert done.returncode == 0 and "null model" in done.stdout, done.stderr
+        # the same instance name from another run directory: its shm segments are this one's
+        elsewhere = free_ports(3)
+        twin = tmp_path / "twin.toml"
+        twin.write_text(f'instance = "{instance}"\nrun_dir = "{tmp_path / "twin"}"\n[ingest]\naddress = "tcp://127.0.0.1:{elsewhere}"\n'
+                        f"port_base = {elsewhere + 1}\n[metrics]\ndashboard_port = {elsewhere + 2}\n")
+        segments = {name: (pool.SHM_DIR / name).stat().st_ino for name in pool.segments(instance)}
+        done = _streamasr("serve", "--config", str(twin), "--model", "null")
+        assert done.returncode == 1 and "is running from another run directory" in done.stderr, done.stderr
+        assert {name: (pool.SHM_DIR / name).stat().st_ino for name in pool.segments(instance)} == segments != {}
+        assert _streamasr("status", "--config", str(config)).returncode == 0
         other = tmp_path / "other.toml"  # another instance's name, this one's address
         other.write_text(f'instance = "nosuch{uuid.uuid4().hex[:8]}"\nrun_dir = "{tmp_path / "nosuch"}"\n'
                          f'[ingest]\naddress = "tcp://127.0.0.1:{base}"\n')
@@ -262,6 +279,46 @@ def _serving(config: Path, instance: str, *args: str) -> Iterator[None]:
             serve.send_signal(signal.SIGTERM)
             serve.wait(60)
     assert not pool.segments(instance)
+
+
+def test_a_killed_supervisord_takes_its_programs_with_it(tmp_path: Path) -> None:
+    """Killed outright (SIGKILL, the OOM killer), supervisord cannot stop its programs; left
+    serving, no `status` or `stop` would find them and a new `serve` could not bind. Each stops
+    as on `stop`: the ingest drains and unlinks its shm."""
+    base = free_ports(3)
+    instance = f"orphan{uuid.uuid4().hex[:8]}"
+    config = tmp_path / "streamasr.toml"
+    config.write_text(f'instance = "{instance}"\nrun_dir = "{tmp_path / "run"}"\n[ingest]\naddress = "tcp://127.0.0.1:{base}"\n'
+                      f"port_base = {base + 1}\n[metrics]\ndashboard_port = {base + 2}\n[workers]\nprocesses = 1\n")
+    serve = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "serve", "--config", str(config), "--model", "null"],
+                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    programs: list[int] = []
+    try:
+        done = _streamasr("status", "--config", str(config), "--wait", "120", "--json", timeout=180)
+        programs = [p["pid"] for p in json.loads(done.stdout)["processes"]]
+        assert done.returncode == 0 and len(programs) == 4 and all(programs), done.stdout
+        serve.kill()  # `serve` became supervisord
+        serve.wait()
+        deadline = time.monotonic() + service.stop_timeout()
+        while time.monotonic() < deadline and not all(map(_gone, programs)):
+            time.sleep(0.2)
+        assert all(map(_gone, programs)), [p for p in programs if not _gone(p)]
+        assert not pool.segments(instance)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+        for pid in programs:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _gone(pid: int) -> bool:
+    """Exited: a zombie no one has reaped yet counts (its parent was killed)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def test_status_wait_waits_for_every_ingest_and_worker_the_instance_runs(tmp_path: Path) -> None:
@@ -385,6 +442,33 @@ def test_a_setting_that_cannot_work_is_refused_before_anything_starts(tmp_path: 
     assert done.returncode == 2
     assert named in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_dir_that_is_not_the_instance_s_own_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """serve makes its run directory private and clears its sockets: pointed at a directory of
+    other files (`/run`, say) it would break them. A path supervisord cannot quote is refused too."""
+    base = free_ports(3)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o755)
+    (shared / "other.sock").write_text("")
+    quoted = tmp_path / 'say "hi"'
+    for run_dir, named in ((shared, "holds files of something else"), (quoted, "which supervisord's command lines cannot carry")):
+        config = tmp_path / "streamasr.toml"
+        config.write_text(f"run_dir = '{run_dir}'\ninstance = \"foreign\"\n[ingest]\naddress = \"tcp://127.0.0.1:{base}\"\n"
+                          f"port_base = {base + 1}\n[metrics]\ndashboard_port = {base + 2}\n")
+        done = _streamasr("serve", "--config", str(config), "--model", "null")
+        assert done.returncode == 1 and named in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert (shared / "other.sock").exists() and shared.stat().st_mode & 0o777 == 0o755
+    assert not quoted.exists()
+
+
+def test_a_model_named_on_the_command_line_runs_where_the_config_s_backend_is_null(tmp_path: Path) -> None:
+    config = tmp_path / "streamasr.toml"
+    config.write_text('[model]\nname = "null"\nbackend = "null"\n')
+    named = cli._config(argparse.Namespace(config=str(config), model="whisper-tiny.en"))
+    assert (named.model.name, named.model.backend) == ("whisper-tiny.en", "onnxruntime")
+    assert cli._config(argparse.Namespace(config=str(config), model=None)).model.backend == "null"
 
 
 def test_an_unknown_model_is_refused_before_anything_starts(tmp_path: Path) -> None:

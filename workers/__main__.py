@@ -7,6 +7,7 @@ import sys
 
 from config import settings
 from streamasr import logs
+from streamasr.supervised import end_with_parent
 from workers.worker import Worker
 
 
@@ -15,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index", type=int, required=True, help="worker number, part of its identity")
     parser.add_argument("--config", help=f"TOML config (default: ${settings.CONFIG_ENV}, then built-in defaults)")
     args = parser.parse_args(argv)
+    end_with_parent()
     cfg = settings.load(args.config)
     log = logs.configure(f"worker-{args.index}", cfg.log_level)
     try:
