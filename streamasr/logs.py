@@ -15,6 +15,32 @@ from typing import Any
 import structlog
 
 
+class _Stderr:
+    """stderr for the log lines, which goes quiet once its reader is gone: a program whose
+    supervisord was killed (see streamasr.supervised) must still stop cleanly, shm unlinked,
+    rather than die of a broken pipe at its first line."""
+
+    def write(self, text: str) -> None:
+        try:
+            sys.stderr.write(text)
+        except BrokenPipeError:
+            _to_devnull()
+
+    def flush(self) -> None:
+        try:
+            sys.stderr.flush()
+        except BrokenPipeError:
+            _to_devnull()
+
+
+def _to_devnull() -> None:
+    """Point stdout and stderr at /dev/null: what is still buffered for them goes there too."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+
+
 def configure(process: str, level: str = "info", **tags: Any) -> Any:
     """Route every structlog logger of this process to JSON on stderr, tagged with `process`, `pid`
     and `tags` (an ingest's `ingest` index, so its VAD and shm lines carry it as its loop's do).
@@ -43,7 +69,7 @@ def configure(process: str, level: str = "info", **tags: Any) -> Any:
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(threshold),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=True,
     )
     return structlog.get_logger()

@@ -208,8 +208,9 @@ def test_ops_commands_follow_the_running_instance_from_anywhere(tmp_path: Path) 
     (tmp_path / "elsewhere").mkdir()
     instance = f"rel{uuid.uuid4().hex[:8]}"
     config = tmp_path / "conf" / "streamasr.toml"
-    # a space and a quote in the run directory's name: supervisord splits its command lines as a shell would
-    config.write_text(f'instance = "{instance}"\nrun_dir = "run dir\'s"\n[ingest]\nport_base = {base + 1}\n'
+    # a space and a quote in the run directory's name (short: socket paths are limited): supervisord
+    # splits its command lines as a shell would
+    config.write_text(f'instance = "{instance}"\nrun_dir = "r \'"\n[ingest]\nport_base = {base + 1}\n'
                       f"[metrics]\ndashboard_port = {base + 2}\n[workers]\nprocesses = 1\n")
     serve = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "serve", "--config", "../conf/streamasr.toml", "--model", "null",
                               "--address", f"tcp://0.0.0.0:{base}"], cwd=tmp_path / "elsewhere",
@@ -220,7 +221,7 @@ def test_ops_commands_follow_the_running_instance_from_anywhere(tmp_path: Path) 
         done = _streamasr("status", "--config", str(config), "--wait", "120", "--json", timeout=180)
         report = json.loads(done.stdout)
         assert done.returncode == 0 and report["ready"], (report, serve.stderr.read() if serve.poll() is not None and serve.stderr else "")
-        assert (tmp_path / "conf" / "run dir's" / "config.toml").is_file()
+        assert (tmp_path / "conf" / "r '" / "config.toml").is_file()
         assert report["address"] == f"tcp://0.0.0.0:{base}"
         assert [i["endpoint"] for i in report["ingests"]] == [f"tcp://0.0.0.0:{base + 1}"]
         audio = next(u.path for u in testdata.utterances() if u.name == "goforward")
