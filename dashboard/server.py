@@ -18,6 +18,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from metrics.collector import Collector
 
 EVENT_INTERVAL_S = 1.0
+# A connection that sends no request, or a page that stops reading its events, for this long is
+# closed: each holds a thread.
+REQUEST_TIMEOUT_S = 10.0
 STATIC = Path(__file__).with_name("static")
 CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
                  ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml"}
@@ -52,6 +55,7 @@ def _handler(dashboard: Dashboard) -> type[BaseHTTPRequestHandler]:
 
     class Handler(BaseHTTPRequestHandler):
         server_version = "streamasr-dashboard"
+        timeout = REQUEST_TIMEOUT_S
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             path = self.path.split("?", 1)[0]
@@ -91,7 +95,7 @@ def _handler(dashboard: Dashboard) -> type[BaseHTTPRequestHandler]:
                     self.wfile.write(b"data: " + _json(dashboard.collector.snapshot()) + b"\n\n")
                     self.wfile.flush()
                     dashboard.closing.wait(EVENT_INTERVAL_S)
-            except (BrokenPipeError, ConnectionResetError):
+            except (BrokenPipeError, ConnectionResetError, TimeoutError):  # gone, or not reading
                 pass
 
         def log_message(self, format: str, *args: Any) -> None:

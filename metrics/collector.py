@@ -273,6 +273,8 @@ class Collector:
             hists = {(str(n), _labels(lb)): Histogram(tuple(map(float, b)), [float(c) for c in cs], float(t))
                      for n, lb, b, cs, t in snap["histograms"] if len(cs) == len(b) + 1 and math.isfinite(t)}
             pid, started, sent = int(snap["pid"]), float(snap["started"]), float(snap["time"])
+            if not (math.isfinite(started) and math.isfinite(sent)):  # they reach the page as uptime and error times
+                raise ValueError("a time that is not finite")
         except (ValueError, KeyError, TypeError, OverflowError, msgpack.UnpackException):  # int(inf): OverflowError
             return
         inc = self._incarnation(process, token, pid, started, now)

@@ -12,8 +12,9 @@ PREFIX = "streamasr_"
 LATENCY_BUCKETS: tuple[float, ...] = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                                       1.0, 2.5, 5.0, 10.0, 30.0)
 # Seconds: one process hop (a tenth of a millisecond) up to a job queued behind a busy pool.
+# A job queued for seconds under overload must read as such, not as the last bucket's 1 s.
 TRANSIT_BUCKETS: tuple[float, ...] = (0.0001, 0.0002, 0.0003, 0.0004, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003,
-                                      0.005, 0.01, 0.025, 0.1, 1.0)
+                                      0.005, 0.01, 0.025, 0.1, 1.0, 2.5, 5.0, 10.0, 30.0)
 # Requests per backend call: powers of two up to the largest batch a worker can be configured for.
 BATCH_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64)
 # Seconds: a young collection takes tens of microseconds, a full one over a large heap can take 100s of ms.

@@ -24,6 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from config import settings
+from dashboard.server import REQUEST_TIMEOUT_S
 from metrics.collector import SILENT_AFTER_S, STALE_AFTER_S
 from streamasr import top
 from streaming import wait_for
@@ -156,6 +157,11 @@ def test_http_endpoints(fake_instance) -> None:
             with pytest.raises(urllib.error.HTTPError) as err:
                 get(url + missing)
             assert err.value.code == 404
+        # a connection that never sends its request does not hold its thread for ever
+        host, port = url.removeprefix("http://").rstrip("/").split(":")
+        with socket.create_connection((host, int(port)), timeout=REQUEST_TIMEOUT_S + 10) as idle:
+            started = time.monotonic()
+            assert idle.recv(1) == b"" and time.monotonic() - started >= REQUEST_TIMEOUT_S - 1
 
 
 def test_top_prints_one_frame_from_the_dashboard_or_its_own_collector(fake_instance, capsys) -> None:

@@ -319,6 +319,11 @@ def test_collector_ignores_malformed_snapshots_and_refuses_a_second_bind(instanc
                      msgpack.packb({"v": 1, "process": "x", "incarnation": "i", "pid": "no", "started": 0, "time": 0,
                                     "counters": [], "gauges": [], "histograms": []}),
                      msgpack.packb({"v": 1, "process": "x", "incarnation": "i", "pid": float("inf"), "started": 0, "time": 0,
+                                    "counters": [], "gauges": [], "histograms": []}),
+                     # times the page would show as uptime and error times: Infinity is no JSON
+                     msgpack.packb({"v": 1, "process": "x", "incarnation": "i", "pid": 7, "started": float("-inf"), "time": 0,
+                                    "counters": [], "gauges": [], "histograms": []}),
+                     msgpack.packb({"v": 1, "process": "x", "incarnation": "i", "pid": 7, "started": 0, "time": float("nan"),
                                     "counters": [], "gauges": [], "histograms": []})):
             sock.send(junk)
         heard("after")
@@ -373,6 +378,17 @@ def test_histogram_quantiles_follow_prometheus() -> None:
     assert h.quantile(0.75) == pytest.approx(0.3)
     assert Histogram((1.0,), [0, 3], 9.0).quantile(0.5) == 1.0  # beyond the last bound
     assert Histogram((1.0,), [0, 0], 0.0).quantile(0.5) is None
+
+
+def test_a_job_queued_for_seconds_reads_as_seconds_in_its_transit(instance) -> None:
+    """Under overload jobs wait seconds for a worker: that leg's quantiles must say so, not
+    stop at a last bucket of 1 s."""
+    cfg, _ = instance
+    m = ProcessMetrics(cfg, "worker-0")
+    for _ in range(20):
+        m.observe("job_transit_seconds", 4.0, leg="to_worker")
+    [(_, _, bounds, counts, total)] = [h for h in m.snapshot()["histograms"] if h[0] == "job_transit_seconds"]
+    assert 3.0 < Histogram(tuple(bounds), counts, total).quantile(0.95) <= 5.0
 
 
 def test_operations_guide_documents_every_metric() -> None:
