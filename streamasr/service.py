@@ -138,6 +138,11 @@ def prepare(cfg: Config) -> dict[str, str]:
         raise settings.ConfigError(f"ingest.drain_timeout_s ({cfg.ingest.drain_timeout_s:g} s) and {DRAIN_EXIT_S:g} s to exit "
                                    f"do not fit in the ingest's stopwaitsecs ({wait:g} s, {SUPERVISORD_CONF.name}): "
                                    "supervisord would kill it mid-drain")
+    if users := pool.users(cfg.instance):
+        # its segments are named by the instance alone: reclaiming them would pull the rings from under it
+        raise SystemExit(f"instance {cfg.instance!r} is running from another run directory, or its processes outlived "
+                         f"their supervisord: pid(s) {', '.join(map(str, users))} map its shm segments. Stop it, or give "
+                         "this one another instance name (--instance)")
     if taken := unbindable_addresses(cfg):
         raise SystemExit(f"cannot bind {', '.join(taken)}: choose other addresses (ingest.address, ingest.host, "
                          "ingest.port_base, metrics.dashboard_port)")
@@ -145,11 +150,6 @@ def prepare(cfg: Config) -> dict[str, str]:
         from speech.loader import ensure_all_exported
 
         ensure_all_exported(cfg.model)
-    if users := pool.users(cfg.instance):
-        # its segments are named by the instance alone: reclaiming them would pull the rings from under it
-        raise SystemExit(f"instance {cfg.instance!r} is running from another run directory, or its processes outlived "
-                         f"their supervisord: pid(s) {', '.join(map(str, users))} map its shm segments. Stop it, or give "
-                         "this one another instance name (--instance)")
     for name in pool.reclaim(cfg.instance):
         print(f"reclaimed shm segment {name} left by a previous run", file=sys.stderr)
     need = cfg.ingest.processes * pool.segment_size(cfg.shm.streams_per_ingest, pool.ring_capacity(cfg.shm.ring_seconds))
@@ -260,16 +260,17 @@ def status(cfg: Config) -> dict[str, Any]:
     cfg = saved_config(cfg)
     report: dict[str, Any] = {"instance": cfg.instance, "address": cfg.ingest.address, "running": None if foreign else True,
                               "expected": {"ingests": cfg.ingest.processes, "workers": cfg.worker_count}}
-    try:
-        if foreign:
-            raise PermissionError(errno.EACCES, f"the run directory {cfg.run_path} is another user's: its processes are theirs to list")
-        report["processes"] = [
-            {"name": p["name"], "group": p["group"], "state": p["statename"], "pid": p["pid"], "uptime_s": p["now"] - p["start"] if p["pid"] else 0}
-            for p in processes(cfg)
-        ]
-    except (OSError, xmlrpc.client.Fault) as exc:
-        report["processes"] = []
-        report["supervisor_error"] = exc.strerror if isinstance(exc, PermissionError) and foreign else str(exc)
+    report["processes"] = []
+    if foreign:
+        report["supervisor_error"] = f"the run directory {cfg.run_path} is another user's: its processes are theirs to list"
+    else:
+        try:
+            report["processes"] = [
+                {"name": p["name"], "group": p["group"], "state": p["statename"], "pid": p["pid"], "uptime_s": p["now"] - p["start"] if p["pid"] else 0}
+                for p in processes(cfg)
+            ]
+        except (OSError, xmlrpc.client.Fault) as exc:
+            report["supervisor_error"] = str(exc)
     try:
         reply = front_door(cfg.ingest.address, m.Status(), curve=ops_curve(cfg))
         report.update(m.as_dict(reply))

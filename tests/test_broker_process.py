@@ -519,7 +519,7 @@ def test_a_broker_frozen_past_its_peers_patience_gives_none_of_them_up(running: 
     events = running.log_events("broker")
     assert not [e for e in events if e["event"] in ("broker.worker_lost", "broker.ingest_lost")], events
     assert any(e["event"] == "broker.was_not_listening" and e["seconds"] >= 3 * PATIENCE_S - 0.1 for e in events)
-    assert len(running.wait_workers(2)["workers"]) == 2
+    running.wait_workers(2)  # both registered again
 
 
 def test_broker_restart_workers_reregister(running: Cluster) -> None:
