@@ -292,8 +292,9 @@ class Broker:
                     log.warning("broker.bad_done_row", worker=ident.decode(errors="replace"), job=row.job_id, field=row.field, error=row.error)
                 worker = self.dispatcher.workers.get(ident)
                 held = worker.inflight if worker is not None else {}
-                finals = {key for key in map(job_key, results + unreadable) if key in held and held[key].final}
-                self._count(self.dispatcher.complete(ident, results + unreadable), finals, set(map(job_key, unreadable)))
+                answered = results + unreadable
+                finals = {key for key in map(job_key, answered) if key in held and held[key].final}
+                self._count(self.dispatcher.complete(ident, answered), finals, set(map(job_key, unreadable)))
             elif kind == wire.LEAVING:
                 if link is not None:
                     # not a loss: what it hands back it never started, so those jobs did not harm it
