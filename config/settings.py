@@ -194,6 +194,11 @@ class Config:
         return f"ipc://{self.run_path}/metrics.sock"
 
     @property
+    def metrics_state_path(self) -> Path:
+        """Where the dashboard's collector keeps its carried totals across its own restarts."""
+        return self.run_path / "metrics-state.msgpack"
+
+    @property
     def worker_count(self) -> int:
         return self.workers.processes or (os.cpu_count() or 1)
 

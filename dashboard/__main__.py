@@ -23,12 +23,14 @@ def main(argv: list[str] | None = None) -> int:
     end_with_parent()
     cfg = settings.load(args.config)
     log = logs.configure("dashboard", cfg.log_level)
-    collector = Collector(cfg)
+    collector = Collector(cfg, state_file=cfg.metrics_state_path)
     try:
         collector.start()
     except RuntimeError as exc:
         log.error("dashboard.refused", reason=str(exc))
         return 1
+    if collector.state_unreadable:  # counters that restarted processes carried start again from their live values
+        log.warning("dashboard.state_ignored", path=str(cfg.metrics_state_path), reason=collector.state_unreadable)
     port = cfg.metrics.dashboard_port if args.port is None else args.port
     try:
         dashboard = Dashboard(collector, port=port)

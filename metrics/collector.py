@@ -6,7 +6,10 @@ renders two views: a JSON snapshot for the dashboard and `top`, and Prometheus t
 
 Counters must never go down in Prometheus, yet processes restart and start counting from zero. So
 when an incarnation dies (replaced by a new pid, or silent for STALE_AFTER_S) its last counters and
-histograms are added to a carried total, and the exported value is carried + live.
+histograms are added to a carried total, and the exported value is carried + live. The dashboard's
+collector keeps that in a state file of the run directory, so that its own restart, which does not
+restart the processes, takes up the carried totals and restart counts where they were (`serve`
+removes the file: a new service counts from zero, which Prometheus reads as the reset it is).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import time
 import xmlrpc.client
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator
 
 import msgpack
@@ -44,6 +48,7 @@ BUSY_WINDOW_S = 5.0  # the worker busy ratio is averaged over this long
 RECENT_ERRORS = 50
 RETIRED_KEPT = 64  # dead incarnations remembered, in case one was only stalled and speaks again
 MAX_MESSAGE_BYTES = 4 << 20
+STATE_VERSION = 1
 
 Labels = tuple[tuple[str, str], ...]
 Key = tuple[str, Labels]  # (metric name, labels) within one process
@@ -124,14 +129,44 @@ class Incarnation:
     counters: dict[Key, float] = field(default_factory=dict)
     gauges: dict[Key, float] = field(default_factory=dict)
     hists: dict[Key, Histogram] = field(default_factory=dict)
-    busy: deque[tuple[float, float]] = field(default_factory=deque)  # (publisher time, busy_seconds_total)
+    # (publisher time, busy_seconds_total, jobs_total by kind) of its snapshots over the last window:
+    # rates are differences over the span the process itself measured, not over the collector's
+    # refreshes, which take in one snapshot more or fewer as the two clocks' phases drift
+    marks: deque[tuple[float, float, dict[str, float]]] = field(default_factory=deque)
     quiet: bool = False  # first sighting after the collector started: its history is not news
 
+    def mark(self, sent: float, counters: dict[Key, float], window: float) -> None:
+        jobs: dict[str, float] = {}
+        busy = 0.0
+        for (name, labels), value in counters.items():
+            if name == "jobs_total":
+                kind = dict(labels).get("kind", "")
+                jobs[kind] = jobs.get(kind, 0.0) + value
+            elif name == "busy_seconds_total":
+                busy += value
+        self.marks.append((sent, busy, jobs))
+        while len(self.marks) > 2 and self.marks[1][0] <= sent - window:
+            self.marks.popleft()
+
+    def _since(self, seconds: float) -> tuple[float, float, dict[str, float]]:
+        """The latest mark at least `seconds` before the newest one (the oldest kept, if none is)."""
+        newest = self.marks[-1][0]
+        return next((m for m in reversed(self.marks) if m[0] <= newest - seconds), self.marks[0])
+
     def busy_ratio(self) -> float | None:
-        if len(self.busy) < 2:
+        if len(self.marks) < 2:
             return None
-        (t0, b0), (t1, b1) = self.busy[0], self.busy[-1]
+        (t0, b0, _), (t1, b1, _) = self._since(BUSY_WINDOW_S), self.marks[-1]
         return min(1.0, max(0.0, (b1 - b0) / (t1 - t0))) if t1 > t0 else None
+
+    def job_rates(self, silent: float) -> dict[str, float]:
+        """Jobs per second by kind over the window; a process silent for `silent` seconds counts
+        that time as finishing nothing, so a hung one's rate falls instead of freezing."""
+        if len(self.marks) < 2:
+            return {}
+        (t0, _, old), (t1, _, new) = self.marks[0], self.marks[-1]
+        span = t1 - t0 + silent
+        return {kind: max(0.0, value - old.get(kind, 0.0)) / span for kind, value in new.items()} if span > 0 else {}
 
 
 def _labels(raw: Any) -> Labels:
@@ -176,8 +211,14 @@ class _Nvml:
 class Collector:
     """Aggregates every process's snapshots; `snapshot()` and `prometheus()` may be called from any thread."""
 
-    def __init__(self, cfg: Config, stale_after: float = STALE_AFTER_S, window: float = WINDOW_S) -> None:
+    def __init__(self, cfg: Config, stale_after: float = STALE_AFTER_S, window: float = WINDOW_S,
+                 state_file: Path | None = None) -> None:
+        """`state_file`: where the carried totals are kept across this collector's restarts (the
+        dashboard's); None for a passing view (`top` without a dashboard)."""
         self.cfg = cfg
+        self.state_file = state_file
+        self.state_unreadable = ""  # why a predecessor's state file was ignored, for the caller to log
+        self._state_error = ""
         self.endpoint = endpoint(cfg)
         self.stale_after = stale_after
         self.window = window
@@ -187,9 +228,10 @@ class Collector:
         self._carried_counters: dict[Series, float] = {}
         self._carried_hists: dict[Series, Histogram] = {}
         self._restarts: dict[str, int] = {}  # per process name
-        self._seen: set[str] = set()
+        self._seen: set[str] = set()  # process names ever heard, a predecessor's included: a new pid is a restart
+        self._heard: set[str] = set()  # heard by this collector: a first snapshot's history is not news
         self._errors: deque[dict[str, Any]] = deque(maxlen=RECENT_ERRORS)
-        self._history: deque[tuple[float, dict[str, Any]]] = deque()
+        self._history: deque[tuple[float, dict[str, Histogram]]] = deque()
         self._resources: dict[int, dict[str, Any]] = {}
         self._psutil: dict[int, psutil.Process] = {}
         self._supervisor: list[dict[str, Any]] = []
@@ -210,6 +252,8 @@ class Collector:
         if endpoint_in_use(self.endpoint):
             raise RuntimeError(f"another collector is already bound at {self.endpoint}")
         self.cfg.run_path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.state_file is not None:
+            self._load_state(self.state_file)
         sock = zmq.Context.instance().socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
@@ -226,6 +270,9 @@ class Collector:
         if self._thread is not None:
             self._thread.join(timeout=5.0)
             self._thread = None
+            if self.state_file is not None:
+                with self._lock:
+                    self._save_state(self.state_file)
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -281,15 +328,13 @@ class Collector:
         if inc is None:
             return
         if inc.quiet:
-            self._add_to_history(process, counters, hists)
+            self._add_to_history(process, hists)
         else:
             self._note_errors(inc, counters, sent)
         inc.quiet = False
         inc.seen, inc.pid = now, pid
         inc.counters, inc.gauges, inc.hists = counters, gauges, hists
-        inc.busy.append((sent, sum(v for (n, _), v in counters.items() if n == "busy_seconds_total")))
-        while len(inc.busy) > 2 and inc.busy[1][0] <= sent - BUSY_WINDOW_S:
-            inc.busy.popleft()
+        inc.mark(sent, counters, max(self.window, BUSY_WINDOW_S))
 
     def _incarnation(self, process: str, token: str, pid: int, started: float, now: float) -> Incarnation | None:
         """The incarnation a snapshot belongs to, handling restarts; None for a late packet of a replaced one."""
@@ -299,16 +344,18 @@ class Collector:
         if token in self._retired:
             if live is not None:
                 return None  # the old incarnation's last words, after its successor spoke
-            inc = self._retired.pop(token)  # it was only stalled: take its counts back out of the carry
+            inc = self._retired.pop(token)  # stalled, or live when a predecessor saved: take its counts back out of the carry
             self._carry(inc, -1)
             self._live[process] = inc
+            self._heard.add(process)
             return inc
         if live is not None:
             self._retire(live)
         if process in self._seen:
             self._restarts[process] = self._restarts.get(process, 0) + 1
-        inc = Incarnation(process, token, pid, started, quiet=process not in self._seen)
+        inc = Incarnation(process, token, pid, started, quiet=process not in self._heard)
         self._seen.add(process)
+        self._heard.add(process)
         self._live[process] = inc
         return inc
 
@@ -330,20 +377,17 @@ class Collector:
             else:
                 self._carried_hists[series] = Histogram(hist.bounds, [sign * c for c in hist.counts], sign * hist.total)
 
-    def _add_to_history(self, process: str, counters: dict[Key, float], hists: dict[Key, Histogram]) -> None:
+    def _add_to_history(self, process: str, hists: dict[Key, Histogram]) -> None:
         """A process first heard after this collector started brings its whole history: count it in
-        the window figures kept so far too, so rates and latencies show what happened since, not a
-        process's life at once."""
-        figures = _window_figures({(process, n, lb): v for (n, lb), v in counters.items()},
-                                  {(process, n, lb): h for (n, lb), h in hists.items()})
+        the window figures kept so far too, so latencies show what happened since, not a process's
+        life at once. (Its rates start from this snapshot: see Incarnation.marks.)"""
+        figures = _window_figures({(process, n, lb): h for (n, lb), h in hists.items()})
         for _, entry in self._history:
-            for kind, value in figures["jobs"].items():
-                entry["jobs"][kind] = entry["jobs"].get(kind, 0.0) + value
-            for name, hist in figures["hists"].items():
-                if name in entry["hists"]:
-                    entry["hists"][name].add(hist)
+            for name, hist in figures.items():
+                if name in entry:
+                    entry[name].add(hist)
                 else:
-                    entry["hists"][name] = hist.copy()
+                    entry[name] = hist.copy()
 
     def _note_errors(self, inc: Incarnation, counters: dict[Key, float], sent: float) -> None:
         """Recent errors are the increases of the error and refusal counters since the last snapshot."""
@@ -353,6 +397,60 @@ class Collector:
                 if delta > 0:
                     self._errors.appendleft({"time": sent, "process": inc.process, "kind": name.removesuffix("s_total"),
                                              "code": dict(labels).get("code", ""), "count": delta})
+
+    # -- carried totals across this collector's restarts -------------------------------------------
+
+    def _save_state(self, path: Path) -> None:
+        """Write what a restarted collector needs to go on counting (under the lock): the carried
+        totals, the restart counts, and every incarnation's latest counts, live ones included, since
+        they may die while no collector listens."""
+        def incarnation(inc: Incarnation) -> list[Any]:
+            return [inc.token, inc.process, inc.pid, inc.started, _pack_counters(inc.counters), _pack_hists(inc.hists)]
+
+        state = {"v": STATE_VERSION, "instance": self.cfg.instance,
+                 "counters": [[p, n, list(lb), v] for (p, n, lb), v in self._carried_counters.items()],
+                 "hists": [[p, n, list(lb), list(h.bounds), h.counts, h.total] for (p, n, lb), h in self._carried_hists.items()],
+                 "retired": [incarnation(i) for i in self._retired.values()],
+                 "live": [incarnation(i) for i in self._live.values()],
+                 "restarts": self._restarts, "seen": sorted(self._seen)}
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            tmp.write_bytes(msgpack.packb(state))
+            os.replace(tmp, path)
+            self._state_error = ""
+        except OSError as exc:  # a full disk, a removed run directory: said on the page, counting goes on
+            self._state_error = f"cannot keep the carried totals in {path}: {exc.strerror or exc}"
+
+    def _load_state(self, path: Path) -> None:
+        """Take up a predecessor's state. The incarnations it saw live are taken as retired (their
+        counts carried): those still running take their counts back out when they speak, as a
+        stalled process does, and those that died meanwhile stay counted."""
+        try:
+            state = msgpack.unpackb(path.read_bytes(), raw=False, strict_map_key=False)
+            if state.get("v") != STATE_VERSION or state.get("instance") != self.cfg.instance:
+                return
+            counters = {(str(p), str(n), _labels(dict(lb))): float(v) for p, n, lb, v in state["counters"]}
+            hists = {(str(p), str(n), _labels(dict(lb))): Histogram(tuple(map(float, b)), [float(c) for c in cs], float(t))
+                     for p, n, lb, b, cs, t in state["hists"]}
+            retired = [_unpack_incarnation(row) for row in state["retired"]]
+            live = [_unpack_incarnation(row) for row in state["live"]]
+            restarts = {str(p): int(n) for p, n in state["restarts"].items()}
+            seen = {str(p) for p in state["seen"]}
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, msgpack.UnpackException) as exc:
+            self.state_unreadable = f"not a state file this collector can read ({type(exc).__name__}{f': {exc}' if str(exc) else ''})"
+            return
+        with self._lock:
+            self._carried_counters, self._carried_hists = counters, hists
+            self._restarts, self._seen = restarts, seen
+            for inc in retired:
+                self._retired[inc.token] = inc
+            for inc in live:
+                self._carry(inc, 1)
+                self._retired[inc.token] = inc
+            while len(self._retired) > RETIRED_KEPT:
+                self._retired.popitem(last=False)
 
     # -- once a second ----------------------------------------------------------------------------
 
@@ -375,6 +473,8 @@ class Collector:
             self._history.append((now, self._window_totals()))
             while len(self._history) > 2 and self._history[1][0] <= now - self.window:
                 self._history.popleft()
+            if self.state_file is not None:
+                self._save_state(self.state_file)
             self._view = self._build_view(now)
 
     def _read_supervisor(self) -> tuple[list[dict[str, Any]], str]:
@@ -445,9 +545,8 @@ class Collector:
                 out[key] += value
         return out
 
-    def _window_totals(self) -> dict[str, Any]:
-        counters, _, hists = self._series()
-        return _window_figures(counters, hists)
+    def _window_totals(self) -> dict[str, Histogram]:
+        return _window_figures(self._series()[2])
 
     def _build_view(self, now: float) -> dict[str, Any]:
         counters, gauges, _ = self._series()
@@ -465,13 +564,15 @@ class Collector:
         def total(series: dict[Series, float], name: str) -> float:
             return sum(v for (_, n, _), v in series.items() if n == name)
 
-        rates = {kind: max(0.0, (v - old[1].get("jobs", {}).get(kind, 0.0)) / span)
-                 for kind, v in new[1].get("jobs", {}).items()} if span > 0 else {}
+        rates: dict[str, float] = {}
+        for inc in self._live.values():
+            for kind, rate in inc.job_rates(silent=max(0.0, now - inc.seen - REFRESH_S)).items():
+                rates[kind] = rates.get(kind, 0.0) + rate
         latency: dict[str, dict[str, Any]] = {}
         for kind, name in (("partial", "partial_latency_seconds"), ("final", "final_latency_seconds"),
                            ("to_worker", "to_worker"), ("to_ingest", "to_ingest")):  # the last two: job_transit_seconds
-            latency[kind] = self._window_stats(old[1].get("hists", {}).get(name), new[1].get("hists", {}).get(name))
-        batch = self._window_stats(old[1].get("hists", {}).get("batch_size"), new[1].get("hists", {}).get("batch_size"))
+            latency[kind] = self._window_stats(old[1].get(name), new[1].get(name))
+        batch = self._window_stats(old[1].get("batch_size"), new[1].get("batch_size"))
         view: dict[str, Any] = {
             "time": time.time(),
             "instance": self.cfg.instance,
@@ -498,6 +599,8 @@ class Collector:
             view["gpus"] = self._gpus
         if self._supervisor_error:
             view["supervisor_error"] = self._supervisor_error
+        if self._state_error:
+            view["state_error"] = self._state_error
         return view
 
     @staticmethod
@@ -593,14 +696,9 @@ class _Exporter:
         return self.collector.families()
 
 
-def _window_figures(counters: dict[Series, float], hists: dict[Series, Histogram]) -> dict[str, Any]:
-    """The totals the windowed rates and latencies are differences of: jobs by kind, and the
-    latency, transit and batch histograms summed over processes."""
-    jobs: dict[str, float] = {}
-    for (_, name, labels), value in counters.items():
-        if name == "jobs_total":
-            kind = dict(labels).get("kind", "")
-            jobs[kind] = jobs.get(kind, 0.0) + value
+def _window_figures(hists: dict[Series, Histogram]) -> dict[str, Histogram]:
+    """The totals the windowed latencies are differences of: the latency, transit and batch
+    histograms summed over processes."""
     summed: dict[str, Histogram] = {}
     for (_, name, labels), hist in hists.items():
         if name == "job_transit_seconds":  # one histogram per leg: to_worker, to_ingest
@@ -611,7 +709,23 @@ def _window_figures(counters: dict[Series, float], hists: dict[Series, Histogram
             summed[name].add(hist)
         else:
             summed[name] = hist.copy()
-    return {"jobs": jobs, "hists": summed}
+    return summed
+
+
+def _pack_counters(counters: dict[Key, float]) -> list[list[Any]]:
+    return [[n, list(lb), v] for (n, lb), v in counters.items()]
+
+
+def _pack_hists(hists: dict[Key, Histogram]) -> list[list[Any]]:
+    return [[n, list(lb), list(h.bounds), h.counts, h.total] for (n, lb), h in hists.items()]
+
+
+def _unpack_incarnation(row: list[Any]) -> Incarnation:
+    token, process, pid, started, counters, hists = row
+    return Incarnation(str(process), str(token), int(pid), float(started),
+                       counters={(str(n), _labels(dict(lb))): float(v) for n, lb, v in counters},
+                       hists={(str(n), _labels(dict(lb))): Histogram(tuple(map(float, b)), [float(c) for c in cs], float(t))
+                              for n, lb, b, cs, t in hists})
 
 
 def _label_names(name: str, keys: list[Labels]) -> list[str]:

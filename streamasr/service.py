@@ -164,6 +164,7 @@ def prepare(cfg: Config) -> dict[str, str]:
     (run / "logs").mkdir(mode=0o700, exist_ok=True)
     for leftover in cfg.ipc_paths:  # this instance's own sockets, left by a crash: nothing else in the directory
         Path(leftover).unlink(missing_ok=True)
+    cfg.metrics_state_path.unlink(missing_ok=True)  # a new service's counters start from zero
     config_file = run / "config.toml"
     config_file.write_text(settings.dump(cfg))
     env = dict(os.environ)

@@ -464,6 +464,20 @@ def test_a_run_dir_that_is_not_the_instance_s_own_is_refused_before_anything_sta
     assert not quoted.exists()
 
 
+def test_serve_starts_the_metrics_from_zero(tmp_path: Path) -> None:
+    """The dashboard carries its totals across its own restarts in the run directory; a new
+    service must not take up the last one's."""
+    base = free_ports(3)
+    cfg = settings.load(None, {"instance": f"z{uuid.uuid4().hex[:8]}", "run_dir": str(tmp_path / "run"),
+                               "ingest": {"address": f"tcp://127.0.0.1:{base}", "port_base": base + 1},
+                               "metrics": {"dashboard_port": base + 2}, "model": {"name": "null", "backend": "null"}})
+    cfg.run_path.mkdir(mode=0o700)
+    (cfg.run_path / "config.toml").write_text(settings.dump(cfg))
+    cfg.metrics_state_path.write_bytes(b"a previous run's totals")
+    service.prepare(cfg)
+    assert not cfg.metrics_state_path.exists()
+
+
 def test_a_model_named_on_the_command_line_runs_where_the_config_s_backend_is_null(tmp_path: Path) -> None:
     config = tmp_path / "streamasr.toml"
     config.write_text('[model]\nname = "null"\nbackend = "null"\n')

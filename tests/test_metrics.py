@@ -177,6 +177,57 @@ def test_counters_stay_monotonic_across_a_restart(instance, publishers, collecto
     assert processes(collector)["ingest-0"]["restarts"] == 1
 
 
+def test_a_restarted_dashboard_goes_on_counting_where_its_predecessor_stopped(instance, publishers) -> None:
+    """The dashboard's collector can restart while the service runs on. Its successor takes up the
+    carried totals of processes that restarted before, the restart counts, and the last counts of
+    a process that died while no collector listened: no exported counter goes down."""
+    cfg, config_file = instance
+    jobs = ("streamasr_jobs_total", (("kind", "partial"), ("status", "done")))
+    restarts = ("streamasr_process_restarts_total", (("program", "ingest"),))
+    first = Collector(cfg, stale_after=30.0, state_file=cfg.metrics_state_path).start()
+    try:
+        publishers(config_file, "broker")
+        ingest = publishers(config_file, "ingest-0")
+        wait_for(lambda: len(processes(first)) == 2 and samples(first.prometheus().decode()).get(jobs, 0) > 40,
+                 what="both processes' jobs")
+        ingest.kill()
+        ingest = publishers(config_file, "ingest-0")
+        wait_for(lambda: processes(first).get("ingest-0", {}).get("pid") == ingest.pid, what="the restarted ingest")
+        time.sleep(1.5)  # a few snapshots of it, and a refresh that saves them
+    finally:
+        first.close()
+    before = samples(first.prometheus().decode())
+    assert before[restarts] == 1
+    ingest.kill()  # dies and comes back while no collector listens
+    ingest = publishers(config_file, "ingest-0")
+    second = Collector(cfg, stale_after=30.0, state_file=cfg.metrics_state_path).start()
+    try:
+        wait_for(lambda: processes(second).get("ingest-0", {}).get("pid") == ingest.pid and "broker" in processes(second),
+                 what="both processes in the new collector")
+        after = samples(second.prometheus().decode())
+        assert after[jobs] >= before[jobs], (before[jobs], after[jobs])
+        assert after[restarts] == 2
+        assert after[("streamasr_process_restarts_total", (("program", "broker"),))] == 0
+        assert {p["name"]: p["restarts"] for p in second.snapshot()["processes"]} == {"broker": 0, "ingest-0": 2}
+    finally:
+        second.close()
+    assert "state_error" not in second.snapshot()
+
+
+def test_an_unreadable_state_file_is_said_and_replaced(instance, publishers) -> None:
+    cfg, config_file = instance
+    cfg.run_path.mkdir(mode=0o700, parents=True)
+    cfg.metrics_state_path.write_bytes(b"\xc1 not msgpack")
+    collector = Collector(cfg, state_file=cfg.metrics_state_path).start()
+    try:
+        assert collector.state_unreadable.startswith("not a state file"), collector.state_unreadable
+        publishers(config_file, "broker")
+        wait_for(lambda: "broker" in processes(collector), what="the broker")
+        wait_for(lambda: msgpack.unpackb(cfg.metrics_state_path.read_bytes())["live"], what="a state file of this collector's own")
+    finally:
+        collector.close()
+
+
 def test_silent_process_is_dropped_but_its_counts_are_kept(instance, publishers, collector) -> None:
     _, config_file = instance
     key = ("streamasr_jobs_total", (("kind", "partial"), ("status", "done")))
@@ -257,6 +308,46 @@ def test_window_figures_count_only_what_happened_since_a_process_was_first_heard
         assert latency["count"] == 7 and latency["p99"] <= 0.025, latency
         assert 0 < collector.snapshot()["throughput"]["jobs_per_s"] <= 7
     finally:
+        broker.close()
+        collector.close()
+
+
+def test_job_rate_is_taken_over_the_span_the_process_measured(instance) -> None:
+    """Jobs per second are the change of a process's counters over the time between the snapshots
+    compared, as the process stamped them. Over the collector's own refreshes a window would take
+    in one snapshot more or fewer as the two clocks drift apart (here a snapshot every 0.7 s
+    against a refresh every second: -7 % to +17 %). A process that falls silent counts its silence
+    as finishing nothing."""
+    cfg, _ = instance
+    collector = Collector(cfg, stale_after=60.0, window=3.0).start()
+    broker = ProcessMetrics(cfg, "broker", interval=0.7)
+    stop = threading.Event()
+
+    def finish_jobs() -> None:  # 20 jobs a second on the clock, however late a turn wakes
+        t0, done = time.monotonic(), 0
+        while not stop.wait(0.01):
+            due = int(20 * (time.monotonic() - t0))
+            broker.inc("jobs_total", due - done, kind="partial", status="done")
+            done = due
+
+    worker = threading.Thread(target=finish_jobs, daemon=True)
+    try:
+        worker.start()
+        broker.start()
+        wait_for(lambda: "broker" in processes(collector), what="the broker's first snapshot")
+        time.sleep(4.5)  # a window of snapshots
+        rates = []
+        for _ in range(30):
+            rates.append(collector.snapshot()["throughput"]["jobs_per_s"])
+            time.sleep(0.2)
+        assert all(19.0 <= r <= 21.0 for r in rates), rates
+        stop.set()
+        worker.join()
+        broker.close()
+        wait_for(lambda: collector.snapshot()["throughput"]["jobs_per_s"] < 10, timeout=8,
+                 what="the silent process's rate to fall")
+    finally:
+        stop.set()
         broker.close()
         collector.close()
 
