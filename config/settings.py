@@ -106,8 +106,8 @@ class IngestConfig:
     port_base: int = setting(7701, lo=1, hi=65535)  # ingest process N binds port_base + N
     processes: int = setting(1, lo=1)
     partial_interval_ms: int = setting(500, lo=1)  # a partial decode per this much new speech
-    max_frame_bytes: int = setting(262_144, lo=1)
-    max_message_bytes: int = setting(1_048_576, lo=1)
+    max_frame_bytes: int = setting(262_144, lo=32)  # at least one frame of 8 channels of f32
+    max_message_bytes: int = setting(1_048_576, lo=16_384)  # an open with its longest strings fits
     max_streams_per_client: int = setting(64, lo=1)
     # Total over the service; 0 = as many as the rings hold (processes x shm.streams_per_ingest).
     # Each ingest process takes its share, rounded up.
@@ -142,7 +142,7 @@ class IngestConfig:
 
 @dataclass(frozen=True)
 class BrokerConfig:
-    heartbeat_ms: int = setting(1000, lo=10)
+    heartbeat_ms: int = setting(1000, lo=10, hi=60_000)
     liveness: int = setting(3, lo=1)  # missed heartbeats before a peer is declared dead
     # at most a day: the broker refuses a job whose times are further than that from its clock (broker.jobs)
     partial_deadline_ms: int = setting(2000, lo=1, hi=MAX_DEADLINE_MS)  # a queued partial older than this is skipped
@@ -356,6 +356,14 @@ def _check_together(cfg: Config) -> None:
         raise ConfigError(f"run_dir {str(cfg.run_path)!r} is too long: the socket path {longest} is "
                           f"{len(os.fsencode(longest))} bytes, over the {MAX_IPC_PATH}-byte limit of Unix socket paths")
     segment = int(cfg.vad.max_segment_s * SAMPLE_RATE)
+    if cfg.vad.pad_ms + cfg.vad.min_speech_ms >= cfg.vad.max_segment_s * 1000:
+        raise ConfigError(f"vad.pad_ms ({cfg.vad.pad_ms}) and vad.min_speech_ms ({cfg.vad.min_speech_ms}) must add up to "
+                          f"less than vad.max_segment_s ({cfg.vad.max_segment_s:g} s): a segment opens with them and "
+                          "would be cut as it opens")
+    if cfg.ingest.max_frame_bytes > cfg.ingest.max_message_bytes:
+        raise ConfigError(f"ingest.max_frame_bytes ({cfg.ingest.max_frame_bytes}) is more than ingest.max_message_bytes "
+                          f"({cfg.ingest.max_message_bytes}): a frame within the one would be dropped by the other, "
+                          "and the client's connection with it")
     if int(cfg.shm.ring_seconds * SAMPLE_RATE) < segment + RING_ROOM:
         raise ConfigError(f"shm.ring_seconds ({cfg.shm.ring_seconds:g}) must be at least vad.max_segment_s "
                           f"({cfg.vad.max_segment_s:g}) + {RING_ROOM / SAMPLE_RATE:g} s: a ring that fills before a "
@@ -366,6 +374,9 @@ def _check_together(cfg: Config) -> None:
                           f"{cfg.ingest.processes} ingest process(es) of shm.streams_per_ingest ({cfg.shm.streams_per_ingest}) "
                           "rings can hold: raise one of those, or lower it (0 = as many as the rings hold)")
     own = cfg.tcp_binds
+    for name, address in own:
+        if "[" in address:
+            raise ConfigError(f"{name} {address}: IPv6 addresses are not supported; use an IPv4 address or a host name")
     for i, (name, address) in enumerate(own):
         for other, other_address in own[i + 1:]:
             if _same_port(address, other_address):

@@ -224,22 +224,15 @@ def encode(msg: ClientMessage | ServerMessage) -> list[bytes | memoryview]:
     return frames
 
 
-def _unpack_header(frame: bytes | memoryview, limits: Limits) -> dict[str, Any]:
-    if len(frame) > limits.max_message_bytes:
-        raise ProtocolError(FRAME_TOO_LARGE, f"header of {len(frame)} bytes exceeds {limits.max_message_bytes}")
+# A client's header is small: these bound what a hostile one can make the server allocate.
+CLIENT_HEADER_LIMITS = {"max_str_len": 4096, "max_bin_len": 1024, "max_array_len": 64, "max_map_len": 32, "max_ext_len": 0}
+
+
+def _unpack_header(frame: bytes | memoryview, bounds: dict[str, int]) -> dict[str, Any]:
     try:
-        header = msgpack.unpackb(
-            frame,
-            raw=False,
-            strict_map_key=True,
-            max_str_len=4096,
-            max_bin_len=1024,
-            max_array_len=64,
-            max_map_len=32,
-            max_ext_len=0,
-        )
+        header = msgpack.unpackb(frame, raw=False, strict_map_key=True, **bounds)
     except Exception as exc:  # msgpack raises several types for corrupt input
-        raise ProtocolError(BAD_MESSAGE, f"header is not valid msgpack: {type(exc).__name__}") from None
+        raise ProtocolError(BAD_MESSAGE, f"header is not valid msgpack: {type(exc).__name__}: {str(exc)[:200]}") from None
     if not isinstance(header, dict) or not isinstance(header.get("type"), str):
         raise ProtocolError(BAD_MESSAGE, "header must be a map with a string 'type'")
     return header
@@ -250,7 +243,8 @@ def _build(cls: type, header: dict[str, Any], strict: bool = True) -> Any:
     known = _KNOWN[cls]
     kwargs = {k: v for k, v in header.items() if k != "type" and k in known}
     unknown = set(header) - known - {"type"}
-    stream = header.get("stream") if isinstance(header.get("stream"), str) else None
+    stream = header.get("stream")
+    stream = stream if isinstance(stream, str) and 0 < len(stream) <= MAX_STREAM_ID else None  # a bad id is not echoed
     if unknown and strict:
         raise ProtocolError(BAD_MESSAGE, f"{cls.type}: unknown fields {sorted(map(repr, unknown))}", stream)
     try:
@@ -276,7 +270,9 @@ def decode_client(frames: Sequence[bytes | memoryview], limits: Limits = Limits(
     """Parse and validate one client message; raises ProtocolError with the code to answer."""
     if not frames or len(frames) > 2:
         raise ProtocolError(BAD_MESSAGE, f"expected 1 or 2 frames, got {len(frames)}")
-    header = _unpack_header(frames[0], limits)
+    if len(frames[0]) > limits.max_message_bytes:
+        raise ProtocolError(FRAME_TOO_LARGE, f"header of {len(frames[0])} bytes exceeds {limits.max_message_bytes}")
+    header = _unpack_header(frames[0], CLIENT_HEADER_LIMITS)
     cls = _CLIENT.get(header["type"])
     if cls is None:
         raise ProtocolError(BAD_MESSAGE, f"unknown message type {header['type'][:40]!r}")
@@ -313,8 +309,10 @@ def decode_client(frames: Sequence[bytes | memoryview], limits: Limits = Limits(
 
 
 def decode_server(frames: Sequence[bytes | memoryview]) -> ServerMessage:
-    """Parse a server message (client side); the server is trusted, so only the shape is checked."""
-    header = _unpack_header(frames[0], Limits())
+    """Parse a server message (client side). The server is trusted, so only the shape is checked,
+    and none of the client headers' bounds apply: a long final's text, a status of a pool of
+    many workers, an error quoting what a client sent are all larger."""
+    header = _unpack_header(frames[0], {})
     cls = _SERVER.get(header["type"])
     if cls is None:
         raise ProtocolError(BAD_MESSAGE, f"unknown server message type {header['type']!r}")

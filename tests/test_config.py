@@ -39,6 +39,15 @@ def test_the_embedded_default_and_its_file_agree() -> None:
     ({"broker": {"stall_after_s": 1e10}}, "broker.stall_after_s must be between 0 and 86400.0, not 10000000000.0"),
     ({"workers": {"stuck_after_s": 1e10}}, "workers.stuck_after_s must be between 0 and 86400.0, not 10000000000.0"),
     ({"shm": 60}, "shm must be a table ([shm])"),
+    # pyzmq takes a poll's timeout as a C int of milliseconds: the worker could not wait half of this
+    ({"broker": {"heartbeat_ms": 5_000_000_000}}, "broker.heartbeat_ms must be between 10 and 60000, not 5000000000"),
+    ({"ingest": {"max_frame_bytes": 16}}, "ingest.max_frame_bytes must be 32 or more, not 16"),
+    ({"ingest": {"max_message_bytes": 1000}}, "ingest.max_message_bytes must be 16384 or more, not 1000"),
+    # ZeroMQ drops a message over max_message_bytes with the connection, without a reply
+    ({"ingest": {"max_frame_bytes": 2_000_000}}, "ingest.max_frame_bytes (2000000) is more than ingest.max_message_bytes (1048576)"),
+    # the ring cannot free the pad before a segment that cannot open without being cut
+    ({"vad": {"pad_ms": 70_000}}, "vad.pad_ms (70000) and vad.min_speech_ms (150) must add up to less than vad.max_segment_s (25 s)"),
+    ({"ingest": {"address": "tcp://[::1]:7700"}}, "ingest.address tcp://[::1]:7700: IPv6 addresses are not supported"),
     ({"run_dir": 3}, "run_dir must be a string, not 3"),
     ({"ingest": {"adress": "tcp://127.0.0.1:7700"}}, "unknown config key ingest.adress"),
     # a "/" cannot name a shm segment; a dot would make `prod` a prefix of `prod.eu`'s segments

@@ -70,6 +70,19 @@ def test_server_messages_tolerate_fields_from_a_newer_server() -> None:
     assert m.decode_server(frames) == m.Ready(stream="s", window=100)
 
 
+def test_server_messages_larger_than_a_client_header_are_decoded() -> None:
+    """The bounds on a client's header guard the server; a client must read what a server sends
+    beyond them: a long final in a script of two bytes a letter, the status of a pool of 96
+    workers, an error quoting what the client sent."""
+    for msg in (m.Final(stream="s", seg=0, text="привет " * 700, start=0.0, end=30.0),
+                m.StatusReply(ready=True, workers=[{"name": f"worker-{i}", "jobs": i} for i in range(96)]),
+                m.ErrorMsg(code=m.BAD_FORMAT, message="sample rate " + "x" * 4090 + " not supported", stream="s")):
+        frames = m.encode(msg)
+        with pytest.raises(m.ProtocolError):
+            m.decode_client(frames)  # as a client header, each is over the bounds
+        assert m.decode_server(frames) == msg
+
+
 def test_unknown_server_message_type_is_a_protocol_error() -> None:
     with pytest.raises(m.ProtocolError) as err:
         m.decode_server([pack({"type": "telemetry"})])
@@ -157,6 +170,10 @@ def test_refusals_name_the_stream_and_seq_they_concern() -> None:
     with pytest.raises(m.ProtocolError) as err:
         m.decode_client(open_(rate=11025))
     assert err.value.stream == "s"
+    for bad in ("", "x" * 65):  # an id the server refuses is not echoed back as if it named a stream
+        with pytest.raises(m.ProtocolError) as err:
+            m.decode_client([pack({"type": "end", "stream": bad, "unknown": 1})])
+        assert err.value.stream is None
 
 
 def test_frame_limits_come_from_the_receiver() -> None:
