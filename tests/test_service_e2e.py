@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import soundfile as sf
@@ -119,6 +120,9 @@ def test_status_reports_every_process(service) -> None:
     assert names == ["broker", "dashboard", "ingest-0", "worker-0", "worker-1"]
     assert all(p["state"] == "RUNNING" for p in report["processes"])
     assert len(report["workers"]) == 2 and len(report["ingests"]) == 1
+    for process in report["processes"]:  # one process per core: numpy's BLAS must not start threads of its own
+        environ = Path(f"/proc/{process['pid']}/environ").read_bytes().split(b"\0")
+        assert b"OPENBLAS_NUM_THREADS=1" in environ and b"OMP_NUM_THREADS=1" in environ, process["name"]
 
 
 # ---------------------------------------------------------------- bad input, with the model-free backend
