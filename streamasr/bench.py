@@ -435,8 +435,9 @@ def summarize(spec: RunSpec, results: list[dict[str, Any]], t0: float, wall_end:
             cut[s["closed_reason"]] = cut.get(s["closed_reason"], 0) + 1
     audio_s = sum(s["audio_s"] for s in opened)
     ends = [s["closed_at"] for s in closed] + [float(f[:, 0].max()) for f in finals if len(f)]
-    wall = max((max(ends) if ends else wall_end) - t0, 0.0)
     send_end = max((s["end_sent"] or 0.0) for s in opened) if opened else wall_end
+    # nothing closed and no final: the audio sent is what was served, not the wait for a drain
+    wall = max((max(ends) if ends else send_end) - t0, 0.0)
 
     lag_stats = stats_ms(lag)
     partial_stats = stats_ms(p_all[:, 1])

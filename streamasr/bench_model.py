@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-dir", default="")
     ap.add_argument("--json", dest="json_path", default=None, help="write the results as one JSON object")
     args = ap.parse_args(argv)
+    if args.repeat < 1 or args.threads < 1:
+        ap.error("--repeat and --threads must be 1 or more")
 
     from config.settings import ModelConfig
     from speech import longform

@@ -215,3 +215,20 @@ def test_the_started_services_config_takes_relative_paths_from_the_files_directo
     started = settings.load(None, streamasr_bench.started_settings(args, [1]))
     assert Path(started.model.cache_dir).resolve() == (tmp_path / "conf" / "cache").resolve()
     assert Path(started.model.cache_dir).resolve() == Path(settings.load(tmp_path / "conf" / "bench.toml").model.cache_dir).resolve()
+
+
+def test_throughput_of_a_run_that_ended_nothing_counts_the_audio_sent_not_the_drain() -> None:
+    """A stream that never closed and had no final (a service that stopped answering) must not
+    have its throughput divided by the time the bench then waited for a drain."""
+    from array import array
+
+    def packed(rows: list[tuple[float, ...]]) -> bytes:
+        return array("d", [v for row in rows for v in row]).tobytes()
+
+    stream = {"sid": "s0", "ready": True, "open_error": None, "closed_at": None, "closed_reason": None, "end_sent": 103.0,
+              "audio_s": 3.0, "refs": [], "texts": [], "revised": 0, "errors": {},
+              "partials": packed([(101.0, 0.01, 0, 1.0)]), "finals": packed([]), "acks": packed([(100.6, 0.001)])}
+    spec = streamasr_bench.RunSpec(1, 3.0, False, 20.0, None, "null", 1, 1, 60.0)
+    summary, _ = streamasr_bench.summarize(spec, [{"lag": packed([(0.001,)]), "streams": [stream]}], 100.0, 165.0,
+                                           streamasr_bench.Sampler({}), None, (None, None), 1, {}, {})
+    assert summary["throughput"]["wall_s"] == 3.0 and summary["streams"]["unfinished"] == 1

@@ -37,3 +37,9 @@ def test_normalize_reads_every_digit_group_separator():
     assert normalize("1,200,000 people") == "one million two hundred thousand people"
     assert wer(["one million two hundred thousand people"], ["1,200,000 people."]) == 0
     assert normalize("5, 5") == "five five"
+
+
+def test_a_repeat_of_zero_is_refused_with_a_usage_error():
+    proc = subprocess.run([sys.executable, "-m", "streamasr.cli", "bench-model", "--engines", "ours-int8", "--repeat", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--repeat and --threads must be 1 or more" in proc.stderr and "Traceback" not in proc.stderr

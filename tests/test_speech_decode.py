@@ -142,6 +142,19 @@ def test_the_language_is_detected_from_the_audio_not_from_the_prompt(base, dev):
 
 
 @pytest.mark.base
+def test_the_tokenizer_reads_back_what_the_model_writes(base, dev):
+    """A prompt or forced prefix is the previous text encoded: it must come out as the tokens the
+    model wrote it in. whisper-base's published tokenizer.json lacks the merge that makes " t",
+    which split every word starting with "t" ("ten", "the", "to") into tokens the model never saw."""
+    tk = base.tokenizer
+    for u, audio in dev:
+        _, tokens = base.transcribe_tokens([DecodeRequest(audio=audio, language="en")], [None])[0]
+        words = [t for t in tokens if t < tk.eot]
+        assert tk.encode(tk.decode(words)) == words, u.reference
+    assert tk.encode(" tell them that this is it") == [980, 552, 300, 341, 307, 309]
+
+
+@pytest.mark.base
 def test_cli_local_base_with_a_given_language(tmp_path):
     """`streamasr transcribe --local --model whisper-base --language zh`: the language is forced, not
     detected, so even espeak-ng's Mandarin (which Whisper hears as Thai) comes out in Chinese script."""

@@ -158,6 +158,10 @@ def test_graphs_use_only_allowed_ops():
 
 def test_export_cache(tmp_path, capsys):
     cfg = ModelConfig(name="whisper-tiny.en", cache_dir=str(tmp_path))
+    killed = loader._export_dir(cfg, loader.resolve_model(cfg))  # an export killed midway left its work
+    killed = killed.with_name(f".{killed.name}.tmp-abc123")
+    (killed / "encoder.onnx").parent.mkdir(parents=True)
+    (killed / "encoder.onnx").write_bytes(b"half a graph")
     results: list = []
     # two exporters at once: the lock makes the second wait and then reuse the first one's graphs
     threads = [threading.Thread(target=lambda: results.append(loader.ensure_exported(cfg))) for _ in range(2)]
@@ -175,6 +179,21 @@ def test_export_cache(tmp_path, capsys):
     assert (out / "decoder.onnx").stat().st_mtime_ns == mtime
     assert "first run" not in capsys.readouterr().err
     assert not list((tmp_path / "onnx").glob(".*tmp*"))  # no temporary leftovers
+
+
+@pytest.mark.base
+def test_a_damaged_assembled_base_model_is_assembled_again(tmp_path):
+    """whisper-base's model.bin is assembled from two packages into the cache. A copy damaged
+    there (a disk fault) is not refused on every load: it is assembled again from the packages."""
+    cfg = ModelConfig(name="whisper-base", cache_dir=str(tmp_path))
+    path = loader.resolve_model(cfg).model_bin
+    with open(path, "r+b") as fh:
+        fh.seek(1 << 20)
+        byte = fh.read(1)
+        fh.seek(1 << 20)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    files = loader.resolve_model(cfg)
+    assert loader.sha256_file(files.model_bin) == loader.BASE_SHA256
 
 
 def test_sha256_mismatch_is_reported(tmp_path):
