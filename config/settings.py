@@ -375,7 +375,7 @@ def _check_together(cfg: Config) -> None:
                           "rings can hold: raise one of those, or lower it (0 = as many as the rings hold)")
     own = cfg.tcp_binds
     for name, address in own:
-        if "[" in address:
+        if any(c in ((_tcp_host_port(address) or ("", 0))[0]) for c in "[:"):
             raise ConfigError(f"{name} {address}: IPv6 addresses are not supported; use an IPv4 address or a host name")
     for i, (name, address) in enumerate(own):
         for other, other_address in own[i + 1:]:

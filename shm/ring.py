@@ -14,6 +14,7 @@ SAMPLE_RATE = 16000
 # Per-slot header fields (int64 indexes into the slot's 64-byte header line).
 GENERATION = 0
 WRITTEN = 1
+WRITING = 2  # the count a write in progress will publish: set before its data is copied
 
 
 class RingOverrun(Exception):
@@ -24,7 +25,8 @@ class Ring:
     """A fixed-capacity float32 ring; `written` and `generation` live in shared memory.
 
     `written` is stored after the data, so a reader that sees a count can read every sample
-    below it. `protected_from` is writer-local: it marks the oldest sample that queued or
+    below it; `writing` before it, so a reader that checks `intact` after using samples knows
+    whether a write had begun over them, even one not yet published. `protected_from` is writer-local: it marks the oldest sample that queued or
     running jobs still need, and `write` refuses to overwrite it rather than corrupt a job.
     """
 
@@ -73,6 +75,7 @@ class Ring:
         written = self.written
         pos = written % self.capacity
         first = min(n, self.capacity - pos)
+        self._header[WRITING] = written + n  # before the data: see `intact`
         if scale is None:
             np.copyto(self._data[pos : pos + first], samples[:first], casting="same_kind")
             if first < n:
@@ -123,10 +126,11 @@ class Ring:
         Readers call it after consuming a view: zero-copy means nothing stops the writer, so
         the check afterwards is what proves the audio used was the audio asked for.
         """
-        return self.generation == generation and start >= self.written - self.capacity
+        return self.generation == generation and start >= int(self._header[WRITING]) - self.capacity
 
     def _reset(self) -> None:
         """Start a new stream in this slot: new generation first, so stale jobs see it."""
         self._header[GENERATION] += 1
         self._header[WRITTEN] = 0
+        self._header[WRITING] = 0
         self.protected_from = 0

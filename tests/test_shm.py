@@ -11,6 +11,7 @@ import stat
 import struct
 import subprocess
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -218,6 +219,59 @@ def test_spawned_reader_sees_writer_data_zero_copy(instance: str) -> None:
     assert got["generation"] == ring.generation and got["written"] == 10_000
     assert not got["owndata"] and not got["writeable"]
     np.testing.assert_array_equal(np.frombuffer(got["data"], dtype=np.float32), sig[6_000:9_000])
+    pool.close()
+    pool.unlink()
+
+
+PATTERN = 1_000_003  # sample i holds i % PATTERN: exact in float32, and tells any sample's position
+
+
+def _checking_reader(name: str, slot: int, ready: multiprocessing.synchronize.Event,
+                     stop: multiprocessing.synchronize.Event, results: multiprocessing.queues.Queue) -> None:
+    """Runs in a spawned process: reads near the ring's oldest sample while the writer laps it,
+    and counts the reads `intact` vouched for that hold other samples than those asked for."""
+    ring = RingPool.attach(name).ring(slot)
+    generation, vouched, wrong = ring.generation, 0, 0
+    ready.set()
+    while not stop.is_set():
+        start = max(0, ring.written - ring.capacity + 500)
+        try:
+            got = ring.view(start, start + 2_000).copy()
+        except RingOverrun:  # the writer moved past it before the view was taken
+            continue
+        if ring.intact(start, generation):
+            vouched += 1
+            wrong += not np.array_equal(got, (np.arange(start, start + 2_000) % PATTERN).astype(np.float32))
+    results.put((vouched, wrong))
+
+
+def test_intact_vouches_only_for_samples_no_write_has_begun_over(instance: str) -> None:
+    """A worker reads its job's audio in place and then asks `intact` whether it was the audio
+    asked for. A write over it that has begun but not yet published its count must already
+    make the answer no."""
+    name = seg(instance)
+    pool = RingPool.create(name, slots=1, capacity=8_000)
+    ring = pool.acquire()
+    ctx = mp.get_context("spawn")
+    ready, stop, results = ctx.Event(), ctx.Event(), ctx.Queue()
+    ring.write((np.arange(8_000) % PATTERN).astype(np.float32))
+    proc = ctx.Process(target=_checking_reader, args=(name, ring.slot, ready, stop, results))
+    proc.start()
+    try:
+        assert ready.wait(60)
+        chunk = np.empty(3_000, dtype=np.float32)
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            ring.protected_from = ring.written  # nothing is protected: the writer laps the reader at will
+            np.remainder(np.arange(ring.written, ring.written + len(chunk)), PATTERN, out=chunk, casting="unsafe")
+            ring.write(chunk)
+        stop.set()
+        vouched, wrong = results.get(timeout=60)
+    finally:
+        stop.set()
+        proc.join(60)
+    assert proc.exitcode == 0
+    assert vouched > 100 and wrong == 0, (vouched, wrong)
     pool.close()
     pool.unlink()
 
