@@ -6,7 +6,7 @@ Workers attach the same segment read-only by name.
 
 Layout (little-endian, every part 64-byte aligned):
     segment header   64 bytes: magic, layout version, slots, capacity, sample rate
-    slot headers     64 bytes per slot: generation int64, written int64, padding. One cache
+    slot headers     64 bytes per slot: generation, written, writing int64, padding. One cache
                      line each, so writers of neighbouring slots don't false-share.
     data             per slot: capacity float32 samples, padded to 64 bytes
 
