@@ -52,6 +52,9 @@ VAD_ROUND_S = 0.010
 # one segment per ingest, as `streamasr serve` checks, has its room back by then.
 SHM_WAIT_S = 5.0
 GONE_KEEP_S = 60.0  # how long messages of a closed connection, still queued, are dropped unread
+# Messages queued for one client connection: a client that leaves this many unread has stopped
+# reading, and its connection is taken as gone (`_send`).
+CLIENT_QUEUE = 100_000
 
 
 class IngestServer:
@@ -75,7 +78,7 @@ class IngestServer:
             auth.apply_server_curve(self.clients, cfg.ingest.curve_secret_key)
         self.clients.setsockopt(zmq.MAXMSGSIZE, cfg.ingest.max_message_bytes)
         self.clients.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished client is an error we log, not a silent drop
-        self.clients.setsockopt(zmq.SNDHWM, 100_000)
+        self.clients.setsockopt(zmq.SNDHWM, CLIENT_QUEUE)
         self.clients.setsockopt(zmq.LINGER, 0)
         cfg.run_path.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.results = self.ctx.socket(zmq.PULL)
@@ -329,13 +332,16 @@ class IngestServer:
         try:
             self.clients.send_multipart([ident, *m.encode(msg)], flags=zmq.NOBLOCK)
             return True
-        except zmq.ZMQError as exc:  # EHOSTUNREACH: the connection is closed; EAGAIN: the client stopped reading
-            if exc.errno != zmq.EHOSTUNREACH:
-                self.log.warning("ingest.client_unreachable", client=ident.hex(), error=exc.strerror, event_type=msg.type)
-            elif ident not in self.gone:
+        except zmq.ZMQError as exc:
+            # EHOSTUNREACH: the connection is closed. EAGAIN: it is open, but the client stopped
+            # reading and CLIENT_QUEUE messages wait for it. Either way this message, a final perhaps,
+            # cannot reach it, nor can the rest in order: its streams are dropped, and a client
+            # still alive finds this ingest silent and resumes them from their `durable`.
+            if ident not in self.gone:
                 self.gone[ident] = time.monotonic()
                 self.newly_gone = True
-                self.log.warning("ingest.client_gone", client=ident.hex(), streams=self.per_client.get(ident, 0), event_type=msg.type)
+                self.log.warning("ingest.client_gone", client=ident.hex(), streams=self.per_client.get(ident, 0), event_type=msg.type,
+                                 reason="closed" if exc.errno == zmq.EHOSTUNREACH else "not_reading", error=exc.strerror)
             return False
 
     def _drop_gone(self) -> None:

@@ -27,6 +27,7 @@ from conftest import ROOT
 from broker import jobs
 from broker.signals import StopSignal
 from config import settings
+from ingest import server as ingest_server
 from ingest.server import IngestServer, _drain
 from ingest.session import Session
 from protocol import messages as m
@@ -65,6 +66,10 @@ def client(endpoint: str, streams: list[str], got: dict[str, list[m.ServerMessag
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[IngestServer]:
     """An ingest of an instance of its own; closed by `run`, or here if the test did not run it."""
+    yield from _server(tmp_path)
+
+
+def _server(tmp_path: Path) -> Iterator[IngestServer]:
     base = free_ports(2)
     instance = f"test{uuid.uuid4().hex[:8]}"
     cfg = settings.load(None, {
@@ -269,6 +274,49 @@ def test_a_stop_while_the_ingest_starts_leaves_no_shm_behind(tmp_path: Path) -> 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) in (0, -signal.SIGTERM), log.read_text()[-2000:]
         assert pool.segments(instance) == [], (after_s, log.read_text()[-2000:])
+
+
+def test_a_client_that_stops_reading_is_taken_as_gone_and_its_streams_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection still open whose client stopped reading fills the ingest's queue for it. What
+    the ingest then has for it (a final perhaps) cannot be queued, nor anything after it in
+    order: the connection is taken as gone and its streams dropped, as for a closed one, so that
+    the client, finding the ingest silent, resumes them from their `durable` rather than go on
+    with answers missing. The queue is shortened here, so that the kernel's buffers and a few
+    thousand answers fill it."""
+    monkeypatch.setattr(ingest_server, "CLIENT_QUEUE", 5)
+    made = _server(tmp_path)
+    server = next(made)
+    try:
+        with client_socket(server) as other:
+            other.send_multipart(m.encode(m.Open(stream="other")))
+            serve_until(server, other, lambda got: any(isinstance(a, m.Ready) for a in got))
+            stuck = zmq.Context.instance().socket(zmq.DEALER)
+            stuck.linger = 0
+            stuck.setsockopt(zmq.RCVHWM, 1)
+            stuck.setsockopt(zmq.RCVBUF, 4096)
+            stuck.connect(server.endpoint)
+            try:
+                stuck.send_multipart(m.encode(m.Open(stream="a", priority="batch")))
+                session = wait_for(lambda: (_drain(server.clients, server._on_client, copy=False), server._flush(),
+                                            next((s for s in server.sessions.values() if s.opened.stream == "a"), None))[-1],
+                                   what="the stream open")
+                bad = m.encode(m.Open(stream="b", rate="r" * 4000))  # answered `bad_format`, quoting the rate
+                for _ in range(40):  # the client reads none of it
+                    for _ in range(100):
+                        stuck.send_multipart(bad)
+                    _drain(server.clients, server._on_client, copy=False)
+                    server._flush()
+                    if session.abandoned:
+                        break
+                assert session.abandoned, "the stream of a client that stopped reading was kept"
+                assert stuck in zmq.select([], [stuck], [], 0)[1]  # it can still send: the connection is open
+            finally:
+                stuck.close()
+            other.send_multipart(m.encode(m.Audio(stream="other", seq=0, data=bytes(2 * FRAME))))
+            got = serve_until(server, other, lambda got: any(isinstance(a, m.Ack) for a in got))
+            assert [type(a) for a in got] == [m.Ack], got  # the other connection is untouched
+    finally:
+        next(made, None)  # the fixture's end: closed, and its shm checked
 
 
 def test_a_closed_connection_s_streams_are_dropped_and_their_rings_kept_until_their_jobs_are_answered(server: IngestServer) -> None:

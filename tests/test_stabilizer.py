@@ -70,6 +70,27 @@ def test_numbers_in_words_or_digits_are_the_same_word() -> None:
     assert la.finalize("Eight of spades, four of clubs, seven of hearts.") == (
         "Eight of spades, four of clubs, seven of hearts.", False)
     assert word_key("Forty,") == "40" and word_key("fortyish") == "fortyish"
+    assert word_key("twenty-one") == "21" and word_key("Ninety-nine.") == "99"
+    la = LocalAgreement()
+    la.update("it costs twenty-one")
+    la.update("it costs twenty-one dollars and")
+    assert la.finalize("It costs 21 dollars and fifty cents.") == ("It costs 21 dollars and fifty cents.", False)
+
+
+def test_a_language_written_without_spaces_commits_character_by_character() -> None:
+    """Chinese and Japanese have no spaces between words: split on spaces, a partial is one word,
+    and the last word is never committed, so nothing would ever be stable. Each character is a
+    word; the text keeps no spaces it did not have, and a mix keeps those it had."""
+    la = LocalAgreement()
+    assert la.update("今天天气") == ("今天天气", "")
+    assert la.update("今天天气很好") == ("今天天气很好", "今天天气")
+    assert la.update("今天天气很好，我们去") == ("今天天气很好，我们去", "今天天气很好")
+    assert la.update("今天天气很好，我们去公园吧。") == ("今天天气很好，我们去公园吧。", "今天天气很好，我们去")
+    assert la.finalize("今天天气很好，我们去公园吧。") == ("今天天气很好，我们去公园吧。", False)
+    assert la.finalize("明天天气很好，我们去公园吧。") == ("明天天气很好，我们去公园吧。", True)
+    la = LocalAgreement()
+    la.update("東京 Tower は")
+    assert la.update("東京 Tower は高い") == ("東京 Tower は高い", "東京 Tower は")
 
 
 def test_whitespace_is_normalized() -> None:
