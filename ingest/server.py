@@ -36,6 +36,7 @@ from protocol import auth
 from protocol import messages as m
 from shm.pool import PoolExhausted, RingPool, make_room, ring_capacity, segment_size
 from speech.loader import language_refusal, served_languages
+from streamasr.logs import Throttle
 
 DRAIN_BATCH = 512  # messages taken from one socket per loop iteration
 # At exit, the clients' last messages (a drained stream's final and `closed`, sent in the loop's
@@ -89,6 +90,7 @@ class IngestServer:
         self.sessions: dict[str, Session] = {}
         self.per_client: dict[bytes, int] = {}
         self.gone: dict[bytes, float] = {}  # connections a send found closed, and when: see _drop_gone
+        self.throttle = Throttle()  # the refusal lines of each client
         self.newly_gone = False  # one was found since the last _drop_gone
         self.owner: dict[int, str] = {}  # job id -> session key
         self.scratch: dict[str, np.ndarray] = {}  # per-session VAD chunk buffer for ring wrap-around
@@ -233,7 +235,9 @@ class IngestServer:
             msg = m.decode_client([f.buffer for f in frames[1:]], self.limits)
         except m.ProtocolError as exc:
             self.metrics.inc("refusals_total", code=exc.code)
-            self.log.warning("ingest.bad_message", client=ident.hex(), code=exc.code, reason=exc.message, stream=exc.stream)
+            if (suppressed := self.throttle((ident, "bad_message", exc.code))) is not None:
+                self.log.warning("ingest.bad_message", client=ident.hex(), code=exc.code, reason=exc.message, stream=exc.stream,
+                                 suppressed=suppressed)
             self._send(ident, exc.reply())
             return
         if isinstance(msg, m.Audio):
@@ -256,7 +260,8 @@ class IngestServer:
         session = self.sessions.get(f"{ident.hex()}/{stream}")
         if session is None or session.closed:
             self.metrics.inc("refusals_total", code=m.UNKNOWN_STREAM)
-            self.log.warning("ingest.unknown_stream", client=ident.hex(), stream=stream)
+            if (suppressed := self.throttle((ident, "unknown_stream"))) is not None:
+                self.log.warning("ingest.unknown_stream", client=ident.hex(), stream=stream, suppressed=suppressed)
             self._send(ident, m.ErrorMsg(code=m.UNKNOWN_STREAM, message=f"no open stream {stream!r}", stream=stream, seq=seq))
             return None
         return session
@@ -266,7 +271,9 @@ class IngestServer:
 
         def refuse(code: str, message: str) -> None:
             self.metrics.inc("refusals_total", code=code)
-            self.log.warning("ingest.open_refused", client=ident.hex(), stream=msg.stream, code=code, reason=message)
+            if (suppressed := self.throttle((ident, "open_refused", code))) is not None:
+                self.log.warning("ingest.open_refused", client=ident.hex(), stream=msg.stream, code=code, reason=message,
+                                 suppressed=suppressed)
             self._send(ident, m.ErrorMsg(code=code, message=message, stream=msg.stream))
 
         if self.draining:

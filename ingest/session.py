@@ -23,6 +23,7 @@ from ingest.vad import CHUNK as VAD_CHUNK
 from metrics.registry import ProcessMetrics
 from protocol import messages as m
 from shm.pool import Ring
+from streamasr.logs import Throttle
 
 SAMPLE_RATE = 16_000
 PROMPT_CHARS = 200  # previous final text carried into the next decode as Whisper's prompt
@@ -76,6 +77,7 @@ class Session:
         self.direct_s16 = mono and opened.encoding == "pcm_s16le" and opened.rate == SAMPLE_RATE
         self.pcm: np.ndarray | None = None if self.direct_s16 or (mono and opened.encoding == "f32le") else np.empty(0, np.float32)
         self.log = structlog.get_logger().bind(ingest=ingest_index, stream=opened.stream, key=key)
+        self.throttle = Throttle()  # its refused frames' lines: every frame is refused while its ring is full
         self.next_seq = 0
         self.in_frames = 0  # input frames (per channel) accepted
         self.largest = 0  # input frames of the longest message accepted: what the client waits for room for
@@ -198,7 +200,8 @@ class Session:
             self.refused_from = seq
         self.stats["errors"] += 1
         self.metrics.inc("refusals_total", code=code)
-        self.log.warning("ingest.audio_refused", code=code, seq=seq, reason=message)
+        if (suppressed := self.throttle(code)) is not None:
+            self.log.warning("ingest.audio_refused", code=code, seq=seq, reason=message, suppressed=suppressed)
         self.outbox.append(m.ErrorMsg(code=code, message=message, stream=self.opened.stream, seq=seq))
         return False
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
+from collections.abc import Hashable
 from typing import Any
 
 import structlog
@@ -39,6 +41,32 @@ def _to_devnull() -> None:
     for fd in (1, 2):
         os.dup2(null, fd)
     os.close(null)
+
+
+class Throttle:
+    """At most one line a second per key (a client and what it got wrong). A client that sends
+    thousands of bad messages a second, or a stream whose frames are refused while the service is
+    overloaded, must not make its process a log writer: each line costs tens of microseconds, and
+    the ingest's loop serves every stream. Every refusal is still answered and counted in the
+    metrics; a line written says how many like it were not (`suppressed`)."""
+
+    MAX_KEYS = 10_000  # past this, keys quiet for a whole interval are forgotten
+
+    def __init__(self, interval_s: float = 1.0) -> None:
+        self.interval_s = interval_s
+        self._keys: dict[Hashable, list[float]] = {}  # key -> [when last written, lines suppressed since]
+
+    def __call__(self, key: Hashable) -> int | None:
+        """None when this line is not to be written; else how many were suppressed before it."""
+        now = time.monotonic()
+        entry = self._keys.get(key)
+        if entry is not None and now - entry[0] < self.interval_s:
+            entry[1] += 1
+            return None
+        if entry is None and len(self._keys) >= self.MAX_KEYS:
+            self._keys = {k: e for k, e in self._keys.items() if now - e[0] < self.interval_s}
+        self._keys[key] = [now, 0]
+        return int(entry[1]) if entry is not None else 0
 
 
 def configure(process: str, level: str = "info", **tags: Any) -> Any:

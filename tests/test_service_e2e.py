@@ -210,6 +210,13 @@ def test_bad_input_gets_clear_errors_and_nothing_dies(null_svc) -> None:
     bad.send_raw(b"\xc1\xff not msgpack")
     err = bad.recv()
     assert isinstance(err, m.ErrorMsg) and err.code == m.BAD_MESSAGE
+    # a client that keeps at it has every message answered, but not a log line each: the
+    # ingest's loop, which serves every stream, must not become a log writer
+    for _ in range(2000):
+        bad.send_raw(b"\xc1\xff not msgpack")
+    assert all(isinstance(e := bad.recv(), m.ErrorMsg) and e.code == m.BAD_MESSAGE for _ in range(2000))
+    lines = [json.loads(line) for line in null_svc.logs("ingest-0").splitlines() if '"ingest.bad_message"' in line]
+    assert 1 <= len(lines) <= 6 and all(line["suppressed"] >= 0 for line in lines), lines  # one a second at most
 
     bad.send(m.Audio(stream="nobody", seq=0, data=b"\0\0"))
     err = bad.recv()
