@@ -566,7 +566,8 @@ class Collector:
 
         rates: dict[str, float] = {}
         for inc in self._live.values():
-            for kind, rate in inc.job_rates(silent=max(0.0, now - inc.seen - REFRESH_S)).items():
+            # silent: from when the page marks it so; a snapshot a little late is jitter, not silence
+            for kind, rate in inc.job_rates(silent=max(0.0, now - inc.seen - SILENT_AFTER_S)).items():
                 rates[kind] = rates.get(kind, 0.0) + rate
         latency: dict[str, dict[str, Any]] = {}
         for kind, name in (("partial", "partial_latency_seconds"), ("final", "final_latency_seconds"),
