@@ -182,7 +182,7 @@ def _read(job: Job, output: Output) -> None:
             final = isinstance(ev, Final)
             if final and ev.text.strip():
                 job.finals.append(ev.text.strip())
-            row = {"type": "final" if final else "partial", "file": job.file, "text": ev.text,
+            row = {"type": "final" if final else "partial", "file": job.file, "seg": ev.seg, "text": ev.text,
                    "stable": ev.text if final else ev.stable, "start": ev.start, "end": ev.end, "latency_ms": latency_ms}
             if final:
                 row["revised"] = ev.revised

@@ -266,14 +266,30 @@ def test_a_stop_while_the_ingest_starts_leaves_no_shm_behind(tmp_path: Path) -> 
         "shm": {"streams_per_ingest": 4, "ring_seconds": 26.0},
     })))
     log = tmp_path / "ingest.log"
-    for after_s in (0.6, 0.9, 1.2, 1.5, 1.8, 2.4, 3.0):  # before, during and after the start
+    # at once (the default action may still end it: nothing was made yet), at a few moments of
+    # the start, and when its segment exists and when it is ready (its handler is in place by
+    # then: it must drain, unlink the segment and exit 0)
+    for when in (0.0, 0.6, 1.2, 1.8, "segment", "ready"):
         with log.open("w") as out:
             proc = subprocess.Popen([sys.executable, "-m", "ingest", "--config", str(config)], cwd=ROOT,
                                     stdout=out, stderr=subprocess.STDOUT)
-        time.sleep(after_s)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) in (0, -signal.SIGTERM), log.read_text()[-2000:]
-        assert pool.segments(instance) == [], (after_s, log.read_text()[-2000:])
+        try:
+            if when == "segment":
+                wait_for(lambda: pool.segments(instance), 60, "the ingest's segment")
+            elif when == "ready":
+                wait_for(lambda: '"ingest.ready"' in log.read_text(), 60, "the ingest ready")
+            else:
+                time.sleep(when)
+            proc.send_signal(signal.SIGTERM)
+            status = proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+            left = pool.segments(instance)
+            pool.reclaim(instance)
+        assert status in ((0,) if isinstance(when, str) else (0, -signal.SIGTERM)), (when, log.read_text()[-2000:])
+        assert left == [], (when, log.read_text()[-2000:])
 
 
 def test_a_client_that_stops_reading_is_taken_as_gone_and_its_streams_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
