@@ -73,9 +73,16 @@ def service_factory(tmp_path: Path) -> Iterator[Callable[..., Service]]:
         return svc
 
     yield make
+    # every service is stopped even when stopping one fails, then each is checked
+    errors: list[BaseException] = []
     for svc in started:
-        svc.stop()
-        assert pool.segments(svc.cfg.instance) == [], "shm segments left after shutdown"
+        try:
+            svc.stop()
+        except Exception as exc:  # reported below, once the others are stopped too
+            errors.append(exc)
+    assert not errors, f"stopping a service failed: {errors!r}"
+    for svc in started:
+        assert pool.segments(svc.cfg.instance) == [], f"shm segments of {svc.cfg.instance} left after shutdown"
 
 
 @pytest.fixture(scope="session")

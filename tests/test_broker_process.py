@@ -27,6 +27,7 @@ from typing import Any
 
 import msgpack
 import numpy as np
+import psutil
 import pytest
 import structlog
 import zmq
@@ -628,6 +629,13 @@ def test_a_worker_that_replaces_its_socket_is_served_on_the_new_one(cluster: Clu
 
 
 
+def _worker_connections(cluster: Cluster) -> int:
+    """Unix sockets the broker process holds on its worker endpoint (its listener and each
+    connection it accepted): one goes when the broker has seen that peer go."""
+    path = cluster.cfg.broker_worker_endpoint.removeprefix("ipc://")
+    return sum(c.laddr == path for c in psutil.Process(cluster.procs["broker"].pid).net_connections(kind="unix"))
+
+
 def test_a_job_sent_to_workers_already_gone_is_not_given_up_on(cluster: Cluster) -> None:
     """Two workers vanish before the broker hears they are gone; a final then comes. Each send
     to them fails (unreachable), so neither ever held the job: it waits for a worker that is
@@ -638,12 +646,21 @@ def test_a_job_sent_to_workers_already_gone_is_not_given_up_on(cluster: Cluster)
     ready = {"capacity": 1, "pid": 1, "model": "null"}
     gone = [_replaced(cluster.cfg.broker_worker_endpoint, b"worker-%d-1" % i, ready) for i in (7, 8)]
     cluster.wait_workers(2)
+    connected = _worker_connections(cluster)
     for sock in gone:
         sock.close(linger=0)
-    time.sleep(0.3)  # the broker's socket sees both connections end; its patience (3 s) runs on
+    # the broker's socket sees both connections end (it closes them); its patience (3 s) runs on
+    wait_for(lambda: _worker_connections(cluster) == connected - 2, 5, "the broker to close both connections")
     [final] = cluster.jobs(1)
     cluster.ingest.submit([final])
-    wait_for(lambda: any(e["event"] == "broker.worker_lost" for e in cluster.log_events("broker")), 5, "a worker found gone")
+
+    def lost() -> list[dict[str, Any]]:
+        return [e for e in cluster.log_events("broker") if e["event"] == "broker.worker_lost"]
+
+    wait_for(lambda: len(lost()) == 2, 5, "both workers found gone")
+    # found gone by the send that failed, holding nothing: no loss counted against the job
+    assert sorted((e["worker"], e["why"], e["requeued"]) for e in lost()) == [
+        ("worker-7-1", "unreachable", 0), ("worker-8-1", "unreachable", 0)], lost()
     worker = _replaced(cluster.cfg.broker_worker_endpoint, b"worker-9-1", ready)
     try:
         assert worker.poll(5000), f"the final never reached a live worker; the ingest got {cluster.ingest.answers()}"
@@ -687,7 +704,9 @@ def test_a_malformed_done_row_returns_its_credit_and_spoils_no_figure(cluster: C
             good = [jobs[1].job_id, 0, OK, 1, now - 0.1, now]
             sock.send_multipart([wire.DONE, wire.pack([bad, good])])
             wait_for(lambda: cluster.status()["jobs_done"] == 2 * (round_ + 1), 5, f"round {round_}: both rows counted")
-        time.sleep(2.5)  # two of the broker's ticks, which take the decode times into the figures
+        heard = cluster.ingest.heard
+        # two of the broker's ticks, which take the decode times into the figures and send them
+        wait_for(lambda: cluster.ingest.heard >= heard + 2, 10, "two heartbeats of figures")
         numbers = {k: v for k, v in cluster.ingest.figures.items() if isinstance(v, (int, float))}
         assert "stream_share" in numbers and all(math.isfinite(v) for v in numbers.values()), numbers
         logged = [e for e in cluster.log_events("broker") if e["event"] == "broker.bad_done_row"]

@@ -418,7 +418,7 @@ def test_async_client_takes_an_ingest_that_stops_acking_for_lost() -> None:
             await asyncio.sleep(0.2)  # the reader now waits with nothing owed
             await stream.send(np.zeros(RATE // 2, np.int16))  # owes an ack from here on
             sent = time.monotonic()
-            while client.reconnects == 0 and time.monotonic() < sent + 5.0:
+            while client.reconnects == 0 and time.monotonic() < sent + 30.0:
                 await asyncio.sleep(0.02)
             assert client.reconnects, "an ingest that never acks was not taken for lost"
             return time.monotonic() - sent
@@ -426,7 +426,8 @@ def test_async_client_takes_an_ingest_that_stops_acking_for_lost() -> None:
             await client.close()
 
     try:
-        assert 0.45 <= asyncio.run(main()) < 3.0  # after `liveness`, counted from the send
+        # after `liveness` (0.5 s), counted from the send; a deadline never armed waits for ever
+        assert 0.45 <= asyncio.run(main()) < 15.0
         assert fake.received["hello"] >= 2
     finally:
         fake.close()
@@ -594,13 +595,13 @@ def test_a_resume_the_service_keeps_refusing_fails_when_the_resume_timeout_runs_
             stream.send(np.zeros(RATE // 2, np.int16))  # never acked: the ingest is taken for lost
             started = time.monotonic()
             with pytest.raises(StreamError) as failed:
-                drain(stream, timeout=6.0)
-            # liveness and resume_timeout come to 3 s; a second or two more on a loaded machine, never for ever
-            assert failed.value.code == LOST and time.monotonic() - started < 5.0
+                drain(stream, timeout=60.0)
+            # liveness and resume_timeout come to 3 s; more on a loaded machine, but far from for ever
+            assert failed.value.code == LOST and time.monotonic() - started < 20.0
 
         async def main() -> StreamError:
             async with AsyncClient(fake.address, timeout=2.0, liveness=0.5, resume_timeout=2.5) as aclient:
-                return await lost_stream(aclient, timeout=6.0)
+                return await lost_stream(aclient, timeout=60.0)
 
         assert asyncio.run(main()).code == LOST
         assert fake.received["open"] >= 6  # each client: its open, then at least two refused re-opens
@@ -637,7 +638,7 @@ def test_async_close_against_an_ingest_that_stops_reading_leaves_the_event_loop_
     do, and the other tasks on the loop (a service's other clients, its timers) must run meanwhile."""
     ingest = subprocess.Popen([sys.executable, "-c", FROZEN_INGEST], stdout=subprocess.PIPE, text=True, cwd=ROOT)
 
-    async def main(address: str) -> tuple[float, float]:
+    async def main(address: str) -> tuple[float, int]:
         aclient = await AsyncClient.connect(address, timeout=5.0, liveness=60.0)
         stream = await aclient.open("s")
         os.kill(ingest.pid, signal.SIGSTOP)
@@ -655,33 +656,34 @@ def test_async_close_against_an_ingest_that_stops_reading_leaves_the_event_loop_
         await aclient.close()
         ended = time.monotonic()
         ticker.cancel()
-        during = [started, *(t for t in ticks if started < t < ended), ended]
-        return ended - started, max(b - a for a, b in zip(during, during[1:]))
+        return ended - started, sum(started < t < ended for t in ticks)
 
     try:
         front = FakeIngest(ingest=f"tcp://127.0.0.1:{int(ingest.stdout.readline())}")
         try:
-            took, longest_stall = asyncio.run(main(front.address))
+            took, ticked = asyncio.run(main(front.address))
         finally:
             front.close()
     finally:
         ingest.kill()
         ingest.wait()
     assert took >= 0.4, f"close() took {took:.3f}s: the queued audio left, nothing was waited for"
-    assert longest_stall < took / 2, f"the event loop stalled {longest_stall:.3f}s of close()'s {took:.3f}s"
+    # every 10 ms when the loop runs; a close() that blocked the loop would let it tick once at most
+    assert ticked >= 3, f"the ticker ran {ticked} times during close()'s {took:.3f}s"
 
 
 def test_closing_while_a_resume_waits_for_the_front_door_returns_at_once() -> None:
     """With the whole service gone a resume says hello until `resume_timeout` runs out; close() must
     not wait for that, and the streams fail as closed."""
     fake = FakeIngest()
-    client = Client(fake.address, timeout=5.0, resume_timeout=30.0)
+    client = Client(fake.address, timeout=5.0, resume_timeout=60.0)
     stream = client.open("s")
+    ingest = client._sock
     fake.close()  # the connection drops: the client starts resuming
-    time.sleep(1.0)
+    assert wait_for(lambda: ingest.closed, 10.0), "no resume started"
     closer = threading.Thread(target=client.close, daemon=True)
     closer.start()
-    closer.join(3.0)
+    closer.join(15.0)  # far below the 60 s the resume would take to give up
     assert not closer.is_alive(), "close() waits for the resume to give up"
     with pytest.raises(StreamError) as failed:
         drain(stream, timeout=1.0)
@@ -689,15 +691,17 @@ def test_closing_while_a_resume_waits_for_the_front_door_returns_at_once() -> No
 
     async def main() -> float:
         afake = FakeIngest()
-        aclient = await AsyncClient.connect(afake.address, timeout=5.0, resume_timeout=30.0)
+        aclient = await AsyncClient.connect(afake.address, timeout=5.0, resume_timeout=60.0)
         await aclient.open("a")
+        ingest = aclient._sock
+        assert ingest is not None
         afake.close()
-        await asyncio.sleep(1.0)
+        assert await await_for(lambda: ingest.closed, 10.0), "no resume started"
         started = time.monotonic()
         await aclient.close()
         return time.monotonic() - started
 
-    assert asyncio.run(main()) < 3.0
+    assert asyncio.run(main()) < 15.0  # far below the 60 s the resume would take to give up
 
 
 def test_an_open_its_caller_cancels_is_abandoned() -> None:
@@ -760,8 +764,8 @@ def test_a_batch_send_times_out_while_other_streams_move() -> None:
             batch = await aclient.open("b", priority="batch")
             live = await aclient.open("r")
 
-            async def talk() -> None:
-                for _ in range(30):
+            async def talk() -> None:  # 20 s of audio, within its 30 s window: a timeout it restarted ends after it
+                for _ in range(200):
                     await live.send(np.zeros(RATE // 10, np.int16))
                     await asyncio.sleep(0.1)
 
@@ -775,7 +779,7 @@ def test_a_batch_send_times_out_while_other_streams_move() -> None:
                 talker.cancel()
 
     try:
-        assert asyncio.run(main()) < 1.5
+        assert asyncio.run(main()) < 10.0  # the 0.5 s asked for, not the 20 s the other stream talks
     finally:
         fake.close()
 
@@ -784,23 +788,23 @@ def test_opens_the_protocol_does_not_allow_are_refused_at_once(null_service) -> 
     """A bad id or a header too large to decode gets an error naming no stream: the client must not
     send it and wait for an answer it cannot recognise, nor show that error to its other streams."""
     bad = [{"stream": "x" * 65}, {"stream": "p", "prompt": "word " * 1000}, {"stream": "l", "language": "x" * 17}]
-    with Client(null_service.address, timeout=3.0) as client:
+    with Client(null_service.address, timeout=60.0) as client:
         other = client.open("other")
         for kwargs in bad:
             started = time.monotonic()
             with pytest.raises(ValueError):
                 client.open(**kwargs)
-            assert time.monotonic() - started < 2.0  # not the 3 s timeout an answer would be awaited for
+            assert time.monotonic() - started < 15.0  # not the 60 s timeout an answer would be awaited for
         with pytest.raises(TimeoutError):
             next(other.events(timeout=0.5))
         other.end()
         assert isinstance(drain(other)[-1], Closed)
 
     async def main() -> None:
-        async with AsyncClient(null_service.address, timeout=3.0) as aclient:
+        async with AsyncClient(null_service.address, timeout=60.0) as aclient:
             for kwargs in bad:
                 with pytest.raises(ValueError):
-                    await asyncio.wait_for(aclient.open(**kwargs), 0.5)
+                    await asyncio.wait_for(aclient.open(**kwargs), 15.0)  # a TimeoutError if an answer is awaited
 
     asyncio.run(main())
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import uuid
 from concurrent.futures import Future
 
 import numpy as np
@@ -29,6 +30,7 @@ from client.core import (
 )
 from config.settings import Config
 from ingest.session import Session
+from metrics.registry import ProcessMetrics
 from protocol.messages import (
     BAD_FORMAT,
     BAD_MESSAGE,
@@ -51,6 +53,7 @@ from protocol.messages import (
     decode_client,
     encode,
 )
+from shm import Ring, RingPool
 
 
 def core(priority: str = "realtime", max_frame_bytes: int = 200, window: int = 1000) -> StreamCore:
@@ -176,39 +179,25 @@ def test_a_refusal_after_end_is_resent_and_end_sent_again() -> None:
     assert c.take(10.0) == [] and c.end_out and not c.retained
 
 
-class FakeRing:
-    """An ingest ring as far as a Session's flow control sees it: room, and the samples written."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.written = 0
-        self.protected_from = 0  # raised to `written` when the workers catch up
-        self.samples: list[np.ndarray] = []
-
-    def free_space(self) -> int:
-        return max(0, min(self.capacity, self.protected_from + self.capacity - self.written))
-
-    def write(self, samples: np.ndarray, scale: float | None = None) -> None:
-        self.written += len(samples)
-        self.samples.append(np.array(samples))
-
-
-class NoMetrics:
-    def inc(self, *args: object, **kwargs: object) -> None:
-        pass
-
-    def observe(self, *args: object, **kwargs: object) -> None:
-        pass
-
-
 def test_a_refusal_after_end_against_the_ingest_session_ends_with_all_audio_accepted() -> None:
     """The client against the reference ingest's Session (no sockets), 200 ms each way: the buffer
     refuses the last messages, the refusal comes back after the client's `end`, the workers then
     catch up. The stream must end at the ingest with every sample accepted once, in order."""
     delay, ticks = 0.2, 100  # one-way latency; the loop runs in 10 ms steps
     pcm = (np.arange(12 * 1600) % 3001 - 1500).astype("<i2")  # 1.2 s: twelve 100 ms messages
-    ring = FakeRing(16000 + 1024)  # about 1 s: the last messages do not fit until the workers catch up
-    session = Session("k/s", b"k", Open(stream="s"), ring, Config(), 0, "shm", NoMetrics())  # type: ignore[arg-type]
+    # about 1 s of real shm ring: the last messages do not fit until the workers catch up
+    pool = RingPool.create(f"streamasr.test{uuid.uuid4().hex[:12]}.ingest0", slots=1, capacity=16000 + 1024)
+    try:
+        ring = pool.acquire()
+        session = Session("k/s", b"k", Open(stream="s"), ring, Config(), 0, pool.name, ProcessMetrics(Config(), "ingest"))
+        refused_client_end(session, ring, pcm, delay, ticks)
+    finally:
+        pool.close()
+        pool.unlink()
+
+
+def refused_client_end(session: Session, ring: Ring, pcm: np.ndarray, delay: float, ticks: int) -> None:
+    """Stream `pcm` into `session` over the simulated link; the workers read and release the ring."""
     c = StreamCore("s", priority="realtime", frame_bytes=2, limits=Limits(max_frame_bytes=3200), rate=16000)
     e = entry(c)
     streams = {"s": e}
@@ -219,6 +208,7 @@ def test_a_refusal_after_end_against_the_ingest_session_ends_with_all_audio_acce
     to_client: list[tuple[float, object]] = []
     sent: list[object] = []
     ended_before_refusal: list[bool] = []
+    consumed: list[np.ndarray] = []  # what the workers read out of the ring, in order
     for i in range(10 * ticks):
         now = i / ticks
         for at, msg in [x for x in to_client if x[0] <= now]:
@@ -235,6 +225,8 @@ def test_a_refusal_after_end_against_the_ingest_session_ends_with_all_audio_acce
                 session.accept_audio(msg)
             else:
                 session.client_end()
+        read = sum(len(x) for x in consumed)
+        consumed.append(np.array(ring.view(read, ring.written)))  # protected until released below
         if now >= 0.5:
             ring.protected_from = ring.written  # the workers catch up: the whole buffer is free again
         replies = list(session.outbox)
@@ -246,7 +238,8 @@ def test_a_refusal_after_end_against_the_ingest_session_ends_with_all_audio_acce
             break
     assert ended_before_refusal[0], "the refusal was meant to come after `end`"
     assert session.ending and session.refused_from is None
-    assert session.in_frames == len(pcm) and np.array_equal(np.concatenate(ring.samples)[: len(pcm)], pcm)
+    assert session.in_frames == len(pcm) and ring.written == len(pcm)
+    assert np.array_equal(np.concatenate(consumed), pcm.astype(np.float32) / 32768)  # once each, in order, scaled
     assert c.end_out and not c.retained
     errors = []
     while not e.events.empty():

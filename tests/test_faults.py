@@ -102,13 +102,16 @@ def holds_a_job(service: Service, worker_id: str) -> bool:
 
 def test_worker_killed_mid_job(asr: Service, corpus: dict[str, bytes], baseline: dict[str, list[tuple[float, float, str]]]) -> None:
     killed: dict[str, Any] = {}
+    stop = threading.Event()  # the streams are done: a killer still looking must not outlive the test
 
     def kill_busy_worker() -> None:
         # A worker seen busy may have answered by the time a signal lands: it is stopped first, so
         # that it cannot answer, and killed only if the broker still counts a job on it (asked
         # twice: an answer sent just before the stop has reached the broker by the second reply).
-        while True:
-            worker = wait_for(lambda: busy_worker(asr), 120, "a worker holding a job", interval=0.02)
+        while not stop.is_set():
+            worker = wait_for(lambda: stop.is_set() or busy_worker(asr), 120, "a worker holding a job", interval=0.02)
+            if stop.is_set():
+                return
             logged = len(asr.events("broker"))  # a worker held stopped too long is lost (and back) before it is killed
             os.kill(worker["pid"], signal.SIGSTOP)
             try:
@@ -122,8 +125,12 @@ def test_worker_killed_mid_job(asr: Service, corpus: dict[str, bytes], baseline:
 
     killer = threading.Thread(target=kill_busy_worker, daemon=True)
     killer.start()
-    results = stream_many(asr.address, corpus, speed=FAULT_SPEED, partials=False)
-    killer.join(10)
+    try:
+        results = stream_many(asr.address, corpus, speed=FAULT_SPEED, partials=False)
+    finally:
+        stop.set()
+        killer.join(60)
+    assert not killer.is_alive(), "the killer thread did not stop"
     assert killed, "no worker was ever seen holding a job"
     assert_unchanged(results, baseline)
     name = "worker-" + killed["id"].split("-")[1]
@@ -136,18 +143,24 @@ def test_worker_killed_mid_job(asr: Service, corpus: dict[str, bytes], baseline:
 def test_broker_killed(asr: Service, corpus: dict[str, bytes], baseline: dict[str, list[tuple[float, float, str]]]) -> None:
     broker_pid = pid_of(asr, "broker")
     fired = threading.Event()
+    logged: dict[str, int] = {}  # log lines per program before the kill: this module's service logged earlier tests too
 
     def kill_broker(client: StreamClient, pos: int) -> None:
         if pos > client.total // 3 and not fired.is_set():
             fired.set()
+            logged.update({program: len(asr.events(program)) for program in ("broker", "ingest-0")})
             os.kill(broker_pid, signal.SIGKILL)
 
     results = stream_many(asr.address, corpus, speed=FAULT_SPEED, partials=False, on_progress=kill_broker)
     assert fired.is_set()
     assert_unchanged(results, baseline)
     restarted(asr, "broker", broker_pid)
-    # the ingest re-registered: the new broker asked it to, or it noticed the silence first
-    assert any(event in asr.logs("ingest-0") for event in ("ingest.broker_asks_to_register", "ingest.broker_lost"))
+    # the ingest re-registered: the new broker asked it to, or it noticed the silence first ...
+    since = [e["event"] for e in asr.events("ingest-0")[logged["ingest-0"]:]]
+    assert {"ingest.broker_asks_to_register", "ingest.broker_lost"} & set(since), since
+    # ... and the restarted broker took it on
+    wait_for(lambda: any(e["event"] == "broker.ingest_ready" and e["ingest"] == 0
+                         for e in asr.events("broker")[logged["broker"]:]), 60, "the new broker to register ingest 0")
 
 
 def test_ingest_killed_client_resumes(asr: Service, corpus: dict[str, bytes], baseline: dict[str, list[tuple[float, float, str]]]) -> None:

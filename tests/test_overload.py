@@ -258,23 +258,36 @@ def test_realtime_stream_cap_counts_the_streams_of_every_ingest(service_factory:
     socks = [_dealer(service.cfg.ingest_endpoint(index)) for index in (0, 1)]
     first, second = socks
 
-    def heard(realtime: int) -> None:
-        """The broker counts `realtime` streams, and has had heartbeats to tell every ingest so."""
-        wait_for(lambda: svc.status(service.cfg)["realtime"] == realtime, 10, f"{realtime} realtime streams in the status")
-        time.sleep(4 * service.cfg.broker.heartbeat_ms / 1000)
+    def refused(sock: zmq.Socket, stream: str) -> m.ErrorMsg:
+        """Open `stream` until the cap refuses it: the ingest learns of the other's streams from
+        the broker's next heartbeat, and an open admitted before that is ended and tried again."""
+        def attempt() -> m.ErrorMsg | None:
+            reply = _open(sock, stream)
+            if isinstance(reply, m.Ready):
+                _end(sock, stream)
+                return None
+            assert isinstance(reply, m.ErrorMsg) and reply.code == m.OVERLOADED, reply
+            assert "admit_max_realtime_streams" in reply.message, reply
+            return reply
+        return wait_for(attempt, 30, f"{stream} refused at the cap")
+
+    def admitted(sock: zmq.Socket, stream: str) -> m.Ready:
+        """Open `stream` until it is admitted; a refused open leaves nothing open."""
+        def attempt() -> m.Ready | None:
+            reply = _open(sock, stream)
+            if isinstance(reply, m.Ready):
+                return reply
+            assert isinstance(reply, m.ErrorMsg) and reply.code == m.OVERLOADED, reply
+            return None
+        return wait_for(attempt, 30, f"{stream} admitted")
 
     try:
         assert isinstance(_open(first, "a1"), m.Ready)
-        heard(1)
-        assert isinstance(_open(second, "b1"), m.Ready)
-        refused = _open(second, "b2")  # one open here, one on the other ingest
-        assert isinstance(refused, m.ErrorMsg) and refused.code == m.OVERLOADED, refused
-        heard(2)
-        refused = _open(first, "a2")
-        assert isinstance(refused, m.ErrorMsg) and refused.code == m.OVERLOADED, refused
+        assert isinstance(_open(second, "b1"), m.Ready)  # two over the service: the cap
+        refused(second, "b2")  # one open here, one on the other ingest
+        refused(first, "a2")
         _end(second, "b1")
-        heard(1)
-        assert isinstance(_open(first, "a2"), m.Ready)
+        admitted(first, "a2")
     finally:
         for sock in socks:
             sock.close()

@@ -358,28 +358,34 @@ def test_process_is_watched_for_the_length_of_its_backend_call(pool: RingPool, w
     ring.write(np.zeros(1000, dtype=np.float32))
     clock, exits = Clock(), Exits()  # process() stamps with time.monotonic(): the clock runs ahead of it
     worker.watchdog = Watchdog(120.0, exit_process=exits, clock=clock)
+    # what the watchdog said from inside each call: an assert there would only fail the job, which
+    # Worker._decode turns into a FAILED result
+    seen: list[bool] = []
 
     class Hangs(Backend):
         def transcribe_batch(self, requests: Sequence[DecodeRequest]) -> list[DecodeResult]:
             clock.now = time.monotonic() + 121.0  # the IO thread ticks while the call is inside
-            worker.watchdog.check()
+            seen.append(worker.watchdog.check())
             return [DecodeResult(text="late") for _ in requests]
 
     class Quick(Backend):
         def transcribe_batch(self, requests: Sequence[DecodeRequest]) -> list[DecodeResult]:
             clock.now = time.monotonic() + 1.0
-            assert not worker.watchdog.check()
+            seen.append(worker.watchdog.check())
             return [DecodeResult(text="x") for _ in requests]
 
-    for backend in (Quick(), Broken()):
+    for backend, status in ((Quick(), OK), (Broken(), FAILED)):
         worker.backend = backend
-        worker.process([job(pool, ring.slot, ring.generation, 0, 100)])
+        [result] = worker.process([job(pool, ring.slot, ring.generation, 0, 100)])
+        assert result.status == status, result
         clock.now = time.monotonic() + 1000.0
         assert not worker.watchdog.check()
+    assert seen == [False]  # a second into the call, well within the limit
     assert exits.statuses == []
     worker.backend = Hangs()
     with capture_logs() as logs:
-        worker.process([job(pool, ring.slot, ring.generation, 0, 100, 41), job(pool, ring.slot, ring.generation, 0, 50, 42)])
+        results = worker.process([job(pool, ring.slot, ring.generation, 0, 100, 41), job(pool, ring.slot, ring.generation, 0, 50, 42)])
+    assert seen == [False, True] and [r.status for r in results] == [OK, OK]  # fired inside the call; exits only in tests
     assert exits.statuses == [STUCK_EXIT_STATUS]
     assert [(e["batch"], e["jobs"]) for e in logs if e["event"] == "worker.stuck"] == [(2, [41, 42])]
 
