@@ -31,7 +31,7 @@ from shm.ring import GENERATION, SAMPLE_RATE, Ring
 SHM_DIR = Path("/dev/shm")
 NO_ROOM_RETRY_S = 0.1  # how often make_room looks again
 MAGIC = b"SASRRING"
-VERSION = 1
+VERSION = 2  # 2: slot headers carry `writing` (shm.ring.WRITING), which readers of 1 would not check
 ALIGN = 64
 HEADER_BYTES = 64
 SLOT_HEADER_BYTES = 64
