@@ -81,16 +81,19 @@ class SavedFigures:
                 raise ValueError(f"a JSON {type(data).__name__}, not an object")
             if data.get("model") != self._model:
                 return None
-            figures = Figures(*([float(x) for x in data[key]] for key in ("share", "decode_cost", "loaded_cost")))
+            lists = [data[key] for key in ("share", "decode_cost", "loaded_cost")]
+            if not all(isinstance(x, list) for x in lists):  # a string would be read a character at a time
+                raise ValueError("figures that are not lists")
+            figures = Figures(*([float(x) for x in part] for part in lists))
             saved = float(data.get("saved", 0))
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, OverflowError) as exc:  # float(10**400): OverflowError
             log.warning("broker.admission_figures_unreadable", path=str(self._path), error=repr(exc))
             return None
         parts = (figures.share, figures.decode_cost, figures.loaded_cost)
-        if not all(math.isfinite(x) for part in parts for x in part):  # JSON may hold NaN and Infinity
-            log.warning("broker.admission_figures_unreadable", path=str(self._path), error="figures not finite")
+        if not _usable(parts):  # JSON may hold NaN and Infinity; a cost or share is never negative
+            log.warning("broker.admission_figures_unreadable", path=str(self._path), error="figures not finite or negative")
             return None
         if figures.stream_share <= 0 or any(len(x) != 2 for x in parts) or data.get("pool") != self._pool:
             return None
@@ -104,13 +107,19 @@ class SavedFigures:
         a crash leaves the old file."""
         if figures == self._saved or figures.stream_share <= 0 or (not at_once and now - self._saved_at < SAVE_EVERY_S):
             return
+        if not _usable((figures.share, figures.decode_cost, figures.loaded_cost)):  # keep the last good file
+            return
         tmp = self._path.with_suffix(".tmp")
         try:
             tmp.write_text(json.dumps({"model": self._model, "pool": self._pool, "share": figures.share,
                                        "decode_cost": figures.decode_cost, "loaded_cost": figures.loaded_cost,
-                                       "saved": time.time()}))
+                                       "saved": time.time()}, allow_nan=False))
             os.replace(tmp, self._path)
         except OSError as exc:
             log.warning("broker.admission_figures_unsaved", path=str(self._path), error=repr(exc))
         self._saved = figures.copy()
         self._saved_at = now
+
+
+def _usable(parts: tuple[list[float], ...]) -> bool:
+    return all(math.isfinite(x) and x >= 0 for part in parts for x in part)

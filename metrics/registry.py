@@ -8,6 +8,7 @@ with no collector listening the snapshots are simply dropped.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -89,7 +90,10 @@ class ProcessMetrics:
         self._gauges[(name, tuple(labels.items()))] = value
 
     def observe(self, name: str, value: float, **labels: Any) -> None:
-        """Count `value` into the histogram's fixed buckets (see metrics.names)."""
+        """Count `value` into the histogram's fixed buckets (see metrics.names). A value that is
+        not finite is not counted: it would make the histogram's sum NaN for the process's life."""
+        if not math.isfinite(value):
+            return
         key = (name, tuple(labels.items()))
         try:
             hists = self._local.store.hists

@@ -69,9 +69,10 @@ def _show(console: Console, read: Callable[[], dict[str, Any] | None], source: s
 def _fetch(url: str) -> dict[str, Any] | None:
     try:
         with urllib.request.urlopen(url.rstrip("/") + "/api/snapshot", timeout=1.0) as reply:
-            return json.loads(reply.read())
+            snap = json.loads(reply.read())
     except (OSError, urllib.error.URLError, ValueError):
         return None
+    return snap if isinstance(snap, dict) else None
 
 
 def _num(value: float | None, digits: int = 0) -> str:
@@ -95,9 +96,18 @@ def _bytes(value: float | None) -> str:
 
 
 def render(snap: dict[str, Any] | None, source: str) -> Group:
-    """One frame: summary, processes, workers, GPUs and recent errors."""
+    """One frame: summary, processes, workers, GPUs and recent errors. A snapshot this version
+    cannot read (a dashboard of another version, reached during an upgrade or with `--url`) is
+    said in the frame, and `top` goes on reading."""
     if snap is None:
         return Group(Text(f"no snapshot from {source}", style="red"))
+    try:
+        return _frame(snap, source)
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError, OSError) as exc:  # OSError: a time out of range
+        return Group(Text(f"a snapshot from {source} this version cannot read: {type(exc).__name__}: {exc}", style="red"))
+
+
+def _frame(snap: dict[str, Any], source: str) -> Group:
     when = datetime.fromtimestamp(snap["time"]).strftime("%H:%M:%S")
     header = Text.assemble(("streamasr ", "bold"), (snap["instance"], "bold cyan"), f"  {when}  via {source}")
 
@@ -154,4 +164,6 @@ def render(snap: dict[str, Any] | None, source: str) -> Group:
         parts.append(errors)
     if snap.get("supervisor_error"):
         parts.append(Text(f"supervisord: {snap['supervisor_error']}", style="yellow"))
+    if snap.get("state_error"):
+        parts.append(Text(f"dashboard: {snap['state_error']}", style="yellow"))
     return Group(*parts)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import random
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -725,6 +726,8 @@ def test_saved_figures_come_back_for_the_same_model_only(tmp_path: Path) -> None
     assert SavedFigures(cfg).load() == Figures([0.05, 0.15], [0.05, 0.3], [0.1, 0.6])
     saved.save(Figures([0.05, 0.05], [0.05, 0.3], [0.1, 0.6]), NOW + SAVE_EVERY_S / 2, at_once=True)  # at shutdown
     assert SavedFigures(cfg).load() == Figures([0.05, 0.05], [0.05, 0.3], [0.1, 0.6])
+    saved.save(Figures([math.nan, 0.05], [0.05, 0.3], [0.1, 0.6]), NOW + 10 * SAVE_EVERY_S, at_once=True)
+    assert SavedFigures(cfg).load() == Figures([0.05, 0.05], [0.05, 0.3], [0.1, 0.6])  # good ones are not replaced
 
     other = settings.load(None, {"run_dir": str(tmp_path), "model": {"precision": "int8"}})
     assert SavedFigures(other).load() is None
@@ -774,6 +777,13 @@ def test_figures_measured_on_after_a_restore_are_saved(tmp_path: Path) -> None:
     "[]", "null", "3", '"figures"',
     '{"model": MODEL, "share": [0.1, 0.1], "decode_cost": [0.1, 0.1], "loaded_cost": [0, 0], "saved": "yesterday"}',
     '{"model": MODEL, "share": [NaN, 0.1], "decode_cost": [0.1, 0.1], "loaded_cost": [0, 0], "saved": 0}',
+    # a number no float holds (OverflowError, which would have ended the broker at every start)
+    '{"model": MODEL, "share": [1' + "0" * 400 + ', 0.1], "decode_cost": [0.1, 0.1], "loaded_cost": [0, 0], "saved": 0}',
+    '{"model": MODEL, "share": [0.1, 0.1], "decode_cost": [0.1, 0.1], "loaded_cost": [0, 0], "saved": 1' + "0" * 400 + '}',
+    # parts that sum to a share but are not one: admission would let in a hundred times too many
+    '{"model": MODEL, "share": [-5.0, 5.01], "decode_cost": [0.1, 0.1], "loaded_cost": [0.1, 0.1], "saved": 0}',
+    '{"model": MODEL, "share": [0.1, 0.1], "decode_cost": [0.1, 0.1], "loaded_cost": [-1, -1], "saved": 0}',
+    '{"model": MODEL, "share": "12", "decode_cost": [0.1, 0.1], "loaded_cost": [0, 0], "saved": 0}',
 ])
 def test_admission_figures_of_another_shape_are_unreadable_not_fatal(tmp_path: Path, content: str) -> None:
     """Valid JSON that is not the figures' object (a hand edit, another tool's file) is skipped

@@ -180,6 +180,44 @@ def test_top_prints_one_frame_from_the_dashboard_or_its_own_collector(fake_insta
         assert "already bound" in capsys.readouterr().out
 
 
+def test_top_says_when_a_dashboard_s_snapshot_is_not_one_it_can_read(tmp_path: Path, capsys) -> None:
+    """A dashboard of another version (during an upgrade, or reached with `--url`) may serve a
+    snapshot of another shape: `top` says so in its frame rather than end in a traceback."""
+    import http.server
+    import threading
+
+    served: list[bytes] = []
+
+    class Old(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # the name http.server calls
+            body = served[0]
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Old)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/"
+    cfg = settings.load(None, {"run_dir": str(tmp_path / "run")})
+    try:
+        # a view from before the admission figures were in it
+        served[:] = [json.dumps({"time": time.time(), "instance": cfg.instance, "processes": []}).encode()]
+        assert top.main(cfg, once=True, url=url) == 0
+        frame = capsys.readouterr().out
+        assert "cannot read" in frame and "KeyError" in frame and "Traceback" not in frame, frame
+        served[:] = [b"[1, 2]"]  # JSON, but no view at all: as if nothing answered, and a collector of its own
+        assert top.main(cfg, once=True, url=url) == 1
+        assert "not running" in capsys.readouterr().out
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_top_does_not_take_another_instances_dashboard_for_its_own(fake_instance, tmp_path: Path, capsys) -> None:
     """Two instances' configs may name one dashboard port, which only a running one holds: `top` of
     the other must not show the running one's figures as its own."""

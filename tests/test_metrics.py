@@ -6,6 +6,7 @@ so these tests need no model and no service; the dashboard tests reuse the helpe
 
 from __future__ import annotations
 
+import math
 import re
 import signal
 import socket
@@ -350,6 +351,14 @@ def test_job_rate_is_taken_over_the_span_the_process_measured(instance) -> None:
         stop.set()
         broker.close()
         collector.close()
+
+
+def test_an_observation_that_is_not_a_number_does_not_spoil_its_histogram(tmp_path: Path) -> None:
+    m = ProcessMetrics(instance_config(tmp_path)[0], "ingest-0")
+    for value in (0.01, math.nan, math.inf, -math.inf, 0.02):
+        m.observe("partial_latency_seconds", value)
+    [(_, _, _, counts, total)] = m.snapshot()["histograms"]
+    assert sum(counts) == 2 and total == pytest.approx(0.03)
 
 
 def test_publisher_with_no_collector_never_blocks(tmp_path: Path) -> None:
