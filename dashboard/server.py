@@ -7,6 +7,7 @@ request answered from the collector's prebuilt view. Every event-stream client h
 from __future__ import annotations
 
 import json
+import math
 import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -58,6 +59,8 @@ def _handler(dashboard: Dashboard) -> type[BaseHTTPRequestHandler]:
         timeout = REQUEST_TIMEOUT_S
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            if not self._local_host():
+                return
             path = self.path.split("?", 1)[0]
             if path == "/":
                 self._file(static["index.html"])
@@ -71,6 +74,18 @@ def _handler(dashboard: Dashboard) -> type[BaseHTTPRequestHandler]:
                 self._events()
             else:
                 self._send(HTTPStatus.NOT_FOUND, "text/plain; charset=utf-8", b"not found\n")
+
+        def _local_host(self) -> bool:
+            """Only requests that name this host as a local address: a web page in the operator's
+            browser could otherwise read the figures through a name it points at 127.0.0.1
+            (DNS rebinding), since the browser sends that name."""
+            host = (self.headers.get("Host") or "").strip().lower()
+            name = host.rsplit(":", 1)[0] if not host.startswith("[") else host.split("]", 1)[0] + "]"
+            if name in ("127.0.0.1", "localhost", "[::1]"):
+                return True
+            self._send(HTTPStatus.MISDIRECTED_REQUEST, "text/plain; charset=utf-8",
+                       b"the dashboard answers requests for 127.0.0.1 or localhost only\n")
+            return False
 
         def _file(self, path: Path) -> None:
             self._send(HTTPStatus.OK, CONTENT_TYPES[path.suffix], path.read_bytes())
@@ -105,4 +120,16 @@ def _handler(dashboard: Dashboard) -> type[BaseHTTPRequestHandler]:
 
 
 def _json(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":")).encode()
+    """Strict JSON: a number that is not finite (Infinity is no JSON, and the page's parser stops
+    at it) goes out as null, which the page shows as unknown."""
+    return json.dumps(_finite(value), separators=(",", ":"), allow_nan=False).encode()
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value

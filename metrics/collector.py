@@ -318,7 +318,8 @@ class Collector:
             counters = {(str(n), _labels(lb)): float(v) for n, lb, v in snap["counters"] if math.isfinite(v)}
             gauges = {(str(n), _labels(lb)): float(v) for n, lb, v in snap["gauges"] if math.isfinite(v)}
             hists = {(str(n), _labels(lb)): Histogram(tuple(map(float, b)), [float(c) for c in cs], float(t))
-                     for n, lb, b, cs, t in snap["histograms"] if len(cs) == len(b) + 1 and math.isfinite(t)}
+                     for n, lb, b, cs, t in snap["histograms"]
+                     if len(cs) == len(b) + 1 and all(math.isfinite(x) for x in (t, *b, *cs))}
             pid, started, sent = int(snap["pid"]), float(snap["started"]), float(snap["time"])
             if not (math.isfinite(started) and math.isfinite(sent)):  # they reach the page as uptime and error times
                 raise ValueError("a time that is not finite")

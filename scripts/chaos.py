@@ -96,15 +96,20 @@ def faults(cfg: settings.Config, mode: str, until: float, seed: int, log: list[s
                    and any(p["name"].startswith(prefix) for prefix in ROLES)]
         if running:
             target = rnd.choice(running)
-            if mode == "stop":
-                frozen = rnd.uniform(1, 6)
-                os.kill(target["pid"], signal.SIGSTOP)
-                time.sleep(frozen)
-                os.kill(target["pid"], signal.SIGCONT)
-                log.append(f"{target['name']} (pid {target['pid']}) frozen {frozen:.1f} s")
-            else:
-                os.kill(target["pid"], signal.SIGKILL)
-                log.append(f"{target['name']} (pid {target['pid']}) killed")
+            try:
+                if mode == "stop":
+                    frozen = rnd.uniform(1, 6)
+                    os.kill(target["pid"], signal.SIGSTOP)
+                    try:
+                        time.sleep(frozen)
+                    finally:  # interrupted or not, nothing is left frozen
+                        os.kill(target["pid"], signal.SIGCONT)
+                    log.append(f"{target['name']} (pid {target['pid']}) frozen {frozen:.1f} s")
+                else:
+                    os.kill(target["pid"], signal.SIGKILL)
+                    log.append(f"{target['name']} (pid {target['pid']}) killed")
+            except ProcessLookupError:  # it exited since supervisord listed it: pick another next time
+                continue
         time.sleep(rnd.uniform(6, 14))
 
 

@@ -11,7 +11,10 @@ with_tests=0
 if [ "$with_tests" = 1 ]; then
     apt_packages="pocketsphinx-testdata espeak-ng sox chromium"
     missing=""
-    for p in $apt_packages; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
+    # installed, not merely known to dpkg: a package removed but not purged still has a status
+    for p in $apt_packages; do
+        [ "$(dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null)" = installed ] || missing="$missing $p"
+    done
     if [ -n "$missing" ]; then
         if [ "$(id -u)" != 0 ]; then echo "need root to install:$missing" >&2; exit 1; fi
         apt-get update -qq

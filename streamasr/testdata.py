@@ -79,12 +79,25 @@ def normalize(text: str) -> str:
     """Lower case, no punctuation, integers as words, a few abbreviations expanded."""
     text = text.lower().replace("’", "'")
     text = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text)  # every group separator: 1,000,000 is one number
+    # "1st", "22nd", "10th" before the numbers: else "st" is left to be read as "saint"
+    text = re.sub(r"(\d+)(?:st|nd|rd|th)\b", lambda m: " " + _ordinal(number_to_words(int(m.group(1)))) + " ", text)
     text = re.sub(r"\d+", lambda m: " " + number_to_words(int(m.group())) + " ", text)
     text = re.sub(r"[-‐–—/]", " ", text)
     text = re.sub(r"[^\w\s']", " ", text)
     text = text.replace("'", "")
     words = [_ABBREV.get(w, w) for w in text.split()]
     return " ".join(words)
+
+
+_ORDINALS = {"one": "first", "two": "second", "three": "third", "five": "fifth", "eight": "eighth", "nine": "ninth",
+             "twelve": "twelfth"}
+
+
+def _ordinal(words: str) -> str:
+    """"twenty one" -> "twenty first", "ten" -> "tenth", "forty" -> "fortieth"."""
+    *head, last = words.split()
+    last = _ORDINALS.get(last) or (last[:-1] + "ieth" if last.endswith("y") else last + "th")
+    return " ".join([*head, last])
 
 
 def wer(refs: list[str], hyps: list[str]) -> float:
@@ -94,6 +107,8 @@ def wer(refs: list[str], hyps: list[str]) -> float:
     reference, so they are counted here); with no reference words at all, any word is an infinite rate."""
     import jiwer
 
+    if len(refs) != len(hyps):  # a missing hypothesis must not drop its reference from the count
+        raise ValueError(f"{len(refs)} references against {len(hyps)} hypotheses")
     r = [normalize(x) for x in refs]
     h = [normalize(x) for x in hyps]
     inserted = sum(len(b.split()) for a, b in zip(r, h) if not a)

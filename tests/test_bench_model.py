@@ -43,3 +43,21 @@ def test_a_repeat_of_zero_is_refused_with_a_usage_error():
     proc = subprocess.run([sys.executable, "-m", "streamasr.cli", "bench-model", "--engines", "ours-int8", "--repeat", "0"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--repeat and --threads must be 1 or more" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_normalize_reads_ordinals_as_words():
+    """"1st" is "first", not "one" and "saint"; WER must not count a spelling as errors."""
+    from streamasr.testdata import normalize, wer
+
+    assert normalize("The 1st of May, the 22nd, the 40th and the 101st") == (
+        "the first of may the twenty second the fortieth and the one hundred first")
+    assert wer(["the first of may"], ["the 1st of May"]) == 0
+
+
+def test_wer_refuses_lists_of_different_lengths():
+    import pytest
+
+    from streamasr.testdata import wer
+
+    with pytest.raises(ValueError, match="2 references against 1 hypotheses"):
+        wer(["a b", "c"], ["a b"])

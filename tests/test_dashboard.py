@@ -7,6 +7,7 @@ against the real service (supervisord's own dashboard) under `streamasr bench`.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -157,6 +158,15 @@ def test_http_endpoints(fake_instance) -> None:
             with pytest.raises(urllib.error.HTTPError) as err:
                 get(url + missing)
             assert err.value.code == 404
+        # a page elsewhere that points its own name at 127.0.0.1 (DNS rebinding) is not answered
+        host, port = url.removeprefix("http://").rstrip("/").split(":")
+        for name, status in ((f"evil.example:{port}", 421), (f"localhost:{port}", 200), (f"127.0.0.1:{port}", 200)):
+            conn = http.client.HTTPConnection(host, int(port), timeout=5)
+            try:
+                conn.request("GET", "/api/snapshot", headers={"Host": name})
+                assert conn.getresponse().status == status, name
+            finally:
+                conn.close()
         # a connection that never sends its request does not hold its thread for ever
         host, port = url.removeprefix("http://").rstrip("/").split(":")
         with socket.create_connection((host, int(port)), timeout=REQUEST_TIMEOUT_S + 10) as idle:

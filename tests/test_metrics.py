@@ -6,6 +6,7 @@ so these tests need no model and no service; the dashboard tests reuse the helpe
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import signal
@@ -426,10 +427,16 @@ def test_collector_ignores_malformed_snapshots_and_refuses_a_second_bind(instanc
                      msgpack.packb({"v": 1, "process": "x", "incarnation": "i", "pid": 7, "started": 0, "time": float("nan"),
                                     "counters": [], "gauges": [], "histograms": []})):
             sock.send(junk)
+        # a histogram bounded at infinity would make its quantiles Infinity, which is no JSON
+        infinite = ProcessMetrics(cfg, "infinite").snapshot()
+        infinite["histograms"] = [["partial_latency_seconds", {}, [0.1, math.inf], [1, 1, 0], 0.2]]
+        sock.send(msgpack.packb(infinite))
         heard("after")
     finally:
         sock.close()
-    assert "x" not in processes(collector)
+    assert "x" not in processes(collector) and "infinite" in processes(collector)
+    view = wait_for(lambda: (v := collector.snapshot()) and v["latency"]["partial"]["count"] == 0 and v, what="a view")
+    json.dumps(view, allow_nan=False)  # strict JSON: the page's parser stops at Infinity
     publishers(config_file, "broker")
     wait_for(lambda: "broker" in processes(collector), what="a good publisher after junk")
     assert "x" not in processes(collector)

@@ -72,6 +72,10 @@ function push(list, value) {
 
 function render(s) {
   $("#instance").textContent = s.instance;
+  const warnings = [s.supervisor_error && `supervisord: ${s.supervisor_error}`, s.state_error && `dashboard: ${s.state_error}`]
+    .filter(Boolean);
+  $("#warnings").hidden = !warnings.length;
+  $("#warnings").textContent = warnings.join(" · ");
   $("#updated").textContent = `updated ${new Date(s.time * 1000).toLocaleTimeString()}`;
 
   setMetric("streams-realtime", number(s.streams.realtime || 0));
@@ -200,7 +204,14 @@ function connect() {
   const badge = $("#connection");
   const events = new EventSource("/events");
   events.onopen = () => { badge.textContent = "live"; badge.className = "badge live"; };
-  events.onmessage = (e) => render(JSON.parse(e.data));
+  events.onmessage = (e) => {
+    try {
+      render(JSON.parse(e.data));
+      badge.textContent = "live"; badge.className = "badge live";
+    } catch (err) { // a snapshot this page cannot read: said, not left looking live
+      badge.textContent = `unreadable snapshot: ${err.message}`; badge.className = "badge lost";
+    }
+  };
   events.onerror = () => { badge.textContent = "reconnecting"; badge.className = "badge lost"; };
 }
 
