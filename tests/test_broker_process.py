@@ -12,7 +12,6 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from config import settings
 from config.settings import Config
 from metrics.registry import ProcessMetrics
 from shm import RingPool, reclaim
+from streamasr.service import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 HEARTBEAT_MS = 100
@@ -49,12 +49,6 @@ LIVENESS = 10
 PATIENCE_S = HEARTBEAT_MS * LIVENESS / 1000
 MAX_BATCH = 4  # also each worker's capacity: the jobs the broker lets it hold
 SAMPLES = 16_000
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
@@ -219,12 +213,13 @@ def cluster() -> Iterator[Cluster]:
     # A short directory: ipc socket paths are limited to about 100 bytes.
     run = Path(tempfile.mkdtemp(prefix="sasr-"))
     instance = f"t{uuid.uuid4().hex[:8]}"
+    base = free_ports(2)  # two ports asked for one at a time may be the same one, freed and handed out again
     cfg = settings.load(None, {
         "instance": instance,
         "run_dir": str(run / "run"),
         "log_level": "info",
         "model": {"name": "null", "backend": "null", "max_batch": MAX_BATCH, "max_wait_ms": 2.0},
-        "ingest": {"address": f"tcp://127.0.0.1:{free_port()}", "port_base": free_port()},
+        "ingest": {"address": f"tcp://127.0.0.1:{base}", "port_base": base + 1},
         "broker": {"heartbeat_ms": HEARTBEAT_MS, "liveness": LIVENESS},
     })
     config_file = run / "config.toml"
