@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import copy
 import itertools
-import math
 import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -25,6 +23,7 @@ import structlog
 import zmq
 
 from ingest.vad_graph import UnexpectedGraph, batched_graph
+from streamasr.logs import Throttle
 
 SAMPLE_RATE = 16000
 CHUNK = 512  # samples per model call at 16 kHz (32 ms)
@@ -236,8 +235,7 @@ class VadRunner:
     def __init__(self, ctx: zmq.Context, threads: int = 1, on_failure: Callable[[], object] = lambda: None) -> None:
         self._bank = VadBank(threads)
         self._on_failure = on_failure  # called once per failed call, on the loop's thread
-        self._failed_calls = 0  # since the last `ingest.vad_failed` line
-        self._failure_logged = -math.inf
+        self._failures_logged = Throttle()  # `ingest.vad_failed` at most once a second
         self._now = self._bank.sibling()  # the loop's, for classify_now
         self._in_round: set[str] = set()  # streams of the round in flight
         endpoint = f"inproc://vad-{next(self._ids)}"
@@ -320,12 +318,9 @@ class VadRunner:
         part of a segment, cut at `max_segment_s` while the VAD keeps failing) and Whisper's
         no-speech check drops what is silence. Logged at most once a second, with the count."""
         self._on_failure()
-        self._failed_calls += 1
-        now = time.monotonic()
-        if now - self._failure_logged >= 1.0:
-            log.error("ingest.vad_failed", calls=self._failed_calls, chunks=len(keys), streams=len(set(keys)),
+        if (suppressed := self._failures_logged("vad")) is not None:  # calls: this one and those not logged
+            log.error("ingest.vad_failed", calls=suppressed + 1, chunks=len(keys), streams=len(set(keys)),
                       error=repr(exc), exc_info=exc)
-            self._failed_calls, self._failure_logged = 0, now
         return np.ones(len(keys), dtype=np.float32)
 
     def _serve(self) -> None:
