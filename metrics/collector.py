@@ -79,6 +79,15 @@ class Histogram:
     counts: list[float]  # one per bound, then +Inf; not cumulative
     total: float
 
+    @classmethod
+    def read(cls, bounds: Any, counts: Any, total: Any) -> Histogram:
+        """From a snapshot's or the state file's row: numbers of any msgpack kind."""
+        return cls(tuple(map(float, bounds)), [float(c) for c in counts], float(total))
+
+    def row(self) -> list[Any]:
+        """As `read` takes it back."""
+        return [list(self.bounds), self.counts, self.total]
+
     def copy(self) -> Histogram:
         return Histogram(self.bounds, list(self.counts), self.total)
 
@@ -317,7 +326,7 @@ class Collector:
             # non-finite values are dropped: they would poison sums and are not valid JSON for the page
             counters = {(str(n), _labels(lb)): float(v) for n, lb, v in snap["counters"] if math.isfinite(v)}
             gauges = {(str(n), _labels(lb)): float(v) for n, lb, v in snap["gauges"] if math.isfinite(v)}
-            hists = {(str(n), _labels(lb)): Histogram(tuple(map(float, b)), [float(c) for c in cs], float(t))
+            hists = {(str(n), _labels(lb)): Histogram.read(b, cs, t)
                      for n, lb, b, cs, t in snap["histograms"]
                      if len(cs) == len(b) + 1 and all(math.isfinite(x) for x in (t, *b, *cs))}
             pid, started, sent = int(snap["pid"]), float(snap["started"]), float(snap["time"])
@@ -410,7 +419,7 @@ class Collector:
 
         state = {"v": STATE_VERSION, "instance": self.cfg.instance,
                  "counters": [[p, n, list(lb), v] for (p, n, lb), v in self._carried_counters.items()],
-                 "hists": [[p, n, list(lb), list(h.bounds), h.counts, h.total] for (p, n, lb), h in self._carried_hists.items()],
+                 "hists": [[p, n, list(lb), *h.row()] for (p, n, lb), h in self._carried_hists.items()],
                  "retired": [incarnation(i) for i in self._retired.values()],
                  "live": [incarnation(i) for i in self._live.values()],
                  "restarts": self._restarts, "seen": sorted(self._seen)}
@@ -430,9 +439,8 @@ class Collector:
             state = msgpack.unpackb(path.read_bytes(), raw=False, strict_map_key=False)
             if state.get("v") != STATE_VERSION or state.get("instance") != self.cfg.instance:
                 return
-            counters = {(str(p), str(n), _labels(dict(lb))): float(v) for p, n, lb, v in state["counters"]}
-            hists = {(str(p), str(n), _labels(dict(lb))): Histogram(tuple(map(float, b)), [float(c) for c in cs], float(t))
-                     for p, n, lb, b, cs, t in state["hists"]}
+            counters = {(str(p), str(n), _labels(lb)): float(v) for p, n, lb, v in state["counters"]}
+            hists = {(str(p), str(n), _labels(lb)): Histogram.read(b, cs, t) for p, n, lb, b, cs, t in state["hists"]}
             retired = [_unpack_incarnation(row) for row in state["retired"]]
             live = [_unpack_incarnation(row) for row in state["live"]]
             restarts = {str(p): int(n) for p, n in state["restarts"].items()}
@@ -719,15 +727,14 @@ def _pack_counters(counters: dict[Key, float]) -> list[list[Any]]:
 
 
 def _pack_hists(hists: dict[Key, Histogram]) -> list[list[Any]]:
-    return [[n, list(lb), list(h.bounds), h.counts, h.total] for (n, lb), h in hists.items()]
+    return [[n, list(lb), *h.row()] for (n, lb), h in hists.items()]
 
 
 def _unpack_incarnation(row: list[Any]) -> Incarnation:
     token, process, pid, started, counters, hists = row
     return Incarnation(str(process), str(token), int(pid), float(started),
-                       counters={(str(n), _labels(dict(lb))): float(v) for n, lb, v in counters},
-                       hists={(str(n), _labels(dict(lb))): Histogram(tuple(map(float, b)), [float(c) for c in cs], float(t))
-                              for n, lb, b, cs, t in hists})
+                       counters={(str(n), _labels(lb)): float(v) for n, lb, v in counters},
+                       hists={(str(n), _labels(lb)): Histogram.read(b, cs, t) for n, lb, b, cs, t in hists})
 
 
 def _label_names(name: str, keys: list[Labels]) -> list[str]:
