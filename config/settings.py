@@ -114,6 +114,9 @@ class IngestConfig:
     max_streams: int = setting(0, lo=0)
     idle_timeout_s: float = setting(30.0, lo=0.1)  # a stream sent no audio this long, with room in its window, is closed (vanished client)
     drain_timeout_s: float = 8.0  # on SIGTERM, time to finish open streams (below supervisord's stopwaitsecs)
+    # ... of which a stream speaking waits this long for a pause to end at: ended mid-utterance,
+    # the words either side of the cut come out worse. 0 = end every stream at once.
+    drain_pause_s: float = 5.0
     # Admission: a realtime open is refused (`overloaded`) while the broker's load figure — how
     # long realtime streams wait for a model, in seconds, smoothed — is above this. 0 = never.
     # 0.5 s: where partials start to come less often than every partial_interval_ms (measured).
@@ -360,6 +363,10 @@ def _check_together(cfg: Config) -> None:
         raise ConfigError(f"vad.pad_ms ({cfg.vad.pad_ms}) and vad.min_speech_ms ({cfg.vad.min_speech_ms}) must add up to "
                           f"less than vad.max_segment_s ({cfg.vad.max_segment_s:g} s): a segment opens with them and "
                           "would be cut as it opens")
+    if cfg.ingest.drain_pause_s and cfg.ingest.drain_pause_s >= cfg.ingest.drain_timeout_s:
+        raise ConfigError(f"ingest.drain_pause_s ({cfg.ingest.drain_pause_s:g}) must be less than ingest.drain_timeout_s "
+                          f"({cfg.ingest.drain_timeout_s:g}): a stream that waits for a pause that long has no time "
+                          "left for its finals")
     if cfg.ingest.max_frame_bytes > cfg.ingest.max_message_bytes:
         raise ConfigError(f"ingest.max_frame_bytes ({cfg.ingest.max_frame_bytes}) is more than ingest.max_message_bytes "
                           f"({cfg.ingest.max_message_bytes}): a frame within the one would be dropped by the other, "

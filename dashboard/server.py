@@ -75,6 +75,8 @@ def _handler(dashboard: Dashboard) -> type[BaseHTTPRequestHandler]:
             else:
                 self._send(HTTPStatus.NOT_FOUND, "text/plain; charset=utf-8", b"not found\n")
 
+        do_HEAD = do_GET  # uptime checks and load balancers probe with HEAD: the same answer, without its body
+
         def _local_host(self) -> bool:
             """Only requests that name this host as a local address: a web page in the operator's
             browser could otherwise read the figures through a name it points at 127.0.0.1
@@ -96,7 +98,8 @@ def _handler(dashboard: Dashboard) -> type[BaseHTTPRequestHandler]:
             self.send_header("Content-Length", str(len(body)))
             self.send_header("Cache-Control", "no-store")
             self.end_headers()
-            self.wfile.write(body)
+            if self.command != "HEAD":
+                self.wfile.write(body)
 
         def _events(self) -> None:
             """Push the snapshot every second until the browser goes away or the server stops."""
@@ -104,6 +107,8 @@ def _handler(dashboard: Dashboard) -> type[BaseHTTPRequestHandler]:
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-store")
             self.end_headers()
+            if self.command == "HEAD":
+                return
             try:
                 self.wfile.write(b"retry: 2000\n\n")
                 while not dashboard.closing.is_set():

@@ -63,6 +63,11 @@ class Segmenter:
         origin = self._speech_start if self._triggered else self._pos
         return max(origin - self.pad, self._prev_end, 0)
 
+    @property
+    def active(self) -> bool:
+        """Speech is going on: a segment is open, or the speech that may open one has begun."""
+        return self._triggered or self.in_speech
+
     def may_decide(self, pending: int) -> bool:
         """Whether the probabilities of the next `pending` samples could open or close a segment,
         whatever they are. A start is due a partial and an end its final, so the ingest has such

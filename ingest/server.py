@@ -493,16 +493,24 @@ class IngestServer:
     # ------------------------------------------------------------------ main loop
 
     def begin_drain(self) -> None:
-        """On SIGTERM or SIGINT: refuse new streams, finish every open one, then exit. Called by
-        the loop between turns, never from the signal handler: a handler runs between any two
-        bytecodes of the loop, which may be iterating the very sets this adds to."""
+        """On SIGTERM or SIGINT: refuse new streams, end every open one at its next pause (see
+        Session.wind_down), finish them, then exit. Called by the loop between turns, never from
+        the signal handler: a handler runs between any two bytecodes of the loop, which may be
+        iterating the very sets this adds to."""
+        now = time.monotonic()
         self.draining = True
-        self.stop_at = time.monotonic() + self.cfg.ingest.drain_timeout_s
+        self.stop_at = now + self.cfg.ingest.drain_timeout_s
         self.log.info("ingest.draining", streams=len(self.sessions))
-        self._beat(time.monotonic())  # at once: the front door must stop sending new clients here
+        self._beat(now)  # at once: the front door must stop sending new clients here
         for key, s in self.sessions.items():
-            s.end("shutdown")
+            s.wind_down(now + self.cfg.ingest.drain_pause_s)
             self._changed(key)
+
+    def _wind_down(self, now: float) -> None:
+        """Step the streams still speaking when their pause wait runs out: they end at the cut."""
+        for key, s in self.sessions.items():
+            if not s.ending and s.wind_down_by is not None and now >= s.wind_down_by:
+                self._changed(key)
 
     def run(self, stop: StopSignal) -> None:
         """Serve until `stop` says (entered before this server was made: see `main`), then close."""
@@ -557,6 +565,8 @@ class IngestServer:
                 last_sweep = now
                 self._sweep(now)
                 self._publish_gauges()
+            if self.draining:
+                self._wind_down(now)
             if self.dirty:
                 self._flush()
             self._run_vad(now)

@@ -92,6 +92,7 @@ class Session:
         self.abandoned = False  # its connection is closed: see abandon
         self.close_reason = "end"
         self.refused_at_shutdown = False  # audio refused since a shutdown ended the stream: its client must resume
+        self.wind_down_by: float | None = None  # a drain began: end at the next pause, at the latest then (see wind_down)
         self.last_activity = time.monotonic()
         self.opened_at = self.last_activity
         self.acked_frames = 0
@@ -221,6 +222,29 @@ class Session:
             return
         self.end()
 
+    def wind_down(self, by: float) -> None:
+        """A drain began (a restart, a deploy, a stop): end the stream at its next pause, or at `by`.
+
+        Ended at once, a stream speaking would have its utterance finalised at the cut, and the
+        resumed stream would transcribe the rest of it alone: the words either side come out
+        worse. So it takes audio as usual until the VAD finds no segment open, or starting, in
+        all it took; then it ends there, and its client resumes elsewhere from silence.
+        """
+        if not self.ending:
+            self.wind_down_by = by
+
+    def _wound_down(self) -> bool:
+        """Whether a winding-down stream is due to end now (see wind_down)."""
+        if self.wind_down_by is None or self.ending:
+            return False
+        if not self.segmenter.active and not self.vad_chunk_due(VAD_CHUNK):
+            return True
+        if time.monotonic() < self.wind_down_by:
+            return False
+        if self.segmenter.active:
+            self.log.info("ingest.segment_cut_at_shutdown", seconds=round((self.vad_pos - self.segmenter.earliest_start) / SAMPLE_RATE, 3))
+        return True
+
     def end(self, reason: str = "end") -> None:
         """No more audio: flush the resampler and close the open segment."""
         if self.ending:
@@ -266,6 +290,8 @@ class Session:
         if self.abandoned:
             self._maybe_close()
             return
+        if self._wound_down():
+            self.end("shutdown")
         seg = self.open_segment
         interval = self.cfg.ingest.partial_interval_ms * SAMPLE_RATE // 1000
         written = self.ring.written

@@ -45,6 +45,8 @@ def test_the_embedded_default_and_its_file_agree() -> None:
     ({"ingest": {"max_message_bytes": 1000}}, "ingest.max_message_bytes must be 16384 or more, not 1000"),
     # ZeroMQ drops a message over max_message_bytes with the connection, without a reply
     ({"ingest": {"max_frame_bytes": 2_000_000}}, "ingest.max_frame_bytes (2000000) is more than ingest.max_message_bytes (1048576)"),
+    # a stream waiting that long for a pause would leave its finals no time in the drain
+    ({"ingest": {"drain_pause_s": 8}}, "ingest.drain_pause_s (8) must be less than ingest.drain_timeout_s (8)"),
     # the ring cannot free the pad before a segment that cannot open without being cut
     ({"vad": {"pad_ms": 70_000}}, "vad.pad_ms (70000) and vad.min_speech_ms (150) must add up to less than vad.max_segment_s (25 s)"),
     ({"ingest": {"address": "tcp://[::1]:7700"}}, "ingest.address tcp://[::1]:7700: IPv6 addresses are not supported"),

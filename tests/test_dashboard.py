@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -167,6 +168,15 @@ def test_http_endpoints(fake_instance) -> None:
                 assert conn.getresponse().status == status, name
             finally:
                 conn.close()
+        # uptime checks probe with HEAD: the GET's status and headers, and no body after them
+        for path, status in (("/", 200), ("/api/snapshot", 200), ("/metrics", 200), ("/events", 200), ("/nope", 404)):
+            with socket.create_connection((host, int(port)), timeout=10) as raw:
+                raw.sendall(f"HEAD {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n".encode())
+                answer = b"".join(iter(lambda: raw.recv(65536), b""))  # to the server's close
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.split(b" ", 2)[1] == str(status).encode() and body == b"", (path, answer[:300])
+            length = re.search(rb"Content-Length: (\d+)", head)
+            assert path == "/events" or (length and int(length[1]) > 0), (path, head)
         # a connection that never sends its request does not hold its thread for ever
         host, port = url.removeprefix("http://").rstrip("/").split(":")
         with socket.create_connection((host, int(port)), timeout=REQUEST_TIMEOUT_S + 10) as idle:

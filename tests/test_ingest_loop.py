@@ -74,7 +74,7 @@ def _server(tmp_path: Path) -> Iterator[IngestServer]:
     instance = f"test{uuid.uuid4().hex[:8]}"
     cfg = settings.load(None, {
         "instance": instance, "run_dir": str(tmp_path / instance),
-        "ingest": {"address": f"tcp://127.0.0.1:{base}", "port_base": base + 1, "drain_timeout_s": 1.0},
+        "ingest": {"address": f"tcp://127.0.0.1:{base}", "port_base": base + 1, "drain_timeout_s": 1.0, "drain_pause_s": 0.5},
         "shm": {"streams_per_ingest": 4, "ring_seconds": 26.0},  # the smallest rings settings allow
     })
     server = IngestServer(cfg, 0)
@@ -262,7 +262,7 @@ def test_a_stop_while_the_ingest_starts_leaves_no_shm_behind(tmp_path: Path) -> 
     config = tmp_path / "ingest.toml"
     config.write_text(settings.dump(settings.load(None, {
         "instance": instance, "run_dir": str(tmp_path / instance),
-        "ingest": {"address": f"tcp://127.0.0.1:{base}", "port_base": base + 1, "drain_timeout_s": 1.0},
+        "ingest": {"address": f"tcp://127.0.0.1:{base}", "port_base": base + 1, "drain_timeout_s": 1.0, "drain_pause_s": 0.5},
         "shm": {"streams_per_ingest": 4, "ring_seconds": 26.0},
     })))
     log = tmp_path / "ingest.log"

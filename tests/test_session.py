@@ -177,6 +177,70 @@ def test_audio_after_the_stream_ended_is_refused_saying_who_ended_it(pool: RingP
     assert (err.code, err.stream, err.seq) == (code, "s", 1) and says in err.message, err
 
 
+class Talker:
+    """A client sending 32 ms frames of 16 kHz audio, each classified by the VAD as it arrives."""
+
+    def __init__(self, s: Session) -> None:
+        self.s = s
+        self.seq = 0
+
+    def say(self, prob: float, chunks: int) -> None:
+        for _ in range(chunks):
+            self.send()
+            self.s.on_vad(prob, CHUNK)
+            self.s.step()
+
+    def send(self) -> bool:
+        taken = self.s.accept_audio(m.Audio(stream="s", seq=self.seq, data=tone(CHUNK, 16000, start=self.seq * CHUNK)))
+        self.seq += taken
+        return taken
+
+
+def test_a_drain_ends_a_speaking_stream_at_its_next_pause(long_pool: RingPool) -> None:
+    """Ended at the drain, the utterance under way would be finalised at the cut and the rest of it
+    transcribed alone where the stream resumes. It takes audio on until the pause instead."""
+    s = session(long_pool)
+    talk = Talker(s)
+    talk.say(0.9, 20)
+    assert s.open_segment is not None
+    s.wind_down(time.monotonic() + 60)
+    talk.say(0.9, 20)  # still speaking: every frame taken
+    talk.say(0.05, 15)  # 0.48 s of pause, under min_silence_ms
+    assert not s.ending and errors(s) == []
+    talk.say(0.05, 1)  # the pause ends the segment, and the stream with it
+    assert s.ending and s.close_reason == "shutdown"
+    [final] = [j for j in s.jobs_out if j.final]
+    assert (final.start, final.end) == (0, 40 * CHUNK + CFG.vad.pad_ms * 16)  # whole, its pad after it
+    assert not talk.send()
+    [err] = errors(s)
+    assert err.code == m.NOT_READY and err.seq == 56
+
+
+def test_a_drain_ends_a_silent_stream_at_once_and_a_speaking_one_when_its_wait_runs_out(long_pool: RingPool) -> None:
+    quiet, speaking = session(long_pool), session(long_pool)
+    Talker(quiet).say(0.05, 10)
+    Talker(speaking).say(0.9, 20)
+    for s in (quiet, speaking):
+        s.wind_down(time.monotonic() + 0.2)
+        s.step()
+    assert quiet.ending and quiet.close_reason == "shutdown" and not speaking.ending
+    time.sleep(0.2)
+    with capture_logs() as logs:
+        speaking.step()
+    assert speaking.ending and speaking.close_reason == "shutdown"
+    assert [e["seconds"] for e in logs if e["event"] == "ingest.segment_cut_at_shutdown"] == [0.64]
+    [final] = [j for j in speaking.jobs_out if j.final]
+    assert (final.start, final.end) == (0, 20 * CHUNK)  # cut where the audio stops
+
+
+def test_a_client_s_end_while_its_stream_winds_down_ends_it_as_asked(long_pool: RingPool) -> None:
+    s = session(long_pool)
+    Talker(s).say(0.9, 20)
+    s.wind_down(time.monotonic() + 60)
+    s.client_end()
+    assert s.ending and s.close_reason == "end"
+
+
 def test_end_writes_the_whole_remainder_of_a_full_ring(pool: RingPool) -> None:
     """A ring filled to refusal with 100 ms frames, then with smaller ones: the resampler still
     holds a block, and end() writes all of it."""
