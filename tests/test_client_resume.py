@@ -5,9 +5,9 @@ One live stream of three utterances is run undisturbed once, then with each clie
 asyncio) with the ingest process killed right after the first final. supervisord restarts the
 ingest; the client must re-hello, re-open at the last `durable` point and resend what it kept, so
 the finals cover every utterance, repeat nothing and keep their times in order. Stopped with
-SIGTERM, the ingest ends the stream itself (`closed` "shutdown") after the finals of what it
-took, refusing the audio that comes meanwhile (`not_ready`): the client must take neither for
-the end of its stream.
+SIGTERM, the ingest ends the stream itself at its next pause (`closed` "shutdown") after the
+finals of what it took, refusing the audio that comes after (`not_ready`): the client must take
+neither for the end of its stream.
 """
 
 from __future__ import annotations
@@ -69,9 +69,10 @@ def ingest_pid(service: Service) -> tuple[int, str]:
     return int(info["pid"]), info["statename"]
 
 
-def run(service: Service, pcm: np.ndarray, speed: float,
-        on_final: Callable[[Final], None] | None = None) -> tuple[Client, Stream, list[Final], list[ErrorMsg]]:
-    """Stream `pcm` paced at `speed` × real time from a sender thread; collect events until `closed`."""
+def run(service: Service, pcm: np.ndarray, speed: float, on_final: Callable[[Final], None] | None = None,
+        on_sent: Callable[[int], None] | None = None) -> tuple[Client, Stream, list[Final], list[ErrorMsg]]:
+    """Stream `pcm` paced at `speed` × real time from a sender thread; collect events until `closed`.
+    `on_sent` is called with the frames sent so far after each message."""
     client = Client(service.address, liveness=5.0)
     stream = client.open(language="en", partials=False)
     failures: list[BaseException] = []
@@ -82,6 +83,8 @@ def run(service: Service, pcm: np.ndarray, speed: float,
             for i, start in enumerate(range(0, len(pcm), CHUNK)):
                 time.sleep(max(0.0, started + i * CHUNK / RATE / speed - time.monotonic()))
                 stream.send(pcm[start : start + CHUNK])
+                if on_sent is not None:
+                    on_sent(start + CHUNK)
             stream.end()
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             failures.append(exc)
@@ -209,6 +212,39 @@ def test_async_client_resumes_after_ingest_killed(asr: Service, baseline: tuple[
     killer = Killer(asr, sig)
     client, stream, finals, errors = asyncio.run(run_async(asr, pcm, speed=1.0, on_final=killer))
     check_resumed(killer, client.reconnects, stream.resumes, finals, errors, baseline)
+
+
+def test_a_restart_while_the_stream_speaks_changes_no_word(asr: Service, baseline: tuple[str, list[Final]]) -> None:
+    """A deploy restarts the ingest in the middle of an utterance. Ended there, the utterance
+    would be finalised at the cut and its rest transcribed alone on the restarted ingest, words
+    lost or garbled either side. The ingest takes the stream's audio on to the pause after the
+    utterance and ends the stream there: every final up to that pause is the undisturbed run's,
+    word for word and at the same times, and the stream resumes from the pause."""
+    pcm, _ = speech()
+    _, base_finals = baseline
+    found = {u.name.rsplit("-", 1)[-1]: u for u in testdata.utterances() if u.name.startswith("librivox/")}
+    first, second = (len(read(found[name].path)) for name in NAMES[:2])
+    middle = first + RATE + second // 2  # frames: half-way through the second utterance
+    spoken = [f for f in base_finals if f.start < middle / RATE < f.end]
+    assert spoken, ("no final of the undisturbed run spans the stop", middle / RATE, base_finals)
+    killer = Killer(asr, signal.SIGTERM)
+
+    def stop_midway(sent: int) -> None:
+        if sent >= middle and killer.at is None:
+            killer.at = sent / RATE
+            os.kill(killer.pid, signal.SIGTERM)
+
+    client, stream, finals, errors = run(asr, pcm, speed=1.0, on_sent=stop_midway)
+    check_resumed(killer, client.reconnects, stream.resumes, finals, errors, baseline)
+    upto = [f for f in base_finals if f.start <= spoken[0].start]
+
+    def row(f: Final) -> tuple[int, float, float, str]:
+        return f.seg, round(f.start, 2), round(f.end, 2), f.text
+
+    assert [row(f) for f in finals[: len(upto)]] == [row(f) for f in upto], (upto, finals)
+    assert stream.resumes and stream.resumes[0] >= spoken[0].end * RATE, (stream.resumes, spoken[0])
+    draining = [e for e in asr.events("ingest-0") if e["event"] in ("ingest.draining", "ingest.segment_cut_at_shutdown")]
+    assert [e["event"] for e in draining][-1] == "ingest.draining", draining
 
 
 def test_a_stream_resumed_away_from_a_frozen_ingest_leaves_nothing_there(asr: Service, baseline: tuple[str, list[Final]]) -> None:
