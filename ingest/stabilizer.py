@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import re
 
-# Whisper writes a number as a word in one decode and in digits in the next ("Eight" / "8")
-_NUMBERS = {w: str(i) for i, w in enumerate(
+# Whisper writes a number in words in one decode and in digits in the next ("Eight" / "8",
+# "a hundred and five" / "105"): a number spelled out, in however many words, is one word
+# whose key is its digits (see `_spelled`)
+_SMALL = {w: i for i, w in enumerate(
     "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
-    "seventeen eighteen nineteen twenty".split())}
-_NUMBERS.update({w: str(10 * i) for i, w in enumerate("thirty forty fifty sixty seventy eighty ninety".split(), 3)})
-_NUMBERS.update({tens + unit: str(int(_NUMBERS[tens]) + int(_NUMBERS[unit]))  # "twenty-one" / "21"
-                 for tens in "twenty thirty forty fifty sixty seventy eighty ninety".split()
-                 for unit in "one two three four five six seven eight nine".split()})
+    "seventeen eighteen nineteen".split())}
+_TENS = {w: 10 * i for i, w in enumerate("twenty thirty forty fifty sixty seventy eighty ninety".split(), 2)}
+_SMALL.update(_TENS)
+_SMALL.update({tens + unit: _TENS[tens] + _SMALL[unit]  # "twenty-one", keyed without its hyphen
+               for tens in _TENS for unit in "one two three four five six seven eight nine".split()})
+_SCALES = {"thousand": 10**3, "million": 10**6, "billion": 10**9}
 
 # CJK symbols and punctuation, kana, CJK ideographs (and extension A, compatibility), fullwidth forms
 _SPACELESS = "\u3000-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff00-\uffef"
@@ -41,10 +44,67 @@ def _text(words: list[str]) -> str:
     return "".join(words).lstrip()
 
 
-def word_key(word: str) -> str:
-    """Comparison key: case, punctuation and number spelling differ between decodes of the same word."""
-    key = "".join(c for c in word.casefold() if c.isalnum())
-    return _NUMBERS.get(key, key)
+def _key(word: str) -> str:
+    """Case and punctuation differ between decodes of the same word."""
+    return "".join(c for c in word.casefold() if c.isalnum())
+
+
+def _spelled(keys: list[str], i: int) -> tuple[int, int]:
+    """The number spelled out in words from keys[i]: (how many words, its value); (0, 0) if none.
+
+    Cardinals as Whisper writes them: "five", "twenty five", "a hundred and five", "two
+    thousand twenty four", "twelve hundred". Numbers said one after another ("one two three")
+    are three numbers, not six.
+    """
+    total, group, prev, taken = 0, 0, "", 0
+    for j in range(i, len(keys)):
+        k, nxt = keys[j], keys[j + 1] if j + 1 < len(keys) else ""
+        value = _SMALL.get(k)
+        if k == "a" and not prev and (nxt == "hundred" or nxt in _SCALES):
+            group, prev = 1, "a"
+        elif value is not None and (not prev or prev in ("hundred", "and", "scale")):
+            group, prev = (value if prev == "scale" else group + value), ("tens" if k in _TENS else "small")
+        elif value is not None and prev == "tens" and value < 10:
+            group, prev = group + value, "small"
+        elif k == "hundred" and prev in ("a", "small", "tens") and 0 < group < 100:
+            group, prev = group * 100, "hundred"
+        elif k in _SCALES and prev in ("a", "small", "tens", "hundred") and group:
+            total, group, prev = total + group * _SCALES[k], 0, "scale"
+        elif k == "and" and prev in ("hundred", "scale") and nxt in _SMALL:
+            prev = "and"
+            continue
+        else:
+            break
+        if prev != "a":
+            taken = j - i + 1
+    return taken, total + group
+
+
+def groups(text: str) -> tuple[list[str], list[str]]:
+    """`text` as words (see `words`), a number spelled out in several words joined into one, and
+    each one's comparison key: case, punctuation and number spelling differ between decodes of
+    the same words."""
+    ws = words(text)
+    plain = [_key(w) for w in ws]
+    out: list[str] = []
+    out_keys: list[str] = []
+    i = 0
+    while i < len(ws):
+        n, value = _spelled(plain, i)
+        if n:
+            out.append("".join(ws[i : i + n]))
+            out_keys.append(str(value))
+            i += n
+        else:
+            out.append(ws[i])
+            out_keys.append(plain[i])
+            i += 1
+    return out, out_keys
+
+
+def keys(text: str) -> list[str]:
+    """The comparison keys of `text`'s words (see `groups`): two texts with the same keys say the same."""
+    return groups(text)[1]
 
 
 class LocalAgreement:
@@ -53,7 +113,7 @@ class LocalAgreement:
     def __init__(self) -> None:
         self._committed: list[str] = []
         self._committed_keys: list[str] = []
-        self._pending: list[str] | None = None  # previous hypothesis past the committed words
+        self._pending: list[str] | None = None  # keys of the previous hypothesis past the committed words
 
     @property
     def committed(self) -> str:
@@ -64,43 +124,42 @@ class LocalAgreement:
 
         `stable` is the committed words; `text` is those followed by the rest of this hypothesis.
         """
-        tail = self._after_committed(words(hypothesis))
+        tail, tail_keys = self._after_committed(*groups(hypothesis))
         if self._pending is not None:
             agreed = 0
             # the last word sits at the edge of the audio heard, possibly cut mid-word: never committed
-            for old, new in zip(self._pending, tail[:-1]):
-                if word_key(old) != word_key(new):
+            for old, new in zip(self._pending, tail_keys[:-1]):
+                if old != new:
                     break
                 agreed += 1
             self._committed += tail[:agreed]  # spelled as in the newest hypothesis
-            self._committed_keys += [word_key(w) for w in tail[:agreed]]
-            tail = tail[agreed:]
-        self._pending = tail
+            self._committed_keys += tail_keys[:agreed]
+            tail, tail_keys = tail[agreed:], tail_keys[agreed:]
+        self._pending = tail_keys
         return _text(self._committed + tail), self.committed
 
     def finalize(self, final_text: str) -> tuple[str, bool]:
         """The segment's final text, and whether it revised committed words.
 
-        Where the final has the committed words (compared by `word_key`) its
+        Where the final has the committed words (compared by their keys, see `groups`) its
         spelling is kept: it was decoded on the whole segment. A final that found nothing keeps
         the committed words rather than erase what two partials agreed on.
         """
-        final = words(final_text)
+        final, final_keys = groups(final_text)
         if not final:
             return self.committed, False
-        revised = [word_key(w) for w in final[: len(self._committed_keys)]] != self._committed_keys
+        revised = final_keys[: len(self._committed_keys)] != self._committed_keys
         return _text(final), revised
 
-    def _after_committed(self, hypothesis: list[str]) -> list[str]:
-        """The words of `hypothesis` that come after the committed ones.
+    def _after_committed(self, hypothesis: list[str], keys: list[str]) -> tuple[list[str], list[str]]:
+        """The words of `hypothesis` (and their keys) that come after the committed ones.
 
         Usually the hypothesis repeats the committed words verbatim; when the decoder changed
         its mind about them, cut where its prefix is closest (word edit distance) to them.
         """
         k = len(self._committed_keys)
-        keys = [word_key(w) for w in hypothesis]
         if keys[:k] == self._committed_keys:
-            return hypothesis[k:]
+            return hypothesis[k:], keys[k:]
         # dist[j] = edit distance between the committed words and keys[:j], one row per committed word
         dist = list(range(len(keys) + 1))
         for i, committed in enumerate(self._committed_keys, 1):
@@ -108,4 +167,4 @@ class LocalAgreement:
             for j, key in enumerate(keys, 1):
                 dist[j] = min(prev[j] + 1, dist[j - 1] + 1, prev[j - 1] + (committed != key))
         best = min(range(len(dist)), key=lambda j: (dist[j], -j))  # ties: later, so words don't repeat
-        return hypothesis[best:]
+        return hypothesis[best:], keys[best:]
