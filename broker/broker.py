@@ -464,7 +464,15 @@ class Broker:
 
     def _check_peers(self, now: float) -> None:
         """Declare silent peers dead and heartbeat the idle links; ingests get the admission figures every tick."""
-        self.load = 0.5 * self.load + 0.5 * max(0.0, self.dispatcher.realtime_wait(now))
+        wait = max(0.0, self.dispatcher.realtime_wait(now))
+        if wait < self.load and self.dispatcher.queue.oldest_waiting(REALTIME) is None:
+            # Smoothed on the way up, so that one slow tick refuses nobody; on the way down it
+            # falls at once when no realtime job is queued: the backlog that raised it (a frozen
+            # or restarted process, a burst) is worked off, and halving it each tick would go on
+            # refusing opens for seconds after.
+            self.load = wait
+        else:
+            self.load = 0.5 * self.load + 0.5 * wait
         use = self.dispatcher.realtime_use(now)
         self.busy = 0.5 * self.busy + 0.5 * use.busy
         self._update_stream_share(use)

@@ -626,6 +626,33 @@ def test_realtime_wait_counts_from_the_streams_oldest_superseded_partial() -> No
     assert d.realtime_wait(NOW + 2.4) == 0.0  # nothing waits any more
 
 
+def test_the_wait_figure_rises_smoothed_and_falls_once_the_backlog_is_worked_off(tmp_path: Path) -> None:
+    """A worker stalls (frozen, say) for four seconds with a realtime job queued behind it: the
+    figure rises, a tick behind. Once nothing is queued any more, it falls at once, not halving
+    each tick: that went on refusing realtime opens for seconds after the workers had caught up."""
+    broker = Broker(settings.load(None, {"run_dir": str(tmp_path)}))
+    try:
+        d = broker.dispatcher
+        d.add_worker(b"w", capacity=1, now=NOW)
+        held, waiting = job("a", final=True, deadline=NOW + 60), job("b", final=True, deadline=NOW + 60)
+        d.submit([held, waiting], NOW)
+        assert [j.job_id for j in d.dispatch(NOW)[0][b"w"]] == [held.job_id]
+        loads = []
+        for t in (1, 2, 3, 4):
+            broker._check_peers(NOW + t)
+            loads.append(broker.load)
+        assert loads == pytest.approx([0.5, 1.25, 2.125, 3.0625])  # b's age, smoothed: one slow tick refuses nobody
+        d.complete(b"w", [JobResult(job_id=held.job_id, ingest=0, started=NOW, finished=NOW + 4.1)])
+        assert [j.job_id for j in d.dispatch(NOW + 4.1)[0][b"w"]] == [waiting.job_id]
+        d.complete(b"w", [JobResult(job_id=waiting.job_id, ingest=0, started=NOW + 4.1, finished=NOW + 4.2)])
+        broker._check_peers(NOW + 5)
+        assert broker.load == pytest.approx(3.5813, abs=1e-3)  # b started after waiting 4.1 s: the tick's figure
+        broker._check_peers(NOW + 6)
+        assert broker.load == 0.0  # nothing waited, nothing queued
+    finally:
+        broker.close()
+
+
 def test_realtime_use_counts_decode_time_and_what_streams_ask_for() -> None:
     """The second admission figure in the raw: it grows with each speaking stream while nothing queues."""
     d = Dispatcher(queue())
