@@ -221,10 +221,10 @@ def test_a_drain_ends_a_silent_stream_at_once_and_a_speaking_one_when_its_wait_r
     Talker(quiet).say(0.05, 10)
     Talker(speaking).say(0.9, 20)
     for s in (quiet, speaking):
-        s.wind_down(time.monotonic() + 0.2)
+        s.wind_down(time.monotonic() + 60)
         s.step()
     assert quiet.ending and quiet.close_reason == "shutdown" and not speaking.ending
-    time.sleep(0.2)
+    speaking.wind_down(time.monotonic())  # its wait for a pause runs out
     with capture_logs() as logs:
         speaking.step()
     assert speaking.ending and speaking.close_reason == "shutdown"
