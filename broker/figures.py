@@ -44,8 +44,17 @@ class Figures:
     def stream_share(self) -> float:
         return sum(self.share)
 
+    @property
+    def parts(self) -> tuple[list[float], list[float], list[float]]:
+        return self.share, self.decode_cost, self.loaded_cost
+
+    def usable(self) -> bool:
+        """Every part finite and not negative: JSON may hold NaN and Infinity, and a cost or a
+        share is never negative."""
+        return all(math.isfinite(x) and x >= 0 for part in self.parts for x in part)
+
     def copy(self) -> Figures:
-        return Figures(list(self.share), list(self.decode_cost), list(self.loaded_cost))
+        return Figures(*(list(part) for part in self.parts))
 
 
 def prior_share(costs: list[tuple[float, float]], workers: int, partial_interval_s: float, min_silence_s: float) -> list[float]:
@@ -91,11 +100,10 @@ class SavedFigures:
         except (OSError, ValueError, KeyError, TypeError, OverflowError) as exc:  # float(10**400): OverflowError
             log.warning("broker.admission_figures_unreadable", path=str(self._path), error=repr(exc))
             return None
-        parts = (figures.share, figures.decode_cost, figures.loaded_cost)
-        if not _usable(parts):  # JSON may hold NaN and Infinity; a cost or share is never negative
+        if not figures.usable():
             log.warning("broker.admission_figures_unreadable", path=str(self._path), error="figures not finite or negative")
             return None
-        if figures.stream_share <= 0 or any(len(x) != 2 for x in parts) or data.get("pool") != self._pool:
+        if figures.stream_share <= 0 or any(len(x) != 2 for x in figures.parts) or data.get("pool") != self._pool:
             return None
         self._saved = figures.copy()  # the broker goes on to change the figures it is given in place
         log.info("broker.admission_figures_restored", stream_share=round(figures.stream_share, 4),
@@ -107,7 +115,7 @@ class SavedFigures:
         a crash leaves the old file."""
         if figures == self._saved or figures.stream_share <= 0 or (not at_once and now - self._saved_at < SAVE_EVERY_S):
             return
-        if not _usable((figures.share, figures.decode_cost, figures.loaded_cost)):  # keep the last good file
+        if not figures.usable():  # keep the last good file
             return
         tmp = self._path.with_suffix(".tmp")
         try:
@@ -119,7 +127,3 @@ class SavedFigures:
             log.warning("broker.admission_figures_unsaved", path=str(self._path), error=repr(exc))
         self._saved = figures.copy()
         self._saved_at = now
-
-
-def _usable(parts: tuple[list[float], ...]) -> bool:
-    return all(math.isfinite(x) and x >= 0 for part in parts for x in part)

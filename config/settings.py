@@ -382,7 +382,8 @@ def _check_together(cfg: Config) -> None:
                           "rings can hold: raise one of those, or lower it (0 = as many as the rings hold)")
     own = cfg.tcp_binds
     for name, address in own:
-        if any(c in ((_tcp_host_port(address) or ("", 0))[0]) for c in "[:"):
+        host = (_tcp_host_port(address) or ("", 0))[0]
+        if "[" in host or ":" in host:
             raise ConfigError(f"{name} {address}: IPv6 addresses are not supported; use an IPv4 address or a host name")
     for i, (name, address) in enumerate(own):
         for other, other_address in own[i + 1:]:

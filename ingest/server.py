@@ -509,7 +509,7 @@ class IngestServer:
     def _wind_down(self, now: float) -> None:
         """Step the streams still speaking when their pause wait runs out: they end at the cut."""
         for key, s in self.sessions.items():
-            if not s.ending and s.wind_down_by is not None and now >= s.wind_down_by:
+            if s.pause_wait_over(now):
                 self._changed(key)
 
     def run(self, stop: StopSignal) -> None:

@@ -233,13 +233,17 @@ class Session:
         if not self.ending:
             self.wind_down_by = by
 
+    def pause_wait_over(self, now: float) -> bool:
+        """A winding-down stream found no pause by its deadline: it ends at the cut (see wind_down)."""
+        return self.wind_down_by is not None and not self.ending and now >= self.wind_down_by
+
     def _wound_down(self) -> bool:
         """Whether a winding-down stream is due to end now (see wind_down)."""
         if self.wind_down_by is None or self.ending:
             return False
         if not self.segmenter.active and not self.vad_chunk_due(VAD_CHUNK):
             return True
-        if time.monotonic() < self.wind_down_by:
+        if not self.pause_wait_over(time.monotonic()):
             return False
         if self.segmenter.active:
             self.log.info("ingest.segment_cut_at_shutdown", seconds=round((self.vad_pos - self.segmenter.earliest_start) / SAMPLE_RATE, 3))
