@@ -1,6 +1,7 @@
 """Per-process metrics: cheap recording on the hot path, published as msgpack snapshots once a second.
 
-Recording only updates dicts under an uncontended lock (a few hundred nanoseconds); everything costly
+Recording only updates the recording thread's own dicts (a histogram under its thread's lock, uncontended
+but for the publisher's copy: a few hundred nanoseconds); everything costly
 (label normalisation, encoding, the socket) happens on the publisher thread. The PUB socket *connects*
 to the collector, so processes can start, restart and die in any order, and a PUB socket never blocks:
 with no collector listening the snapshots are simply dropped.
@@ -40,13 +41,16 @@ def _labels(items: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, str], ...]:
 
 
 class _ThreadStore:
-    """One thread's counters and histograms: only that thread writes them, so recording takes no lock."""
+    """One thread's counters and histograms: only that thread writes them. A counter is one
+    store; a histogram's count and sum are two, taken under `lock` with the publisher's copy, or
+    a snapshot could hold an observation's count without its value."""
 
-    __slots__ = ("counters", "hists")
+    __slots__ = ("counters", "hists", "lock")
 
     def __init__(self) -> None:
         self.counters: dict[Key, float] = {}
         self.hists: dict[Key, list[Any]] = {}  # [bounds, counts (one per bound, then +Inf), sum]
+        self.lock = threading.Lock()
 
 
 class ProcessMetrics:
@@ -96,15 +100,17 @@ class ProcessMetrics:
             return
         key = (name, tuple(labels.items()))
         try:
-            hists = self._local.store.hists
+            store = self._local.store
         except AttributeError:
-            hists = self._store().hists
-        hist = hists.get(key)
+            store = self._store()
+        hist = store.hists.get(key)
         if hist is None:
             bounds = buckets_for(name)
-            hist = hists[key] = [bounds, [0] * (len(bounds) + 1), 0.0]
-        hist[1][bisect_left(hist[0], value)] += 1
-        hist[2] += value
+            hist = store.hists[key] = [bounds, [0] * (len(bounds) + 1), 0.0]
+        i = bisect_left(hist[0], value)
+        with store.lock:
+            hist[1][i] += 1
+            hist[2] += value
 
     # -- publishing -------------------------------------------------------------------------------
 
@@ -116,13 +122,15 @@ class ProcessMetrics:
             for (name, items), value in dict(store.counters).items():
                 key = (name, _labels(items))
                 counters[key] = counters.get(key, 0) + value
-            for (name, items), (bounds, counts, total) in dict(store.hists).items():
+            with store.lock:
+                copied = [(key, bounds, list(counts), total) for key, (bounds, counts, total) in dict(store.hists).items()]
+            for (name, items), bounds, counts, total in copied:
                 key = (name, _labels(items))
                 if key in hists:
                     _, seen, seen_total = hists[key]
                     hists[key] = (bounds, [a + b for a, b in zip(seen, counts)], seen_total + total)
                 else:
-                    hists[key] = (bounds, list(counts), total)
+                    hists[key] = (bounds, counts, total)
         gauges = {(name, _labels(items)): value for (name, items), value in dict(self._gauges).items()}
         self._seq += 1
         return {

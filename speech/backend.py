@@ -42,6 +42,7 @@ class DecodeResult:
     avg_logprob: float = 0.0
     no_speech_prob: float = 0.0
     tokens: int = 0
+    temperature: float = 0.0  # above 0: the greedy decode needed Whisper's fallback, this one was sampled
 
 
 class Backend(ABC):

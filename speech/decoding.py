@@ -7,6 +7,19 @@ sampled step, the timestamp rules (pairs, monotonic, first timestamp <= 1.0 s, t
 forced when their summed probability beats every text token), at most 224 sampled tokens,
 average log-probability and the no-speech probability at the SOT position.
 
+A decode that is not a partial samples at most `final_token_cap` tokens for its audio's length,
+and one that reaches it is a loop: Whisper's temperature fallback decodes it again by sampling,
+best of `best_of`, at each temperature step up to 1.0, until a sample ends before the cap. With
+`whisper_rule` (long-form transcription) the fallback also takes Whisper's other cases: text
+that compresses more than 2.4 times, or reads unsure (average log-probability under -1, unless
+the no-speech rule calls it silence). When no temperature passes, the least unsure result that
+is not a loop is kept (faster-whisper's rule; Whisper keeps the last). The samples are seeded
+from the requests' audio, so the same audio gives the same text. Partials never fall back: the
+next one replaces them within a partial interval. A final's fallback stops sampling once it has
+taken FALLBACK_TIME_RATIO times what the greedy decode took (a sample cut then counts as a loop),
+so it holds a worker at most that long again; long-form windows, read off-line, try every
+temperature.
+
 Batching: all requests of one window size share one encoder call (B, n_mels, T) and then step
 together. Rows are left-padded; the decoder gets explicit positions and an additive mask, so
 padding columns in the self-attention cache are never attended; every input and output of
@@ -23,6 +36,8 @@ duration; `speech.longform` relies on this to re-decode an incomplete trailing s
 from __future__ import annotations
 
 import math
+import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -39,6 +54,29 @@ MAX_PREFIX = 200  # forced prefix tokens kept (the rest of 448 positions is for 
 NO_SPEECH_THRESHOLD = 0.6
 LOGPROB_THRESHOLD = -1.0
 MAX_INITIAL_TIMESTAMP = 1.0
+COMPRESSION_RATIO_THRESHOLD = 2.4
+FINAL_TOKENS_PER_S = 15
+# A final's fallback stops sampling after this many times the greedy decode's time: a loop in a
+# 25 s segment is 224 tokens, and five rounds of five samples of it would keep a worker towards
+# `[workers] stuck_after_s` with a larger model. The loops measured were mended within two rounds,
+# which fit in it (docs/PERFORMANCE.md, "Loops and the temperature fallback").
+FALLBACK_TIME_RATIO = 4.0
+
+
+def compression_ratio(text: str) -> float:
+    """How much zlib shrinks the text: a decode that repeats itself compresses far better than speech."""
+    raw = text.encode("utf-8")
+    return len(raw) / len(zlib.compress(raw)) if raw else 0.0
+
+
+def _is_loop(res: DecodeResult) -> bool:
+    return compression_ratio(res.text) > COMPRESSION_RATIO_THRESHOLD
+
+
+def needs_fallback(res: DecodeResult) -> bool:
+    """Whisper's rule: a loop, or unsure text that the no-speech rule does not call silence."""
+    silence = res.no_speech_prob > NO_SPEECH_THRESHOLD and res.avg_logprob < LOGPROB_THRESHOLD
+    return _is_loop(res) or (res.avg_logprob < LOGPROB_THRESHOLD and not silence)
 
 
 @dataclass
@@ -48,6 +86,13 @@ class DecodeOptions:
     quick_first_partial: bool = True  # a segment's first partial on the short window even when partial_window is "full"
     sample_len: int = SAMPLE_LEN
     suppress_silence: bool = True  # no_speech_prob > 0.6 and avg_logprob < -1 -> empty result
+    temperature_increment: float = 0.2  # fallback temperatures: this step up to 1.0; 0 = no fallback
+    best_of: int = 5  # samples per request at each fallback temperature
+
+    @property
+    def fallback_temperatures(self) -> list[float]:
+        step = self.temperature_increment
+        return [round(step * k, 6) for k in range(1, int(1.0 / step + 1e-6) + 1)] if step > 0 else []
 
 
 @dataclass
@@ -92,6 +137,14 @@ def _top(x: np.ndarray, k: int) -> list[int]:
     return [i for i, _ in picked]
 
 
+def final_token_cap(n_samples: int) -> int:
+    """Most tokens sampled for a decode that is not a partial: FINAL_TOKENS_PER_S per second of
+    its audio, twice the density of Whisper's own cap (224 tokens for 30 s), plus room for the
+    timestamps of a short clip. A decode that reaches it is a loop; without it a loop in a
+    three-second segment ran to 224 tokens, four times the work, and all of it repetition."""
+    return math.ceil(FINAL_TOKENS_PER_S * n_samples / SAMPLE_RATE) + 10
+
+
 def short_window_frames(n_samples: int) -> int:
     """Mel frames for a short partial window: speech + 2 s, rounded up to whole seconds."""
     seconds = math.ceil(n_samples / SAMPLE_RATE + 2.0)
@@ -121,12 +174,15 @@ class WhisperDecoder:
         return [r for r, _ in self.decode_tokens(requests)]
 
     def decode_tokens(
-        self, requests: Sequence[DecodeRequest], prompt_tokens: Sequence[list[int] | None] | None = None
+        self, requests: Sequence[DecodeRequest], prompt_tokens: Sequence[list[int] | None] | None = None,
+        whisper_rule: bool = False,
     ) -> list[tuple[DecodeResult, list[int]]]:
         """Results with the decoded tokens (timestamps included, after the SOT sequence).
 
         `prompt_tokens` (per request) replaces the text prompt with token ids, as Whisper's
         long-form transcription conditions on previous tokens including timestamps.
+        `whisper_rule`: the temperature fallback for text that compresses or reads unsure too,
+        not only for decodes that reach their cap.
         """
         ptoks = list(prompt_tokens) if prompt_tokens is not None else [None] * len(requests)
         results: list[tuple[DecodeResult, list[int]] | None] = [None] * len(requests)
@@ -140,20 +196,57 @@ class WhisperDecoder:
                     groups.setdefault(frames, []).append(i)
                     caps[i] = math.ceil(7 * n / SAMPLE_RATE) + 5
                     continue
+            if not r.partial:
+                caps[i] = final_token_cap(n)
             groups.setdefault(N_FRAMES, []).append(i)
+        started = time.perf_counter()
         retry: list[int] = []
+        looped: set[int] = set()  # finals that reached their cap
         for frames, idx in sorted(groups.items()):
             outs = self._decode_group([requests[i] for i in idx], frames, [caps.get(i) for i in idx], [ptoks[i] for i in idx])
             for i, (res, capped, toks) in zip(idx, outs):
                 if capped and frames < N_FRAMES:
                     retry.append(i)  # hit the short-window token cap: decode again on the full window
-                else:
-                    results[i] = (res, toks)
+                    continue
+                if capped and not requests[i].partial:
+                    looped.add(i)
+                results[i] = (res, toks)
         if retry:
             outs = self._decode_group([requests[i] for i in retry], N_FRAMES, [None] * len(retry), [ptoks[i] for i in retry])
             for i, (res, _, toks) in zip(retry, outs):
                 results[i] = (res, toks)
+        budget_s = None if whisper_rule else FALLBACK_TIME_RATIO * (time.perf_counter() - started)
+        self._fall_back(requests, ptoks, results, caps, looped, whisper_rule, budget_s)  # type: ignore[arg-type]
         return results  # type: ignore[return-value]
+
+    def _fall_back(self, requests: Sequence[DecodeRequest], ptoks: list[list[int] | None],
+                   results: list[tuple[DecodeResult, list[int]]], caps: dict[int, int], looped: set[int],
+                   whisper_rule: bool, budget_s: float | None) -> None:
+        """Decode again, in place in `results`, the requests that `looped` (reached their token
+        cap) and with `whisper_rule` those whose text compresses or reads unsure; see the
+        module's docstring. Sampling stops `budget_s` seconds into the fallback."""
+        def fails(res: DecodeResult, capped: bool) -> bool:
+            return capped or (whisper_rule and needs_fallback(res))
+
+        todo = [i for i, r in enumerate(requests) if not r.partial and fails(results[i][0], i in looped)]
+        tried = {i: [(results[i], i in looped)] for i in todo}
+        deadline = None if budget_s is None else time.perf_counter() + budget_s
+        for temperature in self.opt.fallback_temperatures:
+            if not todo or (deadline is not None and time.perf_counter() >= deadline):
+                break
+            outs = self._decode_group([requests[i] for i in todo], N_FRAMES, [caps[i] for i in todo], [ptoks[i] for i in todo],
+                                      temperature=temperature, deadline=deadline)
+            still = []
+            for i, (res, capped, toks) in zip(todo, outs):
+                res.temperature = temperature
+                tried[i].append(((res, toks), capped))
+                results[i] = (res, toks)
+                if fails(res, capped):
+                    still.append(i)
+            todo = still
+        for i in todo:
+            no_loop = [t for t, capped in tried[i] if not capped and not (whisper_rule and _is_loop(t[0]))]
+            results[i] = max(no_loop or [t for t, _ in tried[i]], key=lambda t: t[0].avg_logprob)
 
     # -------------------------------------------------------------------------------- internals
     def _rows(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -210,12 +303,16 @@ class WhisperDecoder:
         return logprobs
 
     def _decode_group(
-        self, reqs: list[DecodeRequest], frames: int, caps: list[int | None], ptoks: list[list[int] | None]
+        self, reqs: list[DecodeRequest], frames: int, caps: list[int | None], ptoks: list[list[int] | None],
+        temperature: float = 0.0, deadline: float | None = None,
     ) -> list[tuple[DecodeResult, bool, list[int]]]:
+        """Greedy or beam search at temperature 0; best of `best_of` samples above it, cut at
+        `deadline` (perf_counter seconds) as if at their cap."""
         tk = self.tk
         n = len(reqs)
         beam = max(1, self.opt.beam_size)
-        group = self.io.encode(self.log_mel([r.audio for r in reqs], frames), n * beam)
+        copies = max(1, self.opt.best_of) if temperature > 0 else beam
+        group = self.io.encode(self.log_mel([r.audio for r in reqs], frames), n * copies)
 
         # stage 1: prompt + SOT -> no-speech probability and language at the SOT position
         stage1 = []
@@ -275,7 +372,9 @@ class WhisperDecoder:
             max(1, min(self.opt.sample_len if not c else min(self.opt.sample_len, c), self.io.n_ctx - len(s1) - len(s2)))
             for c, s1, s2 in zip(caps, stage1, stage2)
         ]
-        if beam == 1:
+        if temperature > 0:
+            finals = self._sample(reqs, group, first_logits, forced, max_new, temperature, copies, deadline)
+        elif beam == 1:
             finals = self._greedy(reqs, group, first_logits, forced, max_new)
         else:
             finals = self._beam(reqs, group, first_logits, forced, max_new, beam)
@@ -292,16 +391,61 @@ class WhisperDecoder:
         for i in rows:
             languages[i] = self.tk.id_to_lang[int(ids[np.argmax(logits[i, ids])])]
 
-    def _greedy(self, reqs, group: Group, logits, forced, max_new):
+    def _sample(self, reqs, group: Group, logits, forced, max_new, temperature: float, copies: int,
+                deadline: float | None):
+        """`copies` samples of each request at `temperature`; each request's best by Whisper's
+        ranking, among those that ended if any did (one the token cap cut is most likely a loop)."""
+        n = len(reqs)
+        every = [i for i in range(n) for _ in range(copies)]
+        rep = self.io.take(group, every)
+        logits = np.take(logits, rep, axis=0, out=self.io.logits(0, n * copies), mode="clip")
+        seed = zlib.crc32(np.ascontiguousarray(reqs[0].audio, dtype=np.float32).tobytes())
+        for r in reqs[1:]:
+            seed = zlib.crc32(np.ascontiguousarray(r.audio, dtype=np.float32).tobytes(), seed)
+        rng = np.random.default_rng([seed, round(temperature * 1000)])
+        samples = self._greedy([reqs[i] for i in every], group, logits, [forced[i] for i in every],
+                               [max_new[i] for i in every], temperature, rng, deadline)
+        out = []
+        for i in range(n):
+            mine = samples[i * copies : (i + 1) * copies]
+            ended = [s for s in mine if not s[1]]
+            out.append(max(ended or mine, key=lambda s: _ranking_score(s[0])))
+        return out
+
+    def _draw(self, lp: np.ndarray, temperature: float, rng: np.random.Generator) -> np.ndarray:
+        """One token per row of (n, V) log-probabilities, drawn from their distribution at
+        `temperature`: by the cumulative sum of its unnormalised probabilities, in the buffer
+        `_filter` is done with (noise for every token of the vocabulary would cost as much as
+        the decoder step)."""
+        n = len(lp)
+        cdf = np.multiply(lp, 1.0 / temperature, out=self._exp[:n])
+        cdf -= cdf.max(axis=-1, keepdims=True, out=self._col[:n])
+        np.cumsum(np.exp(cdf, out=cdf), axis=-1, out=cdf)
+        picks = self._best[:n]
+        for k, u in enumerate(rng.random(n)):
+            picks[k] = min(int(np.searchsorted(cdf[k], u * cdf[k, -1], side="right")), lp.shape[1] - 1)
+        return picks
+
+    def _greedy(self, reqs, group: Group, logits, forced, max_new, temperature: float = 0.0,
+                rng: np.random.Generator | None = None, deadline: float | None = None):
+        """The most likely token at each step, or at `temperature` > 0 one drawn (`_draw`); rows
+        still going at `deadline` end there, capped."""
         rows = [_Row(req=i, tokens=list(forced[i]), n_forced=len(forced[i])) for i in range(len(reqs))]
         ts_on = [r.timestamps for r in reqs]
         active = list(range(len(reqs)))
         capped = [False] * len(reqs)
         n_sampled = 0
         while active:
+            if deadline is not None and time.perf_counter() >= deadline:
+                for i in active:
+                    capped[i] = True
+                break
             cur = [rows[i] for i in active]
             lp = self._filter(logits, cur, [ts_on[i] for i in active], [n_sampled == 0] * len(active))
-            nxt = lp.argmax(axis=-1, out=self._best[: len(active)])
+            if rng is None:
+                nxt = lp.argmax(axis=-1, out=self._best[: len(active)])
+            else:
+                nxt = self._draw(lp, temperature, rng)
             keep, feed = [], []
             for k, i in enumerate(active):
                 tok = int(nxt[k])

@@ -4,16 +4,16 @@ Audio is cut into 30 s windows. After each window the cursor moves to the last t
 that closed a segment; a trailing segment without a closing timestamp is decoded again at
 the start of the next window (when the window ends with a lone closing timestamp, the whole
 window is consumed). The previous tokens, timestamps included, are the next window's prompt
-(Whisper's condition_on_previous_text). Segment times are absolute.
+(Whisper's condition_on_previous_text), except after a window the temperature fallback
+sampled above 0.5. Segment times are absolute.
 
-Backends with `transcribe_tokens` (OrtWhisperBackend) get exactly that; any other Backend
+Backends with `transcribe_tokens` (OrtWhisperBackend) get exactly that, each window with
+Whisper's temperature fallback (`speech.decoding`); any other Backend
 gets the same cursor logic from its segments (a trailing segment ending at the window's
 duration is the unclosed one) and the previous text as a text prompt.
 """
 
 from __future__ import annotations
-
-import zlib
 
 import numpy as np
 
@@ -23,12 +23,7 @@ WINDOW = int(MAX_WINDOW_S * SAMPLE_RATE)
 TIME_PRECISION = 0.02
 MIN_REST_S = 0.05  # a remainder shorter than this is not decoded
 PROMPT_CHARS = 600
-COMPRESSION_RATIO_THRESHOLD = 2.4
-
-
-def compression_ratio(text: str) -> float:
-    raw = text.encode("utf-8")
-    return len(raw) / len(zlib.compress(raw)) if raw else 0.0
+FRESH_PROMPT_ABOVE = 0.5  # a window decoded at a higher fallback temperature does not prompt the next
 
 
 def transcribe(backend: Backend, audio: np.ndarray, language: str | None = None, prompt: str | None = None) -> DecodeResult:
@@ -65,11 +60,6 @@ def _transcribe_tokens(backend, audio, language, prompt) -> DecodeResult:
         dur = len(chunk) / SAMPLE_RATE
         req = DecodeRequest(audio=chunk, language=language)
         res, toks = backend.transcribe_tokens([req], [history or None])[0]
-        if history and compression_ratio(res.text) > COMPRESSION_RATIO_THRESHOLD:
-            # repetition loop: Whisper would fall back to sampling; decoding without the prompt suffices here
-            res2, toks2 = backend.transcribe_tokens([req], [None])[0]
-            if compression_ratio(res2.text) < compression_ratio(res.text):
-                res, toks = res2, toks2
         language = res.language  # the model's code for it, or the one detected in the first window
         offset = seek / SAMPLE_RATE
         toks = [t for t in toks if t < tk.eot or t >= tb]
@@ -108,7 +98,8 @@ def _transcribe_tokens(backend, audio, language, prompt) -> DecodeResult:
             if _add(segments, offset, start, end, tk.decode(words), dur):
                 text_tokens += words
             used = toks
-        history = (history + used)[-223:]
+        # Whisper's rule: text sampled hot is no context to condition the next window on
+        history = [] if res.temperature > FRESH_PROMPT_ABOVE else (history + used)[-223:]
         seek += max(advance, SAMPLE_RATE // 2) if advance < len(chunk) else len(chunk)
     return _finish(tk.decode(text_tokens).strip(), segments, language, logprobs, no_speech, n_tokens)
 

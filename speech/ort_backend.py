@@ -82,7 +82,8 @@ class OrtWhisperBackend(Backend):
         cfg = self.cfg
         return WhisperDecoder(encoder, decoder, self.tokenizer, self.dims,
                               DecodeOptions(beam_size=max(1, int(cfg.beam_size)), partial_window=cfg.partial_window,
-                                            quick_first_partial=cfg.quick_first_partial))
+                                            quick_first_partial=cfg.quick_first_partial,
+                                            temperature_increment=cfg.temperature_increment, best_of=cfg.best_of))
 
     def _dims(self) -> dict:
         path = self.graph_dir / "dims.json"
@@ -118,8 +119,9 @@ class OrtWhisperBackend(Backend):
     def transcribe_tokens(
         self, requests: Sequence[DecodeRequest], prompt_tokens: Sequence[list[int] | None]
     ) -> list[tuple[DecodeResult, list[int]]]:
-        """Results plus decoded token ids; prompts given as token ids (used by speech.longform)."""
-        return self.decoding.decode_tokens(requests, prompt_tokens)
+        """Results plus decoded token ids, with Whisper's rule for the temperature fallback;
+        prompts given as token ids (used by speech.longform)."""
+        return self.decoding.decode_tokens(requests, prompt_tokens, whisper_rule=True)
 
     def close(self) -> None:
         self.encoder = self.decoder = None  # type: ignore[assignment]

@@ -102,8 +102,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
         from streamasr import local
 
         model = _config(args).model  # --model and --precision over the config's [model]
-        return local.run(args.files, model=model.name, language=args.language, precision=model.precision,
-                         as_json=args.json, threads=args.threads, cache_dir=model.cache_dir)
+        return local.run(args.files, model, language=args.language, as_json=args.json, threads=args.threads)
     from streamasr import remote, service
 
     cfg = _config(args)

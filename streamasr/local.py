@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from typing import TextIO
 
 from config.settings import ModelConfig
@@ -11,29 +12,28 @@ from config.settings import ModelConfig
 
 def run(
     files: list[str],
-    model: str = "whisper-tiny.en",
+    model: ModelConfig,
     language: str | None = None,
-    precision: str = "fp32",
     as_json: bool = False,
     threads: int = 1,
     out: TextIO = sys.stdout,
-    cache_dir: str = "",
 ) -> int:
-    """Print each file's transcript (plain text, or one JSON object per line); 0 if all succeeded."""
+    """Print each file's transcript (plain text, or one JSON object per line); 0 if all succeeded.
+    `model`: the config's `[model]`, decoded on its `precision`'s graphs alone."""
     from speech import longform
     from speech.audio import AudioError, load_audio
     from speech.backend import SAMPLE_RATE
     from speech.loader import ModelError, language_refusal, load_backend, served_languages
 
-    cfg = ModelConfig(name=model, precision=precision, partial_precision="", threads=threads, cache_dir=cache_dir)
+    cfg = replace(model, partial_precision="", threads=threads)
     try:
         # refused before the model is loaded (and exported, on a first run), as the ingest refuses an open
-        if why := language_refusal(model, served_languages(cfg), language):
+        if why := language_refusal(cfg.name, served_languages(cfg), language):
             print(f"error: {why}", file=sys.stderr)
             return 2
         backend = load_backend(cfg)
     except (ModelError, ValueError, NotImplementedError) as exc:
-        print(f"error: cannot load model {model}: {exc}", file=sys.stderr)
+        print(f"error: cannot load model {cfg.name}: {exc}", file=sys.stderr)
         return 2
     status = 0
     try:

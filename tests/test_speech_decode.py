@@ -12,10 +12,10 @@ import pytest
 import soundfile as sf
 
 from config.settings import ModelConfig
-from speech import longform
+from speech import decoding, longform
 from speech.audio import AudioError, load_audio
 from speech.backend import SAMPLE_RATE, DecodeRequest
-from speech.decoding import DecodeOptions, WhisperDecoder
+from speech.decoding import DecodeOptions, WhisperDecoder, final_token_cap
 from streamasr.testdata import normalize, utterances, wer
 
 PARITY_POINTS = 0.005  # |WER ours - WER faster-whisper|, same weights, greedy, fp32
@@ -492,13 +492,78 @@ def test_long_form_ten_minutes(tiny, dev):
     assert wer([" ".join(refs)], [res.text]) < 0.35
 
 
+def _said(tmp_path, word: str, times: int) -> np.ndarray:
+    """espeak-ng saying `word` `times` times: repeated words make greedy Whisper decoding loop."""
+    wav = tmp_path / f"{word}.wav"
+    subprocess.run(["espeak-ng", "-w", str(wav), " ".join([word] * times)], check=True, capture_output=True)
+    return load_audio(wav)
+
+
+def test_a_final_that_loops_is_decoded_again_by_sampling(tiny, dev, tmp_path, monkeypatch):
+    """A segment whose greedy decode loops ("no, no, no, …" long past the speech) is decoded
+    again at rising temperatures until a sample ends; without the fallback the loop stops at
+    the cap for the segment's length, not at Whisper's 224 tokens; a fallback out of time keeps
+    what it has."""
+    (u, speech), noes = dev[0], _said(tmp_path, "no", 15)
+    audio = np.concatenate([speech, noes])
+    ref = u.reference + " no" * 15
+    cap = final_token_cap(len(audio))
+    assert cap < 224
+
+    # every temperature it needs, however busy this machine is between the greedy decode and the samples
+    monkeypatch.setattr(decoding, "FALLBACK_TIME_RATIO", 1000.0)
+    res = tiny.transcribe_batch([DecodeRequest(audio=audio)])[0]
+    assert 0 < res.temperature <= 1.0 and res.tokens < cap
+    assert wer([ref], [res.text]) <= 0.15, res.text
+    again = tiny.transcribe_batch([DecodeRequest(audio=audio)])[0]
+    assert again.text == res.text  # the samples are seeded from the audio
+    partial = tiny.transcribe_batch([DecodeRequest(audio=audio, partial=True)])[0]
+    assert partial.temperature == 0.0  # partials never fall back
+
+    monkeypatch.setattr(decoding, "FALLBACK_TIME_RATIO", 0.0)  # out of time at once: the greedy loop stands
+    spent = tiny.transcribe_batch([DecodeRequest(audio=audio)])[0]
+    monkeypatch.setattr(tiny.decoding.opt, "temperature_increment", 0.0)
+    greedy = tiny.transcribe_batch([DecodeRequest(audio=audio)])[0]
+    assert greedy.temperature == 0.0 and greedy.tokens == cap
+    assert wer([ref], [greedy.text]) > 1.0, greedy.text  # the loop's words outnumber the speech's
+    assert (spent.text, spent.temperature) == (greedy.text, 0.0)
+
+
+def test_long_form_falls_back_on_a_window_that_loops(tiny, dev, tmp_path, monkeypatch):
+    """A loop no longer eats the rest of its 30 s window. A window sampled above 0.5 is no
+    prompt for the next (Whisper's rule); one sampled cooler is."""
+    audio = np.concatenate([_said(tmp_path, "no", 15)] + [a for _, a in dev])
+    ref = " ".join(["no"] * 15 + [u.reference for u, _ in dev])
+    windows: list[tuple[int, float]] = []
+    transcribe_tokens = tiny.transcribe_tokens
+
+    def spy(requests, prompts):
+        out = transcribe_tokens(requests, prompts)
+        windows.append((len(prompts[0] or []), out[0][0].temperature))
+        return out
+
+    monkeypatch.setattr(tiny, "transcribe_tokens", spy)
+    fallback = longform.transcribe(tiny, audio).text
+    assert len(windows) == 2 and 0 < windows[0][1] <= 0.5 and windows[1][0] > 0, windows
+    assert wer([ref], [fallback]) <= 0.15, fallback
+
+    windows.clear()
+    monkeypatch.setattr(tiny.decoding.opt, "temperature_increment", 0.6)  # the only step: 0.6
+    longform.transcribe(tiny, audio)
+    assert windows[0][1] == 0.6 and windows[1][0] == 0, windows
+
+    monkeypatch.setattr(tiny.decoding.opt, "temperature_increment", 0.0)
+    greedy = longform.transcribe(tiny, audio).text
+    assert wer([ref], [greedy]) > 2 * wer([ref], [fallback]), greedy
+
+
 def test_local_run_json(tmp_path, capsys):
     from streamasr.local import run
 
     goforward = [u for u in utterances() if u.name == "goforward"][0].path
     out = io.StringIO()
-    rc = run([goforward, str(tmp_path / "missing.wav")], model="whisper-tiny.en", language=None,
-             precision="fp32", as_json=True, threads=2, out=out)  # fmt: skip
+    tiny = ModelConfig(name="whisper-tiny.en", precision="fp32")
+    rc = run([goforward, str(tmp_path / "missing.wav")], tiny, as_json=True, threads=2, out=out)
     assert rc == 1  # a file failed; the others were transcribed
     err = capsys.readouterr().err
     assert "missing.wav" in err and "no such file" in err, err
@@ -511,5 +576,5 @@ def test_local_run_json(tmp_path, capsys):
     assert obj["segments"] and set(obj["segments"][0]) == {"start", "end", "text"}
     assert abs(obj["duration"] - 2.786) < 0.01
     out = io.StringIO()
-    assert run([goforward], model="whisper-tiny.en", language=None, precision="fp32", as_json=False, threads=2, out=out) == 0
+    assert run([goforward], tiny, threads=2, out=out) == 0
     assert normalize(out.getvalue()) == "go forward ten meters"
