@@ -7,14 +7,15 @@ sampled step, the timestamp rules (pairs, monotonic, first timestamp <= 1.0 s, t
 forced when their summed probability beats every text token), at most 224 sampled tokens,
 average log-probability and the no-speech probability at the SOT position.
 
-A decode that is not a partial samples at most `final_token_cap` tokens for its audio's length,
-and one that reaches it is a loop: Whisper's temperature fallback decodes it again by sampling,
-best of `best_of`, at each temperature step up to 1.0, until a sample ends before the cap. With
+A decode on the full window (a final, a long-form window, a partial there) samples at most
+`window_token_cap` tokens for its audio's length, and one that reaches it is a loop. Unless it
+is a partial, Whisper's temperature fallback then decodes it again by sampling, best of
+`best_of`, at each temperature step up to 1.0, until a sample ends before the cap. With
 `whisper_rule` (long-form transcription) the fallback also takes Whisper's other cases: text
 that compresses more than 2.4 times, or reads unsure (average log-probability under -1, unless
 the no-speech rule calls it silence). When no temperature passes, the least unsure result that
-is not a loop is kept (faster-whisper's rule; Whisper keeps the last). The samples are seeded
-from the requests' audio, so the same audio gives the same text. Partials never fall back: the
+is not a loop is kept (faster-whisper's rule; Whisper keeps the last). A request's samples are
+seeded from its audio, so the same audio gives the same text. Partials never fall back: the
 next one replaces them within a partial interval. A final's fallback stops sampling once it has
 taken FALLBACK_TIME_RATIO times what the greedy decode took (a sample cut then counts as a loop),
 so it holds a worker at most that long again; long-form windows, read off-line, try every
@@ -55,7 +56,7 @@ NO_SPEECH_THRESHOLD = 0.6
 LOGPROB_THRESHOLD = -1.0
 MAX_INITIAL_TIMESTAMP = 1.0
 COMPRESSION_RATIO_THRESHOLD = 2.4
-FINAL_TOKENS_PER_S = 15
+WINDOW_TOKENS_PER_S = 15
 # A final's fallback stops sampling after this many times the greedy decode's time: a loop in a
 # 25 s segment is 224 tokens, and five rounds of five samples of it would keep a worker towards
 # `[workers] stuck_after_s` with a larger model. The loops measured were mended within two rounds,
@@ -137,12 +138,13 @@ def _top(x: np.ndarray, k: int) -> list[int]:
     return [i for i, _ in picked]
 
 
-def final_token_cap(n_samples: int) -> int:
-    """Most tokens sampled for a decode that is not a partial: FINAL_TOKENS_PER_S per second of
-    its audio, twice the density of Whisper's own cap (224 tokens for 30 s), plus room for the
-    timestamps of a short clip. A decode that reaches it is a loop; without it a loop in a
-    three-second segment ran to 224 tokens, four times the work, and all of it repetition."""
-    return math.ceil(FINAL_TOKENS_PER_S * n_samples / SAMPLE_RATE) + 10
+def window_token_cap(n_samples: int) -> int:
+    """Most tokens sampled for a decode on the full 30 s window (finals, long-form windows,
+    partials on it): WINDOW_TOKENS_PER_S per second of its audio, twice the density of Whisper's
+    own cap (224 tokens for 30 s), plus room for the timestamps of a short clip. A decode that
+    reaches it is a loop; without it a loop in a three-second segment ran to 224 tokens, four
+    times the work, and all of it repetition."""
+    return math.ceil(WINDOW_TOKENS_PER_S * n_samples / SAMPLE_RATE) + 10
 
 
 def short_window_frames(n_samples: int) -> int:
@@ -196,8 +198,7 @@ class WhisperDecoder:
                     groups.setdefault(frames, []).append(i)
                     caps[i] = math.ceil(7 * n / SAMPLE_RATE) + 5
                     continue
-            if not r.partial:
-                caps[i] = final_token_cap(n)
+            caps[i] = window_token_cap(n)
             groups.setdefault(N_FRAMES, []).append(i)
         started = time.perf_counter()
         retry: list[int] = []
@@ -212,7 +213,9 @@ class WhisperDecoder:
                     looped.add(i)
                 results[i] = (res, toks)
         if retry:
-            outs = self._decode_group([requests[i] for i in retry], N_FRAMES, [None] * len(retry), [ptoks[i] for i in retry])
+            outs = self._decode_group([requests[i] for i in retry], N_FRAMES,
+                                      [window_token_cap(int(np.asarray(requests[i].audio).shape[-1])) for i in retry],
+                                      [ptoks[i] for i in retry])
             for i, (res, _, toks) in zip(retry, outs):
                 results[i] = (res, toks)
         budget_s = None if whisper_rule else FALLBACK_TIME_RATIO * (time.perf_counter() - started)
@@ -399,12 +402,11 @@ class WhisperDecoder:
         every = [i for i in range(n) for _ in range(copies)]
         rep = self.io.take(group, every)
         logits = np.take(logits, rep, axis=0, out=self.io.logits(0, n * copies), mode="clip")
-        seed = zlib.crc32(np.ascontiguousarray(reqs[0].audio, dtype=np.float32).tobytes())
-        for r in reqs[1:]:
-            seed = zlib.crc32(np.ascontiguousarray(r.audio, dtype=np.float32).tobytes(), seed)
-        rng = np.random.default_rng([seed, round(temperature * 1000)])
+        # one generator per request, seeded from its audio: its samples do not depend on its batch
+        rngs = [np.random.default_rng([zlib.crc32(np.ascontiguousarray(r.audio, dtype=np.float32).tobytes()),
+                                       round(temperature * 1000)]) for r in reqs]
         samples = self._greedy([reqs[i] for i in every], group, logits, [forced[i] for i in every],
-                               [max_new[i] for i in every], temperature, rng, deadline)
+                               [max_new[i] for i in every], temperature, [rngs[i] for i in every], deadline)
         out = []
         for i in range(n):
             mine = samples[i * copies : (i + 1) * copies]
@@ -412,24 +414,24 @@ class WhisperDecoder:
             out.append(max(ended or mine, key=lambda s: _ranking_score(s[0])))
         return out
 
-    def _draw(self, lp: np.ndarray, temperature: float, rng: np.random.Generator) -> np.ndarray:
-        """One token per row of (n, V) log-probabilities, drawn from their distribution at
-        `temperature`: by the cumulative sum of its unnormalised probabilities, in the buffer
-        `_filter` is done with (noise for every token of the vocabulary would cost as much as
-        the decoder step)."""
+    def _draw(self, lp: np.ndarray, temperature: float, rngs: list[np.random.Generator]) -> np.ndarray:
+        """One token per row of (n, V) log-probabilities, drawn with the row's generator from
+        their distribution at `temperature`: by the cumulative sum of its unnormalised
+        probabilities, in the buffer `_filter` is done with (noise for every token of the
+        vocabulary would cost as much as the decoder step)."""
         n = len(lp)
         cdf = np.multiply(lp, 1.0 / temperature, out=self._exp[:n])
         cdf -= cdf.max(axis=-1, keepdims=True, out=self._col[:n])
         np.cumsum(np.exp(cdf, out=cdf), axis=-1, out=cdf)
         picks = self._best[:n]
-        for k, u in enumerate(rng.random(n)):
-            picks[k] = min(int(np.searchsorted(cdf[k], u * cdf[k, -1], side="right")), lp.shape[1] - 1)
+        for k, rng in enumerate(rngs):
+            picks[k] = min(int(np.searchsorted(cdf[k], rng.random() * cdf[k, -1], side="right")), lp.shape[1] - 1)
         return picks
 
     def _greedy(self, reqs, group: Group, logits, forced, max_new, temperature: float = 0.0,
-                rng: np.random.Generator | None = None, deadline: float | None = None):
-        """The most likely token at each step, or at `temperature` > 0 one drawn (`_draw`); rows
-        still going at `deadline` end there, capped."""
+                rngs: list[np.random.Generator] | None = None, deadline: float | None = None):
+        """The most likely token at each step, or at `temperature` > 0 one drawn with each row's
+        generator of `rngs` (`_draw`); rows still going at `deadline` end there, capped."""
         rows = [_Row(req=i, tokens=list(forced[i]), n_forced=len(forced[i])) for i in range(len(reqs))]
         ts_on = [r.timestamps for r in reqs]
         active = list(range(len(reqs)))
@@ -442,10 +444,10 @@ class WhisperDecoder:
                 break
             cur = [rows[i] for i in active]
             lp = self._filter(logits, cur, [ts_on[i] for i in active], [n_sampled == 0] * len(active))
-            if rng is None:
+            if rngs is None:
                 nxt = lp.argmax(axis=-1, out=self._best[: len(active)])
             else:
-                nxt = self._draw(lp, temperature, rng)
+                nxt = self._draw(lp, temperature, [rngs[i] for i in active])
             keep, feed = [], []
             for k, i in enumerate(active):
                 tok = int(nxt[k])

@@ -15,7 +15,7 @@ from config.settings import ModelConfig
 from speech import decoding, longform
 from speech.audio import AudioError, load_audio
 from speech.backend import SAMPLE_RATE, DecodeRequest
-from speech.decoding import DecodeOptions, WhisperDecoder, final_token_cap
+from speech.decoding import DecodeOptions, WhisperDecoder, window_token_cap
 from streamasr.testdata import normalize, utterances, wer
 
 PARITY_POINTS = 0.005  # |WER ours - WER faster-whisper|, same weights, greedy, fp32
@@ -501,13 +501,13 @@ def _said(tmp_path, word: str, times: int) -> np.ndarray:
 
 def test_a_final_that_loops_is_decoded_again_by_sampling(tiny, dev, tmp_path, monkeypatch):
     """A segment whose greedy decode loops ("no, no, no, …" long past the speech) is decoded
-    again at rising temperatures until a sample ends; without the fallback the loop stops at
-    the cap for the segment's length, not at Whisper's 224 tokens; a fallback out of time keeps
-    what it has."""
+    again at rising temperatures until a sample ends; without the fallback, and in a partial,
+    the loop stops at the cap for the segment's length, not at Whisper's 224 tokens; a fallback
+    out of time keeps what it has."""
     (u, speech), noes = dev[0], _said(tmp_path, "no", 15)
     audio = np.concatenate([speech, noes])
     ref = u.reference + " no" * 15
-    cap = final_token_cap(len(audio))
+    cap = window_token_cap(len(audio))
     assert cap < 224
 
     # every temperature it needs, however busy this machine is between the greedy decode and the samples
@@ -517,8 +517,9 @@ def test_a_final_that_loops_is_decoded_again_by_sampling(tiny, dev, tmp_path, mo
     assert wer([ref], [res.text]) <= 0.15, res.text
     again = tiny.transcribe_batch([DecodeRequest(audio=audio)])[0]
     assert again.text == res.text  # the samples are seeded from the audio
+    monkeypatch.setattr(tiny.decoding.opt, "partial_window", "full")  # on the short window this one does not loop
     partial = tiny.transcribe_batch([DecodeRequest(audio=audio, partial=True)])[0]
-    assert partial.temperature == 0.0  # partials never fall back
+    assert partial.temperature == 0.0 and partial.tokens == cap  # a partial's loop is cut, never sampled
 
     monkeypatch.setattr(decoding, "FALLBACK_TIME_RATIO", 0.0)  # out of time at once: the greedy loop stands
     spent = tiny.transcribe_batch([DecodeRequest(audio=audio)])[0]
