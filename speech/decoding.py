@@ -59,9 +59,10 @@ COMPRESSION_RATIO_THRESHOLD = 2.4
 WINDOW_TOKENS_PER_S = 15
 # A final's fallback stops sampling after this many times the greedy decode's time: a loop in a
 # 25 s segment is 224 tokens, and five rounds of five samples of it would keep a worker towards
-# `[workers] stuck_after_s` with a larger model. The loops measured were mended within two rounds,
-# which fit in it (docs/PERFORMANCE.md, "Loops and the temperature fallback").
-FALLBACK_TIME_RATIO = 4.0
+# `[workers] stuck_after_s` with a larger model. The loops measured were mended within two rounds
+# (three for one), and a round of a long segment's five samples takes about twice its greedy
+# decode: three rounds fit in it (docs/PERFORMANCE.md, "Loops and the temperature fallback").
+FALLBACK_TIME_RATIO = 6.0
 
 
 def compression_ratio(text: str) -> float:
