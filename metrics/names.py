@@ -58,6 +58,8 @@ SPECS: dict[str, MetricSpec] = {s.name: s for s in (
     MetricSpec("batch_size", "histogram", "worker", "Requests per backend call.", buckets=BATCH_BUCKETS),
     MetricSpec("busy_seconds_total", "counter", "worker", "Seconds spent in backend calls.", per_process="worker"),
     MetricSpec("worker_jobs_total", "counter", "worker", "Requests decoded, by kind.", ("kind",), per_process="worker"),
+    MetricSpec("worker_fallbacks_total", "counter", "worker",
+               "Finals whose greedy decode looped, by whether the temperature fallback replaced the text.", ("outcome",)),
     MetricSpec("gc_pause_seconds", "histogram", "any",
                "Python garbage-collection pauses after start-up (frozen heap), by generation.", ("generation",),
                buckets=GC_BUCKETS, per_process="process"),

@@ -42,7 +42,8 @@ class DecodeResult:
     avg_logprob: float = 0.0
     no_speech_prob: float = 0.0
     tokens: int = 0
-    temperature: float = 0.0  # above 0: the greedy decode needed Whisper's fallback, this one was sampled
+    fell_back: bool = False  # the greedy decode needed Whisper's temperature fallback (it looped)
+    temperature: float = 0.0  # above 0: this text is the fallback's sample at that temperature
 
 
 class Backend(ABC):

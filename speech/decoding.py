@@ -232,6 +232,8 @@ class WhisperDecoder:
         def fails(res: DecodeResult, capped: bool) -> bool:
             return capped or (whisper_rule and needs_fallback(res))
 
+        if not self.opt.fallback_temperatures:
+            return
         todo = [i for i, r in enumerate(requests) if not r.partial and fails(results[i][0], i in looped)]
         tried = {i: [(results[i], i in looped)] for i in todo}
         deadline = None if budget_s is None else time.perf_counter() + budget_s
@@ -251,6 +253,8 @@ class WhisperDecoder:
         for i in todo:
             no_loop = [t for t, capped in tried[i] if not capped and not (whisper_rule and _is_loop(t[0]))]
             results[i] = max(no_loop or [t for t, _ in tried[i]], key=lambda t: t[0].avg_logprob)
+        for i in tried:
+            results[i][0].fell_back = True
 
     # -------------------------------------------------------------------------------- internals
     def _rows(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -360,8 +360,10 @@ class LocalService:
         return self.cfg.ingest.address
 
     def logs(self, program: str) -> str:
+        """The program's log up to its last whole line: a line being written may be half there."""
         path = self.cfg.run_path / "logs" / f"{program}.log"
-        return path.read_text() if path.exists() else ""
+        text = path.read_text() if path.exists() else ""
+        return text[: text.rfind("\n") + 1]
 
     def stop(self, timeout: float | None = None) -> int:
         if self.proc.poll() is None:

@@ -99,6 +99,41 @@ def test_null_backend_result_fields(pool: RingPool, worker: Worker) -> None:
     assert result.segments == [(0.0, 1.0, "hello")]
 
 
+def test_a_final_that_loops_is_resampled_counted_and_logged(segment_name: str, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the worker's own call: a final whose greedy decode loops comes back with the
+    fallback's text, and the worker counts and logs it, so ops see streams that loop."""
+    from speech import decoding
+    from speech.audio import load_audio
+    from speech.ort_backend import OrtWhisperBackend
+    from streamasr.testdata import utterances, wer
+
+    speech = utterances()[0]
+    wav = tmp_path / "no.wav"
+    subprocess.run(["espeak-ng", "-w", str(wav), " ".join(["no"] * 15)], check=True, capture_output=True)
+    audio = np.concatenate([load_audio(speech.path), load_audio(wav)])
+    cfg = settings.load(None, {"model": {"name": "whisper-tiny.en", "partial_precision": "", "threads": 2}})
+    w = Worker(cfg, 0)
+    w.backend = OrtWhisperBackend(cfg.model, warmup=False)
+    monkeypatch.setattr(decoding, "FALLBACK_TIME_RATIO", 1000.0)  # every temperature it needs, however busy the machine
+    p = RingPool.create(segment_name, slots=1, capacity=len(audio))
+    try:
+        ring = p.acquire()
+        ring.write(audio)
+        with capture_logs() as logs:
+            [result] = w.process([job(p, ring.slot, ring.generation, 0, len(audio))])
+        assert result.status == OK
+        assert wer([speech.reference + " no" * 15], [result.text]) <= 0.15, result.text
+        [(_, labels, count)] = [c for c in w.metrics.snapshot()["counters"] if c[0] == "worker_fallbacks_total"]
+        assert labels == {"outcome": "resampled"} and count == 1
+        [event] = [e for e in logs if e["event"] == "worker.final_fell_back"]
+        assert event["outcome"] == "resampled" and event["temperature"] > 0 and event["stream"] == "s"
+    finally:
+        for pool in w._pools.values():
+            pool.close()
+        p.close()
+
+
 def test_reused_slot_and_overrun_fail_with_reason(pool: RingPool, worker: Worker) -> None:
     ring = pool.acquire()
     ring.write(np.zeros(4000, dtype=np.float32))

@@ -39,7 +39,7 @@ from metrics.stallwatch import StallWatch
 from protocol.messages import INTERNAL
 from shm.pool import RingPool
 from shm.ring import Ring
-from speech.backend import Backend, DecodeRequest
+from speech.backend import Backend, DecodeRequest, DecodeResult
 from workers.batcher import Batcher
 
 log = structlog.get_logger()
@@ -513,6 +513,8 @@ class Worker:
                 self.metrics.inc("errors_total", code=INTERNAL)
                 results.append(_answer(job, FAILED, self.identity, "audio overwritten while it was decoded"))
                 continue
+            if out.fell_back:
+                self._fell_back(job, out, finished - started)
             results.append(JobResult(
                 job_id=job.job_id, ingest=job.ingest, text=out.text,
                 segments=[(s.start, s.end, s.text) for s in out.segments],
@@ -521,6 +523,14 @@ class Worker:
             ))
         log.debug("worker.batch", size=len(taken), seconds=round(finished - started, 4))
         return results
+
+    def _fell_back(self, job: Job, out: DecodeResult, seconds: float) -> None:
+        """A final whose greedy decode looped: counted and logged by whether the temperature
+        fallback replaced its text, so a stream that keeps looping, and what it costs, show."""
+        outcome = "resampled" if out.temperature > 0 else "kept"
+        self.metrics.inc("worker_fallbacks_total", outcome=outcome)
+        log.info("worker.final_fell_back", job=job.job_id, stream=job.stream, outcome=outcome,
+                 temperature=out.temperature, batch_s=round(seconds, 3))
 
     def _record(self, taken: list[tuple[Job, Ring]], seconds: float) -> None:
         """Per batch, not per job: the busy ratio and batch sizes are what tell a worker's load."""
