@@ -191,8 +191,8 @@ class WhisperDecoder:
         results: list[tuple[DecodeResult, list[int]] | None] = [None] * len(requests)
         groups: dict[int, list[int]] = {}
         caps: dict[int, int] = {}
-        for i, r in enumerate(requests):
-            n = int(np.asarray(r.audio).shape[-1])
+        sizes = [int(np.asarray(r.audio).shape[-1]) for r in requests]
+        for i, (r, n) in enumerate(zip(requests, sizes)):
             if r.partial and (self.opt.partial_window == "short" or (r.first and self.opt.quick_first_partial)):
                 frames = short_window_frames(n)
                 if frames < N_FRAMES:
@@ -214,8 +214,7 @@ class WhisperDecoder:
                     looped.add(i)
                 results[i] = (res, toks)
         if retry:
-            outs = self._decode_group([requests[i] for i in retry], N_FRAMES,
-                                      [window_token_cap(int(np.asarray(requests[i].audio).shape[-1])) for i in retry],
+            outs = self._decode_group([requests[i] for i in retry], N_FRAMES, [window_token_cap(sizes[i]) for i in retry],
                                       [ptoks[i] for i in retry])
             for i, (res, _, toks) in zip(retry, outs):
                 results[i] = (res, toks)

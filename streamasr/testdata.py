@@ -3,6 +3,7 @@
 Debian's ``pocketsphinx-testdata`` ships LibriVox sentences (librivox/*.wav + transcription),
 spoken card names (cards/*.wav + cards.transcription) and goforward.raw (16 kHz s16le mono,
 "go forward ten meters"). Used by the tests, `streamasr bench-model` and the service benchmark.
+What it lacks (other languages, a word said over and over) espeak-ng speaks (`spoken`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +28,12 @@ class Utterance:
 
 def data_dir() -> Path:
     return Path(os.environ.get(DATA_ENV) or DEFAULT_DATA)
+
+
+def spoken(text: str, wav: Path, voice: str | None = None) -> Path:
+    """`text` synthesized by espeak-ng into `wav`, in `voice` (a language code) or its default one."""
+    subprocess.run(["espeak-ng", *(["-v", voice] if voice else []), "-w", str(wav), text], check=True, capture_output=True)
+    return wav
 
 
 def _read_transcription(path: Path) -> dict[str, str]:

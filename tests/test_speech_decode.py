@@ -16,7 +16,7 @@ from speech import decoding, longform
 from speech.audio import AudioError, load_audio
 from speech.backend import SAMPLE_RATE, DecodeRequest
 from speech.decoding import DecodeOptions, WhisperDecoder, window_token_cap
-from streamasr.testdata import normalize, utterances, wer
+from streamasr.testdata import normalize, spoken, utterances, wer
 
 PARITY_POINTS = 0.005  # |WER ours - WER faster-whisper|, same weights, greedy, fp32
 WER_BOUND = {("tiny", "fp32"): 0.08, ("tiny", "int8"): 0.10, ("base", "fp32"): 0.08, ("base", "int8"): 0.10}
@@ -112,8 +112,7 @@ def test_language_detection(base, tmp_path, voice, text, lang):
     # espeak-ng's Mandarin voice is heard as Thai by Whisper base (faster-whisper too), so the
     # synthetic clips use voices Whisper recognises.
     wav = tmp_path / f"{voice}.wav"
-    subprocess.run(["espeak-ng", "-v", voice, "-w", str(wav), text], check=True, capture_output=True)
-    res = base.transcribe_batch([DecodeRequest(audio=load_audio(wav))])[0]
+    res = base.transcribe_batch([DecodeRequest(audio=load_audio(spoken(text, wav, voice)))])[0]
     assert res.language == lang
     assert res.text
     en = base.transcribe_batch([DecodeRequest(audio=load_audio(utterances()[0].path))])[0]
@@ -158,8 +157,7 @@ def test_the_tokenizer_reads_back_what_the_model_writes(base, dev):
 def test_cli_local_base_with_a_given_language(tmp_path):
     """`streamasr transcribe --local --model whisper-base --language zh`: the language is forced, not
     detected, so even espeak-ng's Mandarin (which Whisper hears as Thai) comes out in Chinese script."""
-    wav = tmp_path / "zh.wav"
-    subprocess.run(["espeak-ng", "-v", "cmn", "-w", str(wav), "今天天气很好，我们去公园散步吧。"], check=True, capture_output=True)
+    wav = spoken("今天天气很好，我们去公园散步吧。", tmp_path / "zh.wav", "cmn")
     proc = subprocess.run([sys.executable, "-m", "streamasr.cli", "transcribe", "--local", "--model", "whisper-base",
                            "--language", "zh", "--json", str(wav)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -174,9 +172,7 @@ def test_a_language_code_in_capitals_or_with_a_region_is_that_language(base, tmp
     """Clients write "ZH" or "zh-CN" for Mandarin; Whisper lowercases the code. A code the model
     has, in any spelling, is forced as "zh" is, not ignored for detection (which hears espeak-ng's
     Mandarin as another language)."""
-    wav = tmp_path / "zh.wav"
-    subprocess.run(["espeak-ng", "-v", "cmn", "-w", str(wav), "今天天气很好，我们去公园散步吧。"], check=True, capture_output=True)
-    audio = load_audio(wav)
+    audio = load_audio(spoken("今天天气很好，我们去公园散步吧。", tmp_path / "zh.wav", "cmn"))
     [forced] = base.transcribe_batch([DecodeRequest(audio=audio, language="zh")])
     [detected] = base.transcribe_batch([DecodeRequest(audio=audio)])
     assert forced.language == "zh" and detected.language != "zh"
@@ -193,9 +189,7 @@ def test_long_form_text_of_japanese_has_no_spaces_between_segments(base, tmp_pat
     gap = np.zeros(SAMPLE_RATE, np.float32)
     pieces = []
     for i, sentence in enumerate(["こんにちは。きょうは いい てんき ですね。", "わたしは がくせい です。", "あした ともだちと うみに いきます。"]):
-        wav = tmp_path / f"ja{i}.wav"
-        subprocess.run(["espeak-ng", "-v", "ja", "-w", str(wav), sentence], check=True, capture_output=True)
-        pieces += [load_audio(wav), gap]
+        pieces += [load_audio(spoken(sentence, tmp_path / f"ja{i}.wav", "ja")), gap]
     audio = np.concatenate(pieces)
     [whole] = base.transcribe_batch([DecodeRequest(audio=audio, language="ja")])
     res = longform.transcribe(base, audio, language="JA")
@@ -494,9 +488,7 @@ def test_long_form_ten_minutes(tiny, dev):
 
 def _said(tmp_path, word: str, times: int) -> np.ndarray:
     """espeak-ng saying `word` `times` times: repeated words make greedy Whisper decoding loop."""
-    wav = tmp_path / f"{word}.wav"
-    subprocess.run(["espeak-ng", "-w", str(wav), " ".join([word] * times)], check=True, capture_output=True)
-    return load_audio(wav)
+    return load_audio(spoken(" ".join([word] * times), tmp_path / f"{word}.wav"))
 
 
 def test_a_final_that_loops_is_decoded_again_by_sampling(tiny, dev, tmp_path, monkeypatch):

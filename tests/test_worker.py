@@ -106,12 +106,10 @@ def test_a_final_that_loops_is_resampled_counted_and_logged(segment_name: str, t
     from speech import decoding
     from speech.audio import load_audio
     from speech.ort_backend import OrtWhisperBackend
-    from streamasr.testdata import utterances, wer
+    from streamasr.testdata import spoken, utterances, wer
 
     speech = utterances()[0]
-    wav = tmp_path / "no.wav"
-    subprocess.run(["espeak-ng", "-w", str(wav), " ".join(["no"] * 15)], check=True, capture_output=True)
-    audio = np.concatenate([load_audio(speech.path), load_audio(wav)])
+    audio = np.concatenate([load_audio(speech.path), load_audio(spoken(" ".join(["no"] * 15), tmp_path / "no.wav"))])
     cfg = settings.load(None, {"model": {"name": "whisper-tiny.en", "partial_precision": "", "threads": 2}})
     w = Worker(cfg, 0)
     w.backend = OrtWhisperBackend(cfg.model, warmup=False)
