@@ -1,6 +1,6 @@
-"""What a worker's start-up decodes (3 s of silence, workers/worker.py `Worker.calibrate`: the
+"""What a worker's start-up decodes (a 3 s sentence, workers/worker.py `Worker.calibrate`: the
 least admission prices a stream at until streams are measured with the workers busy) cost
-against decodes of speech: every dev-set utterance as a final, and its first 3 s as a partial,
+against decodes of the dev set: every utterance as a final, and its first 3 s as a partial,
 timed in the same process.
 
     python scripts/start_up_price.py [--model whisper-tiny.en] [--rounds 3]
@@ -32,11 +32,11 @@ def main() -> None:
     if not clips:
         raise SystemExit("no dev set: install pocketsphinx-testdata")
     head = int(PRIOR_SPEECH_PER_FINAL_S * worker.backend.sample_rate)
-    silence: list[list[float]] = [[], []]
+    price_s: list[list[float]] = [[], []]
     speech: list[list[float]] = [[], []]
     for _ in range(args.rounds):
-        for kind, cost in enumerate(worker.calibrate()):
-            silence[kind].append(cost)
+        for kind, cost in enumerate(worker.calibrate()[0]):
+            price_s[kind].append(cost)
         for audio in clips:
             for kind, request in enumerate((DecodeRequest(audio=audio[:head], partial=True), DecodeRequest(audio=audio))):
                 started = time.monotonic()
@@ -45,8 +45,8 @@ def main() -> None:
     print(f"{args.model}, {len(clips)} dev-set utterances, {args.rounds} rounds; seconds per decode")
     for kind, name in enumerate(("partial (first 3 s)", "final (whole utterance)")):
         low, mid, high = min(speech[kind]), statistics.median(speech[kind]), max(speech[kind])
-        price = statistics.median(silence[kind])
-        print(f"{name:<24} start-up price {price:.3f} (rounds {min(silence[kind]):.3f}-{max(silence[kind]):.3f}); "
+        price = statistics.median(price_s[kind])
+        print(f"{name:<24} start-up price {price:.3f} (rounds {min(price_s[kind]):.3f}-{max(price_s[kind]):.3f}); "
               f"speech median {mid:.3f} (range {low:.3f}-{high:.3f}); price / speech median {price / mid:.2f}")
 
 

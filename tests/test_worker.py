@@ -99,6 +99,20 @@ def test_null_backend_result_fields(pool: RingPool, worker: Worker) -> None:
     assert result.segments == [(0.0, 1.0, "hello")]
 
 
+def test_a_worker_prices_a_stream_on_speech_it_hears_when_it_starts() -> None:
+    """The decodes a starting worker times for admission (sent with READY) are of the clip it
+    ships, a spoken sentence, not of silence, which decodes no words and priced a partial at
+    half of what speech costs; its log shows ops what the model heard."""
+    from streamasr.testdata import wer
+
+    w = Worker(settings.load(None, {"model": {"name": "whisper-tiny.en", "threads": 1}}), 0)
+    with capture_logs() as logs:
+        w.load()
+    [ready] = [e for e in logs if e["event"] == "worker.model_ready"]
+    assert wer(["he was not an ill disposed young man"], [ready["heard"]]) <= 0.25, ready
+    assert [ready["partial_s"], ready["final_s"]] == [round(c, 4) for c in w.decode_cost] and min(w.decode_cost) > 0
+
+
 def test_a_final_that_loops_is_resampled_counted_and_logged(segment_name: str, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the worker's own call: a final whose greedy decode loops comes back with the

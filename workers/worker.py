@@ -22,13 +22,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 import structlog
 import zmq
 
 from broker import jobs as wire
-from broker.figures import PRIOR_SPEECH_PER_FINAL_S
 from broker.jobs import EXPIRED, FAILED, Job, JobResult
 from broker.signals import StopSignal
 from config.settings import Config
@@ -39,7 +39,8 @@ from metrics.stallwatch import StallWatch
 from protocol.messages import INTERNAL
 from shm.pool import RingPool
 from shm.ring import Ring
-from speech.backend import Backend, DecodeRequest, DecodeResult
+from speech.audio import load_audio, resample
+from speech.backend import SAMPLE_RATE, Backend, DecodeRequest, DecodeResult
 from workers.batcher import Batcher
 
 log = structlog.get_logger()
@@ -54,6 +55,9 @@ POOL_CHECK_S = 1.0  # how often the shm segments a worker maps are checked for a
 # Exit status of a worker the watchdog ended: not 1 (crashed, or its IO thread failed), so
 # supervisord's log tells a hung model call from the other failures.
 STUCK_EXIT_STATUS = 3
+# The sentence a worker decodes at start-up to price a stream for admission (Worker.calibrate):
+# source and licence in calibration.NOTICE beside it.
+CALIBRATION_CLIP = Path(__file__).with_name("calibration.flac")
 
 
 class AudioUnavailable(Exception):
@@ -349,27 +353,30 @@ class Worker:
 
         started = time.monotonic()
         self.backend = load_backend(self.cfg.model)
-        self.decode_cost = self.calibrate()
+        self.decode_cost, heard = self.calibrate()
         log.info("worker.model_ready", model=self.cfg.model.name, load_s=round(time.monotonic() - started, 3),
-                 partial_s=round(self.decode_cost[0], 4), final_s=round(self.decode_cost[1], 4))
+                 partial_s=round(self.decode_cost[0], 4), final_s=round(self.decode_cost[1], 4), heard=heard)
 
-    def calibrate(self) -> list[float]:
-        """Seconds one partial and one final decode take here, timed after a warm-up decode of
-        each (a shape's first run allocates). Sent with READY: until the broker has measured what
-        streams cost with the workers busy, admission prices a stream at no less than these, so
-        the first burst a service sees is cut rather than admitted whole. Silence decodes no
-        words, so speech costs more; the workers of a service time theirs at once, sharing the
-        cores as streams will."""
+    def calibrate(self) -> tuple[list[float], str]:
+        """Seconds one partial and one final decode of a 3 s sentence (CALIBRATION_CLIP) take
+        here, timed after a warm-up decode of each (a shape's first run allocates), and the
+        final's text. Sent with READY: until the broker has measured what streams cost with the
+        workers busy, admission prices a stream at no less than these, so the first burst a
+        service sees is cut rather than admitted whole. The clip is speech because a decode's
+        price is mostly its tokens: silence, which decodes none, priced a partial at half of
+        what speech costs. The workers of a service time theirs at once, sharing the cores as
+        streams will; the text shows ops, in the log, that the model they started hears."""
         assert self.backend is not None
-        audio = np.zeros(int(PRIOR_SPEECH_PER_FINAL_S * self.backend.sample_rate), dtype=np.float32)  # a typical segment
-        costs = []
+        audio = resample(load_audio(CALIBRATION_CLIP), SAMPLE_RATE, self.backend.sample_rate)
+        costs, text = [], ""
         for partial in (True, False):
             request = [DecodeRequest(audio=audio, partial=partial)]
             self.backend.transcribe_batch(request)
             started = time.monotonic()
-            self.backend.transcribe_batch(request)
+            [result] = self.backend.transcribe_batch(request)
             costs.append(time.monotonic() - started)
-        return costs
+            text = result.text
+        return costs, text
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT; returns the process exit status."""
