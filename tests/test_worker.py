@@ -113,6 +113,17 @@ def test_a_worker_prices_a_stream_on_speech_it_hears_when_it_starts() -> None:
     assert [ready["partial_s"], ready["final_s"]] == [round(c, 4) for c in w.decode_cost] and min(w.decode_cost) > 0
 
 
+@pytest.mark.parametrize("text", ["", "hello"])
+def test_a_worker_whose_model_hears_nothing_when_it_starts_warns(text: str) -> None:
+    """A model that decodes no word of the start-up sentence is broken (bad weights, a wrong
+    graph) though it loaded: ops are told before streams come, not by empty transcripts."""
+    w = Worker(settings.load(None, {"model": {"name": "null", "backend": "null", "null_text": text}}), 0)
+    with capture_logs() as logs:
+        w.load()
+    warnings = [e for e in logs if e["event"] == "worker.model_heard_nothing"]
+    assert len(warnings) == (0 if text else 1), logs
+
+
 def test_a_final_that_loops_is_resampled_counted_and_logged(segment_name: str, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the worker's own call: a final whose greedy decode loops comes back with the

@@ -356,6 +356,8 @@ class Worker:
         self.decode_cost, heard = self.calibrate()
         log.info("worker.model_ready", model=self.cfg.model.name, load_s=round(time.monotonic() - started, 3),
                  partial_s=round(self.decode_cost[0], 4), final_s=round(self.decode_cost[1], 4), heard=heard)
+        if not heard.strip():  # a clear sentence, and no word of it: the weights or the graphs are broken
+            log.warning("worker.model_heard_nothing", model=self.cfg.model.name, clip=CALIBRATION_CLIP.name)
 
     def calibrate(self) -> tuple[list[float], str]:
         """Seconds one partial and one final decode of a 3 s sentence (CALIBRATION_CLIP) take
