@@ -230,7 +230,13 @@ class Broker:
             while not stop.stopping:
                 events = dict(poller.poll(max(0.0, tick - time.monotonic()) * 1000))
                 now = time.monotonic()
-                self._excuse_peers(now - turned - self._interval_s, now)
+                # An idle loop sleeps until the tick, set an interval after the end of the last
+                # turn that checked the peers: a turn that long after the last one's start, plus
+                # that turn's work and the poll's overshoot, is the loop listening. Lateness under
+                # a quarter interval leaves peers most of their patience; past it, it was blind.
+                late_s = now - turned - self._interval_s
+                if late_s > self._interval_s / 4:
+                    self._excuse_peers(late_s, now)
                 turned = now
                 stop.drain()
                 for sock, handle in handlers.items():
@@ -455,8 +461,6 @@ class Broker:
         They found it silent meanwhile and are replacing their sockets, which drops what they
         had queued for it: without this, the first check after the wake would give up every
         peer for lost, re-queue the jobs at the workers as losses and drop the ingests' queued jobs."""
-        if blind_s <= 0:
-            return
         for link in [*self.worker_links.values(), *(s.link for s in self.ingests.values())]:
             link.seen += blind_s
         self._replacing_until = now + self._patience_s

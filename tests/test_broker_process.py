@@ -518,6 +518,26 @@ def test_a_broker_frozen_past_its_peers_patience_gives_none_of_them_up(running: 
     running.wait_workers(2)  # both registered again
 
 
+def test_an_idle_broker_is_listening_and_a_frozen_one_is_not(cluster: Cluster) -> None:
+    """With no peer talking (workers still loading the model, or all restarting) the broker
+    sleeps until each heartbeat tick: that is listening. Taken for a freeze, every idle tick
+    warned `broker.was_not_listening` and kept peers excused as "replacing their sockets", so a
+    worker killed meanwhile counted no loss and a job that crashes every worker was never given
+    up on. A real freeze is still told apart (the default heartbeat: 1 s ticks, 3 s patience)."""
+    cluster.cfg = replace(cluster.cfg, broker=replace(cluster.cfg.broker, heartbeat_ms=1000, liveness=3))
+    cluster.config_file.write_text(settings.dump(cluster.cfg))
+    broker = cluster.start_broker()
+    wait_for(lambda: cluster.try_front(msgpack.packb({"type": "status"})), 20, "the broker answering")
+    time.sleep(4.5)  # four idle ticks
+    assert not [e for e in cluster.log_events("broker") if e["event"] == "broker.was_not_listening"]
+    broker.send_signal(signal.SIGSTOP)
+    time.sleep(4)
+    broker.send_signal(signal.SIGCONT)
+    excused = wait_for(lambda: [e for e in cluster.log_events("broker") if e["event"] == "broker.was_not_listening"],
+                       10, "the freeze told")
+    assert len(excused) == 1 and excused[0]["seconds"] >= 3.9, excused
+
+
 def test_broker_restart_workers_reregister(running: Cluster) -> None:
     before = {w["id"] for w in running.status()["workers"]}
     running.procs["broker"].kill()
