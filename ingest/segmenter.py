@@ -140,9 +140,20 @@ class Segmenter:
 
     def cut(self) -> list[SegmentEvent]:
         """End the open segment now, as at max_segment_s: its stream's buffer is full of it and
-        cannot take the audio the VAD would need to find its end (see Session.accept_audio)."""
+        cannot take the audio the VAD would need to find its end (see Session.accept_audio).
+
+        Speech begun but not yet a segment (shorter than `min_speech_ms` so far, or followed by
+        a pause shorter than `min_silence_ms`) waits for the same audio: the ring keeps it and
+        the pad before it. It is made a segment of its own, ended where the VAD has got, so its
+        final frees that room and no accepted audio is left out."""
         if not self.in_speech:
-            return []
+            if not self._triggered:
+                return []
+            speech_end = self._pos if self._silence_from is None else self._silence_from
+            opened = self._open(max(self._speech_start - self.pad, self._prev_end, 0))
+            closed = self._close(speech_end + self.pad, forced=True)
+            self._end_speech()
+            return [opened, closed]
         if self._silence_from is None:
             return self._force_cut()
         event = self._close(self._silence_from + self.pad, forced=True)  # in a pause: end there, as push does

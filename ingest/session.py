@@ -188,11 +188,17 @@ class Session:
         cannot end it without audio that does not fit (messages a realtime client sends at its
         own pace, larger than what is left beyond `max_segment_s`). Cut it where the VAD has
         got, as at `max_segment_s`: its final frees the room, and the refused message is taken
-        when resent."""
-        seg = self.open_segment
-        if seg is None or self.vad_chunk_due(VAD_CHUNK) or self._needed_from() < seg.start:
+        when resent. Speech begun but not yet a segment (a burst the VAD has not ruled on: too
+        short so far, or a pause too short after it) holds the ring the same way, and is cut
+        as a segment of its own."""
+        if not self.segmenter.active or self.vad_chunk_due(VAD_CHUNK):
             return
-        self.log.info("ingest.segment_cut_for_room", seg=seg.index, seconds=round((self.vad_pos - seg.start) / SAMPLE_RATE, 3))
+        start = self.segmenter.earliest_start  # the open segment's start, or the burst's less the pad
+        if self._needed_from() < start:  # an earlier segment's final frees room first
+            return
+        seg = self.open_segment
+        self.log.info("ingest.segment_cut_for_room", seg=seg.index if seg is not None else self.next_segment,
+                      seconds=round((self.vad_pos - start) / SAMPLE_RATE, 3))
         for ev in self.segmenter.cut():
             self._on_segment_event(ev)
 

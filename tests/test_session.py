@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -344,6 +344,31 @@ def finals(s: Session) -> list[m.Final]:
     return [msg for msg in s.outbox if isinstance(msg, m.Final)]
 
 
+def stream_half_seconds(s: Session, messages: int, probability: Callable[[int], float]) -> int:
+    """A realtime client: `messages` messages of 0.5 s, each resent while refused (at most 20
+    refusals in all), the VAD giving `probability(chunk start)`, every final answered as soon
+    as it is asked for; then `end`, answered. Returns how many sends were refused."""
+    message = SAMPLE_RATE // 2
+    refusals = 0
+    while s.next_seq < messages:
+        if not s.accept_audio(m.Audio(stream="s", seq=s.next_seq, data=tone(message, SAMPLE_RATE, s.next_seq * message))):
+            refusals += 1
+            assert refusals < 20, f"refused for good at {s.ring.written} samples written"
+        while s.vad_chunk_due(CHUNK):
+            s.on_vad(probability(s.vad_pos), CHUNK)
+        s.step()
+        while any(j.final for j in s.jobs_out if j.job_id in s.inflight):
+            answer(s, final=True, text="words")
+            s.step()
+    s.outbox = [msg for msg in s.outbox if not isinstance(msg, m.ErrorMsg)]
+    s.client_end()
+    s.step()
+    while s.inflight:
+        answer(s, final=True, text="words")
+        s.step()
+    return refusals
+
+
 def test_a_ring_full_of_one_segment_cuts_it_rather_than_refuse_the_stream_for_ever() -> None:
     """The smallest ring settings allow (`max_segment_s` + 0.5 s) and a realtime client sending
     0.5 s messages of steady speech: the ring fills before the VAD has seen enough to cut at
@@ -352,29 +377,30 @@ def test_a_ring_full_of_one_segment_cuts_it_rather_than_refuse_the_stream_for_ev
     cfg = settings.load(None, {"vad": {"max_segment_s": 3.0}, "shm": {"ring_seconds": 3.5}})
     for pool in rings(int(3.5 * SAMPLE_RATE)):
         s = Session("c/s", b"c", m.Open(stream="s", partials=False), pool.acquire(), cfg, 0, pool.name, METRICS)
-        message = SAMPLE_RATE // 2
-        refusals = 0
-        while s.next_seq < 20:  # 10 s
-            if not s.accept_audio(m.Audio(stream="s", seq=s.next_seq, data=tone(message, SAMPLE_RATE, s.next_seq * message))):
-                refusals += 1
-                assert refusals < 20, f"refused for good at {s.ring.written} samples written"
-            while s.vad_chunk_due(CHUNK):
-                s.on_vad(0.9, CHUNK)
-            s.step()
-            while any(j.final for j in s.jobs_out if j.job_id in s.inflight):
-                answer(s, final=True, text="words")
-                s.step()
-        s.outbox = [msg for msg in s.outbox if not isinstance(msg, m.ErrorMsg)]
-        s.client_end()
-        s.step()
-        while s.inflight:
-            answer(s, final=True, text="words")
-            s.step()
+        refusals = stream_half_seconds(s, 20, lambda pos: 0.9)  # 10 s
         assert refusals > 0 and errors(s) == []
         spans = [(f.start, f.end) for f in finals(s)]
         assert spans[0][0] == 0 and spans[-1][1] == pytest.approx(10.0, abs=0.001), spans
         assert all(b[0] == a[1] for a, b in zip(spans, spans[1:])), spans  # continuous: nothing left out
         assert all(e - st <= 3.0 for st, e in spans), spans
+        assert isinstance(s.outbox[-1], m.Closed) and s.outbox[-1].reason == "end"
+
+
+def test_a_ring_full_while_a_short_burst_waits_for_its_verdict_is_not_refused_for_ever() -> None:
+    """The smallest ring settings allow and a realtime client sending 0.5 s messages, as above;
+    but here a click (four chunks of speech, shorter than `min_speech_ms`) comes just before a
+    message boundary. The VAD keeps the pad before it and waits for `min_silence_ms` of pause
+    to drop it, which it cannot see without the next message, and that message does not fit:
+    no segment was open, so there was nothing to cut, and every resend (and the `end`) was
+    refused for good. The click is cut as a segment of its own, so its audio is transcribed,
+    and every message is taken on a resend."""
+    cfg = settings.load(None, {"vad": {"max_segment_s": 1.0}, "shm": {"ring_seconds": 1.5}})
+    for pool in rings(int(1.5 * SAMPLE_RATE)):
+        s = Session("c/s", b"c", m.Open(stream="s", partials=False), pool.acquire(), cfg, 0, pool.name, METRICS)
+        click = range(12 * CHUNK, 16 * CHUNK)  # 128 ms of speech, from 0.384 s
+        refusals = stream_half_seconds(s, 10, lambda pos: 0.9 if pos in click else 0.0)  # 5 s
+        assert refusals > 0 and errors(s) == [] and s.in_frames == 5 * SAMPLE_RATE
+        assert [(f.start, f.end) for f in finals(s) if f.start <= click.start / SAMPLE_RATE < click.stop / SAMPLE_RATE <= f.end]
         assert isinstance(s.outbox[-1], m.Closed) and s.outbox[-1].reason == "end"
 
 
