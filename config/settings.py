@@ -12,6 +12,7 @@ import dataclasses
 import math
 import os
 import re
+import socket
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,7 +89,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ShmConfig:
-    ring_seconds: float = setting(60.0, lo=1)  # capacity of one stream's ring
+    ring_seconds: float = setting(60.0, lo=1, hi=MAX_WATCH_S)  # capacity of one stream's ring (counted in samples: finite there too)
     streams_per_ingest: int = setting(256, lo=1)  # rings preallocated per ingest process
 
 
@@ -97,7 +98,7 @@ class VadConfig:
     threshold: float = setting(0.5, hi=1)
     min_silence_ms: int = 500  # a pause this long ends a segment
     min_speech_ms: int = 150  # shorter bursts are not segments
-    max_segment_s: float = setting(25.0, lo=1)  # cut a segment that runs this long
+    max_segment_s: float = setting(25.0, lo=1, hi=MAX_WATCH_S)  # cut a segment that runs this long
     pad_ms: int = 400  # audio kept before speech starts and after it ends: Whisper misreads clipped onsets
 
 
@@ -402,7 +403,17 @@ def _same_port(a: str, b: str) -> bool:
     if ha is None or hb is None or ha[1] != hb[1]:
         return False
     wildcards = ("*", "0.0.0.0", "::", "[::]")
-    return ha[0] == hb[0] or ha[0] in wildcards or hb[0] in wildcards
+    if ha[0] == hb[0] or ha[0] in wildcards or hb[0] in wildcards:
+        return True
+    return _address_of(ha[0]) == _address_of(hb[0])  # "localhost" and 127.0.0.1 are one host
+
+
+def _address_of(host: str) -> str:
+    """The IPv4 address a host name binds to (the name itself where it does not resolve)."""
+    try:
+        return socket.gethostbyname(host)
+    except (OSError, UnicodeError):
+        return host
 
 
 def dump(cfg: Config) -> str:

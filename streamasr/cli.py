@@ -10,6 +10,7 @@ from typing import Any
 
 from config import settings
 from config.settings import Config, ConfigError
+from dashboard import port_number
 from speech.loader import ModelError
 
 
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("dashboard", help="the ops web page and Prometheus /metrics (serve runs it under supervisord)")
     p.add_argument("--config", help="TOML config file of the instance (default: $STREAMASR_CONFIG, else the embedded default)")
-    p.add_argument("--port", type=int, help="port on 127.0.0.1 (default: the config's metrics.dashboard_port)")
+    p.add_argument("--port", type=port_number, help="port on 127.0.0.1 (default: the config's metrics.dashboard_port)")
     p.set_defaults(func=cmd_dashboard)
 
     p = sub.add_parser("export", help="build (or find cached) ONNX graphs for a model")

@@ -104,14 +104,19 @@ def unbindable_addresses(cfg: Config) -> list[str]:
 # What supervisord's command lines cannot carry: it splits them as a shell would, and the paths
 # are written into them in double quotes.
 UNQUOTABLE = '"\\%\n'
+# What the instance's own collector (`streamasr dashboard` started by hand, before a first `serve`)
+# leaves in the run directory it makes for its metrics socket.
+COLLECTOR_FILES = frozenset({"metrics.sock", "metrics-state.msgpack", "metrics-state.msgpack.tmp"})
 
 
 def _check_run_dir(run: Path) -> None:
     """`serve` makes the run directory private and clears its sockets: it must be this
     instance's own (or new), and it and the interpreter must fit supervisord's command lines."""
+    if run.exists() and not run.is_dir():
+        raise SystemExit(f"run_dir {run} is not a directory: give the instance a directory of its own")
     if run.is_dir() and not os.access(run, os.R_OK | os.W_OK | os.X_OK):
         raise SystemExit(f"run_dir {run} is another user's: serve as that user, or give this instance a directory of its own")
-    if run.is_dir() and any(run.iterdir()) and not (run / "config.toml").is_file():
+    if run.is_dir() and any(p.name not in COLLECTOR_FILES for p in run.iterdir()) and not (run / "config.toml").is_file():
         raise SystemExit(f"run_dir {run} holds files of something else: give the instance a directory of its own "
                          "(serve makes it private to its user and clears its sockets)")
     for what, path in (("run_dir", str(run)), ("the Python interpreter", sys.executable), ("the installation", str(HOME))):
@@ -159,7 +164,10 @@ def prepare(cfg: Config) -> dict[str, str]:
                          f"{cfg.shm.streams_per_ingest} streams of {cfg.shm.ring_seconds:g} s need {need / 2**20:,.0f} MiB: "
                          "lower shm.streams_per_ingest or shm.ring_seconds, or give it more room (a container's --shm-size)")
     run = cfg.run_path
-    run.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        run.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:  # a file on its path, a read-only file system
+        raise SystemExit(f"cannot make run_dir {run}: {exc.strerror or exc}") from None
     os.chmod(run, 0o700)
     (run / "logs").mkdir(mode=0o700, exist_ok=True)
     for leftover in cfg.ipc_paths:  # this instance's own sockets, left by a crash: nothing else in the directory

@@ -263,6 +263,13 @@ def test_an_ingest_shutting_down_does_not_count_as_registered() -> None:
     assert service.complete(report)
 
 
+def _one_worker_config(config: Path, instance: str, run_dir: Path) -> None:
+    """A null-model service of one worker on free ports, its run directory at `run_dir`."""
+    base = free_ports(3)
+    config.write_text(f'instance = "{instance}"\nrun_dir = "{run_dir}"\n[ingest]\naddress = "tcp://127.0.0.1:{base}"\n'
+                      f"port_base = {base + 1}\n[metrics]\ndashboard_port = {base + 2}\n[workers]\nprocesses = 1\n")
+
+
 @contextmanager
 def _serving(config: Path, instance: str, *args: str) -> Iterator[None]:
     """`streamasr serve --model null` as a shell runs it (its exit reaped, so that `stop` sees
@@ -286,11 +293,9 @@ def test_a_killed_supervisord_takes_its_programs_with_it(tmp_path: Path) -> None
     """Killed outright (SIGKILL, the OOM killer), supervisord cannot stop its programs; left
     serving, no `status` or `stop` would find them and a new `serve` could not bind. Each stops
     as on `stop`: the ingest drains and unlinks its shm."""
-    base = free_ports(3)
     instance = f"orphan{uuid.uuid4().hex[:8]}"
     config = tmp_path / "streamasr.toml"
-    config.write_text(f'instance = "{instance}"\nrun_dir = "{tmp_path / "run"}"\n[ingest]\naddress = "tcp://127.0.0.1:{base}"\n'
-                      f"port_base = {base + 1}\n[metrics]\ndashboard_port = {base + 2}\n[workers]\nprocesses = 1\n")
+    _one_worker_config(config, instance, tmp_path / "run")
     serve = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "serve", "--config", str(config), "--model", "null"],
                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     programs: list[int] = []
@@ -569,3 +574,44 @@ def test_curve_keys_that_cannot_be_used_are_refused_before_anything_starts(tmp_p
     assert done.returncode == 1
     assert named in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_dir_that_is_a_file_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """A run_dir naming a file (or a path under one) cannot be made a directory: said by name, no traceback."""
+    (tmp_path / "afile").write_text("")
+    for run_dir in (tmp_path / "afile", tmp_path / "afile" / "run"):
+        config = tmp_path / "streamasr.toml"
+        _one_worker_config(config, f"file{uuid.uuid4().hex[:8]}", run_dir)
+        done = _streamasr("serve", "--config", str(config), "--model", "null", timeout=60)
+        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.startswith("streamasr serve: error: ") and str(run_dir) in done.stderr, done.stderr
+
+
+def test_a_run_dir_its_own_dashboard_made_before_the_first_serve_is_the_instance_s(tmp_path: Path) -> None:
+    """`streamasr dashboard` of an instance not served yet makes its run directory for the metrics
+    socket and keeps its carried totals there: that is the instance's own, not another program's."""
+    instance = f"dash{uuid.uuid4().hex[:8]}"
+    config = tmp_path / "streamasr.toml"
+    _one_worker_config(config, instance, tmp_path / "run")
+    dashboard = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "dashboard", "--config", str(config), "--port", "0"],
+                                 cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                                 stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert dashboard.stdout is not None and dashboard.stdout.readline().startswith("dashboard http://")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not (tmp_path / "run" / "metrics-state.msgpack").exists():
+            time.sleep(0.1)
+    finally:
+        dashboard.send_signal(signal.SIGTERM)
+        assert dashboard.wait(30) == 0
+    with _serving(config, instance):
+        done = _streamasr("status", "--config", str(config), "--wait", "120", timeout=180)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_dashboard_port_out_of_range_is_said_without_a_traceback(tmp_path: Path) -> None:
+    config = tmp_path / "streamasr.toml"
+    config.write_text(f'instance = "port{uuid.uuid4().hex[:8]}"\nrun_dir = "{tmp_path / "run"}"\n')
+    done = _streamasr("dashboard", "--config", str(config), "--port", "70000", timeout=60)
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    assert "70000" in done.stderr, done.stderr

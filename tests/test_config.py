@@ -143,3 +143,25 @@ def test_strings_with_control_characters_dump_as_toml_reads_them() -> None:
     text = 'line1\nline2\t"quoted" \\ back\r\x00\x1f\x7f é'
     cfg = settings.load(None, {"model": {"null_text": text}})
     assert settings.load(None, tomllib.loads(settings.dump(cfg))).model.null_text == text
+
+
+@pytest.mark.parametrize(("overrides", "named"), [
+    # finite, so past the inf check, but a second of it at 16 kHz is not: sizing the ring raised OverflowError
+    ({"vad": {"max_segment_s": 1e305}}, "vad.max_segment_s"),
+    ({"shm": {"ring_seconds": 1e305}}, "shm.ring_seconds"),
+])
+def test_a_duration_too_long_to_count_in_samples_names_its_key(overrides: dict[str, Any], named: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        settings.load(None, overrides)
+    assert named in str(refused.value)
+
+
+@pytest.mark.parametrize(("overrides", "named"), [
+    # "localhost" is 127.0.0.1, where the dashboard listens: its program would fail at start, over and over
+    ({"ingest": {"address": "tcp://localhost:7780"}}, "metrics.dashboard_port"),
+    ({"ingest": {"address": "tcp://localhost:7700", "host": "127.0.0.1", "port_base": 7700}}, "ingest process 0"),
+])
+def test_the_same_port_under_a_host_name_and_its_address_is_refused(overrides: dict[str, Any], named: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        settings.load(None, overrides)
+    assert "are the same port" in str(refused.value) and named in str(refused.value)
