@@ -63,6 +63,11 @@ WINDOW_TOKENS_PER_S = 15
 # (three for one), and a round of a long segment's five samples takes about twice its greedy
 # decode: three rounds fit in it (docs/PERFORMANCE.md, "Loops and the temperature fallback").
 FALLBACK_TIME_RATIO = 6.0
+# A final whose decode opens a segment and stops there (two timestamps, then the end of text) is
+# decoded on from that timestamp, as Whisper's transcribe seeks: at most this many times more,
+# and not for a rest shorter than MIN_REST_S.
+DECODE_ON_ROUNDS = 3
+MIN_REST_S = 0.05
 
 
 def compression_ratio(text: str) -> float:
@@ -178,14 +183,15 @@ class WhisperDecoder:
 
     def decode_tokens(
         self, requests: Sequence[DecodeRequest], prompt_tokens: Sequence[list[int] | None] | None = None,
-        whisper_rule: bool = False,
+        whisper_rule: bool = False, rounds_on: int = DECODE_ON_ROUNDS,
     ) -> list[tuple[DecodeResult, list[int]]]:
         """Results with the decoded tokens (timestamps included, after the SOT sequence).
 
         `prompt_tokens` (per request) replaces the text prompt with token ids, as Whisper's
         long-form transcription conditions on previous tokens including timestamps.
         `whisper_rule`: the temperature fallback for text that compresses or reads unsure too,
-        not only for decodes that reach their cap.
+        not only for decodes that reach their cap. `rounds_on`: how many more times a final
+        that stopped at a segment it opened is decoded on from there (`_decode_on`).
         """
         ptoks = list(prompt_tokens) if prompt_tokens is not None else [None] * len(requests)
         results: list[tuple[DecodeResult, list[int]] | None] = [None] * len(requests)
@@ -220,7 +226,53 @@ class WhisperDecoder:
                 results[i] = (res, toks)
         budget_s = None if whisper_rule else FALLBACK_TIME_RATIO * (time.perf_counter() - started)
         self._fall_back(requests, ptoks, results, caps, looped, whisper_rule, budget_s)  # type: ignore[arg-type]
+        if not whisper_rule and rounds_on > 0:  # long-form transcription seeks by itself
+            self._decode_on(requests, ptoks, results, rounds_on)  # type: ignore[arg-type]
         return results  # type: ignore[return-value]
+
+    def _decode_on(self, requests: Sequence[DecodeRequest], ptoks: list[list[int] | None],
+                   results: list[tuple[DecodeResult, list[int]]], rounds: int) -> None:
+        """Finals whose tokens end with two timestamps: the last segment closed, the next one
+        opened and left empty, Whisper taking the words after it for the next 30 s window's (a
+        segment cut in mid-speech). Whisper's transcribe decodes on from the closing timestamp;
+        so does this, in place in `results`, conditioned on the tokens so far, the rest's
+        segments following at their times in the request's audio. Partials are redone anyway."""
+        tb, eot = self.ts_begin, self.tk.eot
+        todo: list[tuple[int, int]] = []
+        for i, r in enumerate(requests):
+            res, toks = results[i]
+            if r.partial or not r.timestamps or not res.text or len(toks) < 2 or toks[-1] < tb or toks[-2] < tb:
+                continue
+            seek = round((toks[-2] - tb) * TIME_PRECISION * SAMPLE_RATE)
+            if 0 < seek and np.asarray(r.audio).shape[-1] - seek > MIN_REST_S * SAMPLE_RATE:
+                todo.append((i, seek))
+        if not todo:
+            return
+        rests, prompts = [], []
+        for i, seek in todo:
+            r, (res, toks) = requests[i], results[i]
+            before = list(ptoks[i] or []) or (self.tk.encode(" " + r.prompt.strip()) if r.prompt and r.prompt.strip() else [])
+            prompts.append((before + [t for t in toks[:-1] if t < eot or t >= tb])[-MAX_PROMPT:])
+            rests.append(DecodeRequest(audio=np.asarray(r.audio)[..., seek:], language=res.language))
+        for (i, seek), rest in zip(todo, self.decode_tokens(rests, prompts, rounds_on=rounds - 1)):
+            results[i] = self._joined(results[i], rest, seek / SAMPLE_RATE)
+
+    def _joined(self, first: tuple[DecodeResult, list[int]], rest: tuple[DecodeResult, list[int]],
+                shift: float) -> tuple[DecodeResult, list[int]]:
+        """A result and the result of its audio from `shift` seconds on, as one."""
+        (a, a_toks), (b, b_toks) = first, rest
+        if not b.text:
+            return first
+        tb, k = self.ts_begin, round(shift / TIME_PRECISION)
+        toks = a_toks[:-1] + [min(t + k, tb + 1500) if t >= tb else t for t in b_toks]
+        segments = a.segments + [Segment(round(s.start + shift, 2), round(s.end + shift, 3), s.text) for s in b.segments]
+        res = DecodeResult(
+            text=self.tk.decode([t for t in toks if t < self.tk.eot]).strip(), segments=segments, language=a.language,
+            avg_logprob=(a.avg_logprob * (a.tokens + 1) + b.avg_logprob * (b.tokens + 1)) / (a.tokens + b.tokens + 2),
+            no_speech_prob=a.no_speech_prob, tokens=a.tokens + b.tokens, fell_back=a.fell_back or b.fell_back,
+            temperature=max(a.temperature, b.temperature),
+        )
+        return res, toks
 
     def _fall_back(self, requests: Sequence[DecodeRequest], ptoks: list[list[int] | None],
                    results: list[tuple[DecodeResult, list[int]]], caps: dict[int, int], looped: set[int],

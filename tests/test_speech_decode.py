@@ -571,3 +571,27 @@ def test_local_run_json(tmp_path, capsys):
     out = io.StringIO()
     assert run([goforward], tiny, threads=2, out=out) == 0
     assert normalize(out.getvalue()) == "go forward ten meters"
+
+
+def test_a_final_cut_in_mid_speech_keeps_its_last_words(tiny, dev):
+    """A segment cut at `max_segment_s` (25 s) while the speaker goes on ends mid-sentence. Whisper
+    then often opens the next segment and stops (`<|22.74|><|22.74|>`, end of text): to its mind
+    the words after that timestamp belong to the next 30 s window. Whisper's transcribe goes on
+    decoding from that timestamp; a final that stopped there lost those words from the transcript,
+    which is the final."""
+    gap = np.zeros(SAMPLE_RATE // 4, np.float32)
+    libri = [a for u, a in dev if u.name.startswith("librivox/")]
+    speech = np.concatenate([x for a in libri for x in (a, gap)])
+    assert len(speech) > 25.5 * SAMPLE_RATE  # the last sentence goes on past the cut
+    audio = speech[: 25 * SAMPLE_RATE]
+    [res] = tiny.transcribe_batch([DecodeRequest(audio=audio)])
+    text = normalize(res.text)
+    assert text.startswith("and mister john dashwood") and "than he was" in text, text
+    assert "he might even have been made" in text, text  # said from 22.7 s to 25 s
+    assert res.segments and res.segments[-1].end > 24.5, res.segments
+    starts = [s.start for s in res.segments]
+    assert starts == sorted(starts) and all(s.start <= s.end <= 25.0 for s in res.segments), res.segments
+    # batched with another final, it says the same
+    batched, other = tiny.transcribe_batch([DecodeRequest(audio=audio), DecodeRequest(audio=libri[1])])
+    assert (batched.text, batched.segments) == (res.text, res.segments)
+    assert normalize(other.text) == normalize(tiny.transcribe_batch([DecodeRequest(audio=libri[1])])[0].text)
