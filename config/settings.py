@@ -37,6 +37,7 @@ MODEL_NAMES = ("whisper-tiny.en", "whisper-base", "null")  # registered names: n
 # The longest a stall or stuck limit may be: the processes arm faulthandler's timer with it, which
 # takes no more than ~292 years in nanoseconds and fails at start beyond; a day is far past any decode.
 MAX_WATCH_S = 86_400.0
+MAX_THREADS = 1024  # ONNX Runtime takes an int32; far more than any machine's cores
 MAX_DEADLINE_MS = 86_400_000
 
 
@@ -65,7 +66,7 @@ class ModelConfig:
     # of the decodes) cost ~0.6x; finals are decoded on their own, so they stay as accurate as fp32
     # (docs/PERFORMANCE.md, "Whisper on the service").
     partial_precision: Literal["", "fp32", "int8"] = "int8"
-    threads: int = 1  # intra-op threads per worker process
+    threads: int = setting(1, hi=MAX_THREADS)  # intra-op threads per worker process (0 counts as 1)
     arena: bool = True  # ONNX Runtime CPU memory arena (one per process, shared by its sessions)
     cache_dir: str = path_setting()  # exported graphs; "" = $XDG_CACHE_HOME/streamasr
     beam_size: int = setting(1, lo=1)

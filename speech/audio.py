@@ -13,6 +13,7 @@ from speech.backend import SAMPLE_RATE
 # the mix-down, the resampler or the log-mel's power overflows float32 and Whisper, given NaN,
 # writes a line of "!". NaN fails the comparison too.
 SAMPLE_LIMIT = 16.0
+RAW_SUFFIXES = (".raw", ".pcm", ".s16")  # headerless 16-bit little-endian mono
 
 
 class AudioError(ValueError):
@@ -45,7 +46,7 @@ def load_audio(path: str | Path, raw_rate: int = SAMPLE_RATE) -> np.ndarray:
     size = path.stat().st_size
     if size == 0:
         raise AudioError(f"{path}: empty file")
-    if path.suffix.lower() in (".raw", ".pcm", ".s16"):
+    if path.suffix.lower() in RAW_SUFFIXES:
         data = np.fromfile(path, dtype="<i2")
         if data.size == 0:
             raise AudioError(f"{path}: no samples in raw file")

@@ -619,11 +619,13 @@ class WhisperDecoder:
             cur: list[int] = []
             for t in row.tokens:
                 if t >= tb:
-                    time = (t - tb) * TIME_PRECISION
+                    # Whisper may place a timestamp past the audio's end (up to 30 s): a segment
+                    # never ends after the audio it was heard in.
+                    time = min((t - tb) * TIME_PRECISION, duration)
                     if start is not None and cur:
                         seg_text = self.tk.decode(cur).strip()
                         if seg_text:
-                            segments.append(Segment(round(start, 2), round(time, 2), seg_text))
+                            segments.append(Segment(min(round(start, 2), duration), min(round(time, 2), duration), seg_text))
                         cur, start, last_end = [], None, time
                     else:
                         start = time
@@ -634,7 +636,7 @@ class WhisperDecoder:
             if cur:
                 seg_text = self.tk.decode(cur).strip()
                 if seg_text:
-                    segments.append(Segment(round(start or 0.0, 2), round(max(duration, start or 0.0), 3), seg_text))
+                    segments.append(Segment(min(round(start or 0.0, 2), duration), round(duration, 3), seg_text))
         return DecodeResult(
             text=text, segments=segments, language=language, avg_logprob=avg, no_speech_prob=no_speech, tokens=sampled
         )

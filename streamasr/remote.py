@@ -23,8 +23,9 @@ from client.client import Client, Stream
 from client.core import ServerError
 from protocol.auth import Curve
 from protocol.messages import OVERLOADED, RATES, Closed, ErrorMsg, Final, Partial
+from speech.audio import RAW_SUFFIXES
 
-RAW_RATE = 16000  # headerless .raw files: 16 kHz s16le mono
+RAW_RATE = 16000  # headerless files (RAW_SUFFIXES): 16 kHz s16le mono
 EVENT_TIMEOUT_S = 120.0  # longest silence from the server before a stream is given up
 CREDIT_TIMEOUT_S = 120.0  # longest an offline stream waits for the window to move
 
@@ -40,14 +41,18 @@ class Audio:
 
 
 def load(path: str) -> Audio:
-    """A file at its native rate and channels if the protocol takes that rate, else at 16 kHz."""
-    if Path(path).suffix.lower() == ".raw":
-        return Audio(np.fromfile(path, dtype="<i2").reshape(-1, 1), RAW_RATE)
-    info = soundfile.info(path)
-    if info.samplerate in RATES:
-        return Audio(soundfile.read(path, dtype="int16", always_2d=True)[0], info.samplerate)
-    data, rate = soundfile.read(path, dtype="float32", always_2d=True)
-    return Audio(soxr.resample(data, rate, 16000).astype(np.float32), 16000)
+    """A file at its native rate and channels if the protocol takes that rate, else at 16 kHz.
+    Headerless files and a file without samples are taken as `transcribe --local` takes them."""
+    if Path(path).suffix.lower() in RAW_SUFFIXES:
+        audio = Audio(np.fromfile(path, dtype="<i2").reshape(-1, 1), RAW_RATE)
+    elif (info := soundfile.info(path)).samplerate in RATES:
+        audio = Audio(soundfile.read(path, dtype="int16", always_2d=True)[0], info.samplerate)
+    else:
+        data, rate = soundfile.read(path, dtype="float32", always_2d=True)
+        audio = Audio(soxr.resample(data, rate, 16000).astype(np.float32), 16000)
+    if not len(audio.samples):
+        raise ValueError("the file holds no audio samples")
+    return audio
 
 
 @dataclass

@@ -97,6 +97,16 @@ def test_transcribe_local_refuses_a_language_the_model_does_not_transcribe() -> 
     assert _streamasr("transcribe", "--local", "--language", "EN", audio).returncode == 0
 
 
+@pytest.mark.parametrize(("args", "said"), [
+    (["status", "--wait", "nan"], "seconds must be 0 or more and finite, not nan"),  # waited for ever
+    (["status", "--wait", "-1"], "seconds must be 0 or more and finite, not -1"),
+    (["transcribe", "--local", "--threads", "3000000000", "x.wav"], "threads must be 0 to 1024, not 3000000000"),
+])
+def test_a_count_out_of_range_is_refused_with_the_usage(args: list[str], said: str) -> None:
+    done = _streamasr(*args, timeout=60)
+    assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
 def test_stop_waits_as_long_as_supervisord_may_take(tmp_path: Path) -> None:
     """supervisord stops its programs one after another, each within its stopwaitsecs (37 s
     together): `stop` waits for that, not for a shorter time of its own, before it says the

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -316,6 +317,22 @@ def test_transcribe_reports_unreadable_files(null_service, tmp_path, capsys) -> 
                       as_json=False, language=None, out=out) == 1
     assert "not-audio.wav" in capsys.readouterr().err
     assert out.getvalue().strip()  # the readable file is still transcribed
+
+
+def test_transcribe_takes_files_as_local_transcription_does(null_service, tmp_path, capsys) -> None:
+    """Headerless `.pcm` and `.s16` files are 16 kHz 16-bit mono, as `.raw` is and as `transcribe
+    --local` reads them; a file without samples is said to be one, not transcribed to nothing."""
+    raw = Path(utterance("goforward").path).read_bytes()
+    pcm, s16, empty = tmp_path / "a.pcm", tmp_path / "a.s16", tmp_path / "empty.raw"
+    pcm.write_bytes(raw)
+    s16.write_bytes(raw)
+    empty.write_bytes(b"")
+    out = io.StringIO()
+    assert remote.run([str(pcm), str(s16), str(empty)], null_service.address, offline=True, as_json=True,
+                      language=None, out=out) == 1
+    summaries = {line["file"]: line for line in map(json.loads, out.getvalue().splitlines()) if line["type"] == "summary"}
+    assert set(summaries) == {str(pcm), str(s16)} and all(s["audio_s"] == pytest.approx(len(raw) / 32000, abs=0.001) for s in summaries.values())
+    assert "empty.raw: cannot read audio: the file holds no audio samples" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- against a fake ingest, no service

@@ -21,6 +21,8 @@ def test_the_embedded_default_and_its_file_agree() -> None:
 
 @pytest.mark.parametrize(("overrides", "message"), [
     ({"model": {"beam_size": 0}}, "model.beam_size must be 1 or more, not 0"),
+    # ONNX Runtime takes an int32: every worker failed at start, over and over
+    ({"model": {"threads": 2**31}}, "model.threads must be between 0 and 1024, not 2147483648"),
     ({"model": {"max_wait_ms": "5"}}, "model.max_wait_ms must be a number, not '5'"),
     ({"model": {"arena": 1}}, "model.arena must be true or false, not 1"),
     ({"model": {"partial_window": "half"}}, "model.partial_window must be one of 'short', 'full', not 'half'"),

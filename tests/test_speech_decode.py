@@ -383,8 +383,21 @@ def test_segments_and_timestamps(tiny, dev):
     assert len(res.segments) >= 1
     ends = [s.end for s in res.segments]
     assert all(s.start <= s.end for s in res.segments) and ends == sorted(ends)
-    assert res.segments[-1].end <= len(a) / SAMPLE_RATE + 0.5
+    assert res.segments[-1].end <= len(a) / SAMPLE_RATE + 0.0005
     assert -1.0 < res.avg_logprob < 0 and 0 <= res.no_speech_prob < 0.5 and res.tokens > 10
+
+
+def test_no_segment_ends_after_the_audio_it_was_heard_in(tiny, dev):
+    """Audio cut in mid-word (a partial's, a segment cut at `max_segment_s`): Whisper often puts
+    the closing timestamp past its end, by up to 1.9 s on the dev set's utterances cut to 60 %.
+    A segment is clamped to the audio it was heard in, as a final, as a partial, and in a batch."""
+    cut = [a[: int(len(a) * 0.6)] for _, a in dev]
+    requests = [DecodeRequest(audio=a, partial=partial) for a in cut for partial in (False, True)]
+    results = tiny.transcribe_batch(requests)
+    for request, res in zip(requests, results):
+        duration = len(request.audio) / SAMPLE_RATE
+        assert all(0 <= s.start <= s.end <= duration + 0.0005 for s in res.segments), (duration, res.segments)
+    assert sum(len(r.segments) for r in results) >= len(dev)
 
 
 def test_partial_short_window(tiny, dev):
