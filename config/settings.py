@@ -386,6 +386,11 @@ def _check_together(cfg: Config) -> None:
         raise ConfigError(f"ingest.max_streams ({cfg.ingest.max_streams}) is more than the {rings} streams "
                           f"{cfg.ingest.processes} ingest process(es) of shm.streams_per_ingest ({cfg.shm.streams_per_ingest}) "
                           "rings can hold: raise one of those, or lower it (0 = as many as the rings hold)")
+    front = _tcp_host_port(cfg.ingest.address)
+    if cfg.ingest.address.startswith("tcp://") and (front is None or not 1 <= front[1] <= 65535):
+        # a wildcard or ephemeral port binds, to a port no client can know, and one out of range fails at start
+        raise ConfigError(f"ingest.address {cfg.ingest.address}: the front door needs a fixed port, 1 to 65535 "
+                          "(tcp://host:port): it is the one address clients know")
     own = cfg.tcp_binds
     for name, address in own:
         host = (_tcp_host_port(address) or ("", 0))[0]

@@ -52,6 +52,10 @@ def test_the_embedded_default_and_its_file_agree() -> None:
     # the ring cannot free the pad before a segment that cannot open without being cut
     ({"vad": {"pad_ms": 70_000}}, "vad.pad_ms (70000) and vad.min_speech_ms (150) must add up to less than vad.max_segment_s (25 s)"),
     ({"ingest": {"address": "tcp://[::1]:7700"}}, "ingest.address tcp://[::1]:7700: IPv6 addresses are not supported"),
+    ({"ingest": {"address": "tcp://127.0.0.1:*"}}, "ingest.address tcp://127.0.0.1:*: the front door needs a fixed port, 1 to 65535"),
+    ({"ingest": {"address": "tcp://127.0.0.1:0"}}, "ingest.address tcp://127.0.0.1:0: the front door needs a fixed port, 1 to 65535"),
+    ({"ingest": {"address": "tcp://127.0.0.1:99999"}}, "ingest.address tcp://127.0.0.1:99999: the front door needs a fixed port, 1 to 65535"),
+    ({"ingest": {"address": "tcp://127.0.0.1"}}, "ingest.address tcp://127.0.0.1: the front door needs a fixed port, 1 to 65535"),
     ({"ingest": {"host": "::1"}}, "ingest process 0 (ingest.port_base + 0) tcp://::1:7701: IPv6 addresses are not supported"),
     ({"run_dir": 3}, "run_dir must be a string, not 3"),
     ({"ingest": {"adress": "tcp://127.0.0.1:7700"}}, "unknown config key ingest.adress"),
