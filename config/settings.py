@@ -8,12 +8,14 @@ name, instead of every process of the service failing on it at start, over and o
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import os
 import re
 import socket
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
@@ -49,6 +51,21 @@ class ConfigError(ValueError):
 def setting(default: float, lo: float = 0, hi: float | None = None) -> Any:
     """A number's default and the range `load` holds it to (numbers without one: 0 or more)."""
     return field(default=default, metadata={"range": (lo, hi)})
+
+
+def flag_in_range(convert: Callable[[str], float], lo: float, hi: float, what: str) -> Callable[[str], Any]:
+    """A command-line flag's argparse type, held to [lo, hi] as `load` holds a setting: refused
+    with the usage rather than failing later (`--wait nan` was never reached, `--threads` past an
+    int32 broke ONNX Runtime, `--port 70000` failed at bind)."""
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be a number, not {text!r}") from None
+        if not lo <= value <= hi:  # NaN too
+            raise argparse.ArgumentTypeError(f"{what} must be {lo:g} to {hi:g}, not {text}")
+        return value
+    return parse
 
 
 def path_setting(default: str = "", existing: bool = False) -> Any:

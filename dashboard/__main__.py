@@ -9,7 +9,6 @@ import threading
 from types import FrameType
 
 from config import settings
-from dashboard import port_number
 from dashboard.server import Dashboard
 from metrics.collector import Collector
 from streamasr import logs
@@ -19,7 +18,7 @@ from streamasr.supervised import end_with_parent
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dashboard", description=__doc__)
     parser.add_argument("--config", help="TOML config file (default: $STREAMASR_CONFIG, else the embedded default)")
-    parser.add_argument("--port", type=port_number, default=None, help="port on 127.0.0.1 (default: the config's metrics.dashboard_port; 0 = any free)")
+    parser.add_argument("--port", type=settings.flag_in_range(int, 0, 65535, "port"), default=None, help="port on 127.0.0.1 (default: the config's metrics.dashboard_port; 0 = any free)")
     args = parser.parse_args(argv)
     end_with_parent()
     cfg = settings.load(args.config)

@@ -6,27 +6,11 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 from config import settings
-from config.settings import MAX_THREADS, MAX_WATCH_S, Config, ConfigError
-from dashboard import port_number
+from config.settings import MAX_THREADS, MAX_WATCH_S, Config, ConfigError, flag_in_range
 from speech.loader import ModelError
-
-
-def _in_range(convert: Callable[[str], float], lo: float, hi: float, what: str) -> Callable[[str], Any]:
-    """An argparse type held to [lo, hi], refused with the usage rather than failing later:
-    `--wait nan` was never reached, and `--threads` past an int32 broke ONNX Runtime."""
-    def parse(text: str) -> Any:
-        try:
-            value = convert(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number of {what}: {text!r}") from None
-        if not lo <= value <= hi:  # NaN too
-            raise argparse.ArgumentTypeError(f"{what} must be {lo:g} to {hi:g}, not {text}")
-        return value
-    return parse
 
 
 def _config(args: argparse.Namespace) -> Config:
@@ -183,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("status", help="each process and whether the service is ready")
     _common(p)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--wait", type=_in_range(float, 0, MAX_WATCH_S, "seconds"), default=0, metavar="SECONDS", help="wait up to this long for readiness")
+    p.add_argument("--wait", type=flag_in_range(float, 0, MAX_WATCH_S, "seconds"), default=0, metavar="SECONDS", help="wait up to this long for readiness")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("stop", help="stop a running instance (open streams are ended first, what they sent transcribed)")
@@ -203,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="with --local: whisper-tiny.en, whisper-base or a model directory (default: the config's)")
     p.add_argument("--language", help="language code, e.g. en, zh, EN-us (default: detect, or English for .en models; one the model lacks is refused)")
     p.add_argument("--precision", choices=["fp32", "int8"], help="with --local (default: the config's)")
-    p.add_argument("--threads", type=_in_range(int, 0, MAX_THREADS, "threads"), default=2, help="with --local: ONNX Runtime threads")
+    p.add_argument("--threads", type=flag_in_range(int, 0, MAX_THREADS, "threads"), default=2, help="with --local: ONNX Runtime threads")
     p.set_defaults(func=cmd_transcribe)
 
     p = sub.add_parser("top", help="live figures of a running instance in the terminal")
@@ -214,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("dashboard", help="the ops web page and Prometheus /metrics (serve runs it under supervisord)")
     p.add_argument("--config", help="TOML config file of the instance (default: $STREAMASR_CONFIG, else the embedded default)")
-    p.add_argument("--port", type=port_number, help="port on 127.0.0.1 (default: the config's metrics.dashboard_port)")
+    p.add_argument("--port", type=flag_in_range(int, 0, 65535, "port"), help="port on 127.0.0.1 (default: the config's metrics.dashboard_port)")
     p.set_defaults(func=cmd_dashboard)
 
     p = sub.add_parser("export", help="build (or find cached) ONNX graphs for a model")

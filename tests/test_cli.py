@@ -101,6 +101,7 @@ def test_transcribe_local_refuses_a_language_the_model_does_not_transcribe() -> 
     (["status", "--wait", "nan"], "seconds must be 0 to 86400, not nan"),  # waited for ever
     (["status", "--wait", "-1"], "seconds must be 0 to 86400, not -1"),
     (["transcribe", "--local", "--threads", "3000000000", "x.wav"], "threads must be 0 to 1024, not 3000000000"),
+    (["dashboard", "--port", "70000"], "port must be 0 to 65535, not 70000"),  # a traceback at bind, and a stale socket
 ])
 def test_a_count_out_of_range_is_refused_with_the_usage(args: list[str], said: str) -> None:
     done = _streamasr(*args, timeout=60)
@@ -617,11 +618,3 @@ def test_a_run_dir_its_own_dashboard_made_before_the_first_serve_is_the_instance
     with _serving(config, instance):
         done = _streamasr("status", "--config", str(config), "--wait", "120", timeout=180)
         assert done.returncode == 0, done.stdout + done.stderr
-
-
-def test_a_dashboard_port_out_of_range_is_said_without_a_traceback(tmp_path: Path) -> None:
-    config = tmp_path / "streamasr.toml"
-    config.write_text(f'instance = "port{uuid.uuid4().hex[:8]}"\nrun_dir = "{tmp_path / "run"}"\n')
-    done = _streamasr("dashboard", "--config", str(config), "--port", "70000", timeout=60)
-    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
-    assert "70000" in done.stderr, done.stderr
