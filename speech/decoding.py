@@ -44,7 +44,7 @@ from typing import Sequence
 
 import numpy as np
 
-from speech.backend import SAMPLE_RATE, DecodeRequest, DecodeResult, Segment
+from speech.backend import MAX_WINDOW_S, SAMPLE_RATE, DecodeRequest, DecodeResult, Segment
 from speech.graphio import Group, GraphIO
 from speech.mel import FRAMES_PER_SECOND, N_FRAMES, LogMel
 from speech.tokenizer import TIME_PRECISION, WhisperTokenizer
@@ -227,10 +227,10 @@ class WhisperDecoder:
         budget_s = None if whisper_rule else FALLBACK_TIME_RATIO * (time.perf_counter() - started)
         self._fall_back(requests, ptoks, results, caps, looped, whisper_rule, budget_s)  # type: ignore[arg-type]
         if not whisper_rule and rounds_on > 0:  # long-form transcription seeks by itself
-            self._decode_on(requests, ptoks, results, rounds_on)  # type: ignore[arg-type]
+            self._decode_on(requests, sizes, ptoks, results, rounds_on)  # type: ignore[arg-type]
         return results  # type: ignore[return-value]
 
-    def _decode_on(self, requests: Sequence[DecodeRequest], ptoks: list[list[int] | None],
+    def _decode_on(self, requests: Sequence[DecodeRequest], sizes: list[int], ptoks: list[list[int] | None],
                    results: list[tuple[DecodeResult, list[int]]], rounds: int) -> None:
         """Finals whose tokens end with two timestamps: the last segment closed, the next one
         opened and left empty, Whisper taking the words after it for the next 30 s window's (a
@@ -239,19 +239,19 @@ class WhisperDecoder:
         segments following at their times in the request's audio. Partials are redone anyway."""
         tb, eot = self.ts_begin, self.tk.eot
         todo: list[tuple[int, int]] = []
-        for i, r in enumerate(requests):
+        for i, (r, n) in enumerate(zip(requests, sizes)):
             res, toks = results[i]
             if r.partial or not r.timestamps or not res.text or len(toks) < 2 or toks[-1] < tb or toks[-2] < tb:
                 continue
             seek = round((toks[-2] - tb) * TIME_PRECISION * SAMPLE_RATE)
-            if 0 < seek and np.asarray(r.audio).shape[-1] - seek > MIN_REST_S * SAMPLE_RATE:
+            if 0 < seek and n - seek > MIN_REST_S * SAMPLE_RATE:
                 todo.append((i, seek))
         if not todo:
             return
         rests, prompts = [], []
         for i, seek in todo:
             r, (res, toks) = requests[i], results[i]
-            before = list(ptoks[i] or []) or (self.tk.encode(" " + r.prompt.strip()) if r.prompt and r.prompt.strip() else [])
+            before = list(ptoks[i] or []) or self.tk.prompt_tokens(r.prompt, MAX_PROMPT)[1:]  # without <|startofprev|>
             prompts.append((before + [t for t in toks[:-1] if t < eot or t >= tb])[-MAX_PROMPT:])
             rests.append(DecodeRequest(audio=np.asarray(r.audio)[..., seek:], language=res.language))
         for (i, seek), rest in zip(todo, self.decode_tokens(rests, prompts, rounds_on=rounds - 1)):
@@ -264,7 +264,8 @@ class WhisperDecoder:
         if not b.text:
             return first
         tb, k = self.ts_begin, round(shift / TIME_PRECISION)
-        toks = a_toks[:-1] + [min(t + k, tb + 1500) if t >= tb else t for t in b_toks]
+        last = tb + round(MAX_WINDOW_S / TIME_PRECISION)  # <|30.00|>
+        toks = a_toks[:-1] + [min(t + k, last) if t >= tb else t for t in b_toks]
         segments = a.segments + [Segment(round(s.start + shift, 2), round(s.end + shift, 3), s.text) for s in b.segments]
         res = DecodeResult(
             text=self.tk.decode([t for t in toks if t < self.tk.eot]).strip(), segments=segments, language=a.language,
