@@ -427,19 +427,17 @@ class Session:
         self._submit_due_finals()
 
     def _submit_due_finals(self) -> None:
-        """Submit the final decodes of ended segments.
+        """Submit the next segment's final decode once that segment has ended and the one before is out.
 
-        A final is prompted with the previous final's text. For a realtime stream its decode waits
-        until that text is out, so the prompt — and the transcript — never depends on timing: a
-        slow or killed worker or a broker restart cannot change a final. Finals of a realtime
-        stream are seconds apart, so this rarely waits at all. A batch stream sends audio faster
-        than its finals decode; its finals run in parallel, prompted with what is known then.
+        A final is prompted with the previous final's text, so its decode waits until that text
+        is out: the prompt — and the transcript — never depends on timing, so a slow or killed
+        worker or a broker restart cannot change a final, and a file gives the same finals
+        whether it is sent in real time or as a batch. Finals of a realtime stream are seconds
+        apart, so this rarely waits at all; a batch stream's finals decode one after another,
+        and many batch streams keep the workers busy together.
         """
-        for seg in sorted(self.segments.values(), key=lambda s: s.index):
-            if seg.end is None or seg.final_job is not None or seg.result is not None:
-                continue
-            if self.priority == REALTIME and seg.index != self.next_final:
-                return
+        seg = self.segments.get(self.next_final)
+        if seg is not None and seg.end is not None and seg.final_job is None and seg.result is None:
             self._submit(seg, final=True, end=seg.end)
 
     @staticmethod

@@ -446,6 +446,23 @@ def test_a_final_judged_a_hallucination_drops_the_words_its_partials_agreed_on(l
     assert (final.text, final.revised) == ("", True)
 
 
+@pytest.mark.parametrize("priority", ["realtime", "batch"])
+def test_a_final_waits_for_the_one_before_and_is_prompted_with_its_text(long_pool: RingPool, priority: str) -> None:
+    """Three segments ended before any final came back (a batch client sends faster than its
+    finals decode; a slow worker does it to a realtime one): the second and third finals wait
+    for the text of the one before, so the transcript is the same however fast the workers
+    were, and the same for a file sent in real time or as a batch."""
+    s = session(long_pool, priority=priority, partials=False)
+    feed(s, ([0.0] * 5 + [0.9] * 20 + [0.0] * 20) * 3)
+    asked = [j for j in s.jobs_out if j.final]
+    assert [(j.seg, j.prompt) for j in asked] == [(0, None)]
+    for seg, text in enumerate(["turn left", "go forward", "stop"]):
+        answer(s, final=True, text=text)
+        asked = [j for j in s.jobs_out if j.final and j.job_id in s.inflight]
+        assert [(j.seg, j.prompt) for j in asked] == ([(seg + 1, text)] if seg < 2 else [])
+    assert [(f.seg, f.text) for f in finals(s)] == [(0, "turn left"), (1, "go forward"), (2, "stop")]
+
+
 def test_a_segment_of_noise_gets_an_empty_final_in_order(long_pool: RingPool) -> None:
     """Noise the cleaning blanks still ends its segment with a final, so the client knows its
     partials are void; the next segment is prompted with the last final that had words."""
