@@ -7,7 +7,7 @@ The sets: the dev set as it is; its librivox utterances with white noise at 0 an
 where greedy decoding loops (a dev-set utterance before or after a word said over and over,
 espeak-ng's voice); words genuinely said several times, where the text compresses well; and one
 22 s segment that loops to Whisper's 224 tokens, the longest a final's fallback can be asked to
-mend (its time budget decides what it costs).
+mend (its number of rounds decides what it costs).
 
     python scripts/fallback_cost.py [--model whisper-tiny.en]
 """

@@ -16,9 +16,9 @@ that compresses more than 2.4 times, or reads unsure (average log-probability un
 the no-speech rule calls it silence). When no temperature passes, the least unsure result that
 is not a loop is kept (faster-whisper's rule; Whisper keeps the last). A request's samples are
 seeded from its audio, so the same audio gives the same text. Partials never fall back: the
-next one replaces them within a partial interval. A final's fallback stops sampling once it has
-taken FALLBACK_TIME_RATIO times what the greedy decode took (a sample cut then counts as a loop),
-so it holds a worker at most that long again; long-form windows, read off-line, try every
+next one replaces them within a partial interval. A final's fallback samples at the first
+FALLBACK_ROUNDS temperatures only, so it holds a worker a bounded number of decodes longer and
+its text never depends on the machine's speed; long-form windows, read off-line, try every
 temperature.
 
 Batching: all requests of one window size share one encoder call (B, n_mels, T) and then step
@@ -37,7 +37,6 @@ duration; `speech.longform` relies on this to re-decode an incomplete trailing s
 from __future__ import annotations
 
 import math
-import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -57,12 +56,13 @@ LOGPROB_THRESHOLD = -1.0
 MAX_INITIAL_TIMESTAMP = 1.0
 COMPRESSION_RATIO_THRESHOLD = 2.4
 WINDOW_TOKENS_PER_S = 15
-# A final's fallback stops sampling after this many times the greedy decode's time: a loop in a
-# 25 s segment is 224 tokens, and five rounds of five samples of it would keep a worker towards
-# `[workers] stuck_after_s` with a larger model. The loops measured were mended within two rounds
-# (three for one), and a round of a long segment's five samples takes about twice its greedy
-# decode: three rounds fit in it (docs/PERFORMANCE.md, "Loops and the temperature fallback").
-FALLBACK_TIME_RATIO = 6.0
+# A final's fallback samples at this many temperatures at most: a loop in a 25 s segment is 224
+# tokens, and five rounds of five samples of it would keep a worker towards `[workers]
+# stuck_after_s` with a larger model. The loops measured were mended within two rounds (three for
+# one), and a round of a long segment's five samples takes about twice its greedy decode. A count
+# of rounds, not a time, so the text is the same however busy the machine (docs/PERFORMANCE.md,
+# "Loops and the temperature fallback").
+FALLBACK_ROUNDS = 3
 # A final whose decode opens a segment and stops there (two timestamps, then the end of text) is
 # decoded on from that timestamp, as Whisper's transcribe seeks: at most this many times more,
 # and not for a rest shorter than MIN_REST_S.
@@ -207,7 +207,6 @@ class WhisperDecoder:
                     continue
             caps[i] = window_token_cap(n)
             groups.setdefault(N_FRAMES, []).append(i)
-        started = time.perf_counter()
         retry: list[int] = []
         looped: set[int] = set()  # finals that reached their cap
         for frames, idx in sorted(groups.items()):
@@ -224,8 +223,7 @@ class WhisperDecoder:
                                       [ptoks[i] for i in retry])
             for i, (res, _, toks) in zip(retry, outs):
                 results[i] = (res, toks)
-        budget_s = None if whisper_rule else FALLBACK_TIME_RATIO * (time.perf_counter() - started)
-        self._fall_back(requests, ptoks, results, caps, looped, whisper_rule, budget_s)  # type: ignore[arg-type]
+        self._fall_back(requests, ptoks, results, caps, looped, whisper_rule)  # type: ignore[arg-type]
         if not whisper_rule and rounds_on > 0:  # long-form transcription seeks by itself
             self._decode_on(requests, sizes, ptoks, results, rounds_on)  # type: ignore[arg-type]
         return results  # type: ignore[return-value]
@@ -277,10 +275,10 @@ class WhisperDecoder:
 
     def _fall_back(self, requests: Sequence[DecodeRequest], ptoks: list[list[int] | None],
                    results: list[tuple[DecodeResult, list[int]]], caps: dict[int, int], looped: set[int],
-                   whisper_rule: bool, budget_s: float | None) -> None:
+                   whisper_rule: bool) -> None:
         """Decode again, in place in `results`, the requests that `looped` (reached their token
         cap) and with `whisper_rule` those whose text compresses or reads unsure; see the
-        module's docstring. Sampling stops `budget_s` seconds into the fallback."""
+        module's docstring. Without `whisper_rule`, at the first FALLBACK_ROUNDS temperatures only."""
         def fails(res: DecodeResult, capped: bool) -> bool:
             return capped or (whisper_rule and needs_fallback(res))
 
@@ -288,12 +286,12 @@ class WhisperDecoder:
             return
         todo = [i for i, r in enumerate(requests) if not r.partial and fails(results[i][0], i in looped)]
         tried = {i: [(results[i], i in looped)] for i in todo}
-        deadline = None if budget_s is None else time.perf_counter() + budget_s
-        for temperature in self.opt.fallback_temperatures:
-            if not todo or (deadline is not None and time.perf_counter() >= deadline):
+        temperatures = self.opt.fallback_temperatures if whisper_rule else self.opt.fallback_temperatures[:FALLBACK_ROUNDS]
+        for temperature in temperatures:
+            if not todo:
                 break
             outs = self._decode_group([requests[i] for i in todo], N_FRAMES, [caps[i] for i in todo], [ptoks[i] for i in todo],
-                                      temperature=temperature, deadline=deadline)
+                                      temperature=temperature)
             still = []
             for i, (res, capped, toks) in zip(todo, outs):
                 res.temperature = temperature
@@ -364,10 +362,9 @@ class WhisperDecoder:
 
     def _decode_group(
         self, reqs: list[DecodeRequest], frames: int, caps: list[int | None], ptoks: list[list[int] | None],
-        temperature: float = 0.0, deadline: float | None = None,
+        temperature: float = 0.0,
     ) -> list[tuple[DecodeResult, bool, list[int]]]:
-        """Greedy or beam search at temperature 0; best of `best_of` samples above it, cut at
-        `deadline` (perf_counter seconds) as if at their cap."""
+        """Greedy or beam search at temperature 0; best of `best_of` samples above it."""
         tk = self.tk
         n = len(reqs)
         beam = max(1, self.opt.beam_size)
@@ -433,7 +430,7 @@ class WhisperDecoder:
             for c, s1, s2 in zip(caps, stage1, stage2)
         ]
         if temperature > 0:
-            finals = self._sample(reqs, group, first_logits, forced, max_new, temperature, copies, deadline)
+            finals = self._sample(reqs, group, first_logits, forced, max_new, temperature, copies)
         elif beam == 1:
             finals = self._greedy(reqs, group, first_logits, forced, max_new)
         else:
@@ -451,8 +448,7 @@ class WhisperDecoder:
         for i in rows:
             languages[i] = self.tk.id_to_lang[int(ids[np.argmax(logits[i, ids])])]
 
-    def _sample(self, reqs, group: Group, logits, forced, max_new, temperature: float, copies: int,
-                deadline: float | None):
+    def _sample(self, reqs, group: Group, logits, forced, max_new, temperature: float, copies: int):
         """`copies` samples of each request at `temperature`; each request's best by Whisper's
         ranking, among those that ended if any did (one the token cap cut is most likely a loop)."""
         n = len(reqs)
@@ -463,7 +459,7 @@ class WhisperDecoder:
         rngs = [np.random.default_rng([zlib.crc32(np.ascontiguousarray(r.audio, dtype=np.float32).tobytes()),
                                        round(temperature * 1000)]) for r in reqs]
         samples = self._greedy([reqs[i] for i in every], group, logits, [forced[i] for i in every],
-                               [max_new[i] for i in every], temperature, [rngs[i] for i in every], deadline)
+                               [max_new[i] for i in every], temperature, [rngs[i] for i in every])
         out = []
         for i in range(n):
             mine = samples[i * copies : (i + 1) * copies]
@@ -486,19 +482,15 @@ class WhisperDecoder:
         return picks
 
     def _greedy(self, reqs, group: Group, logits, forced, max_new, temperature: float = 0.0,
-                rngs: list[np.random.Generator] | None = None, deadline: float | None = None):
+                rngs: list[np.random.Generator] | None = None):
         """The most likely token at each step, or at `temperature` > 0 one drawn with each row's
-        generator of `rngs` (`_draw`); rows still going at `deadline` end there, capped."""
+        generator of `rngs` (`_draw`)."""
         rows = [_Row(req=i, tokens=list(forced[i]), n_forced=len(forced[i])) for i in range(len(reqs))]
         ts_on = [r.timestamps for r in reqs]
         active = list(range(len(reqs)))
         capped = [False] * len(reqs)
         n_sampled = 0
         while active:
-            if deadline is not None and time.perf_counter() >= deadline:
-                for i in active:
-                    capped[i] = True
-                break
             cur = [rows[i] for i in active]
             lp = self._filter(logits, cur, [ts_on[i] for i in active], [n_sampled == 0] * len(active))
             if rngs is None:

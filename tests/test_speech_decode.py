@@ -508,17 +508,15 @@ def test_a_final_that_loops_is_decoded_again_by_sampling(tiny, dev, tmp_path, mo
     """A segment whose greedy decode loops ("no, no, no, …" long past the speech) is decoded
     again at rising temperatures until a sample ends; without the fallback, and in a partial,
     the loop stops at the cap for the segment's length, not at Whisper's 224 tokens; a fallback
-    out of time keeps what it has."""
+    out of rounds keeps what it has."""
     (u, speech), noes = dev[0], _said(tmp_path, "no", 15)
     audio = np.concatenate([speech, noes])
     ref = u.reference + " no" * 15
     cap = window_token_cap(len(audio))
     assert cap < 224
 
-    # every temperature it needs, however busy this machine is between the greedy decode and the samples
-    monkeypatch.setattr(decoding, "FALLBACK_TIME_RATIO", 1000.0)
     res = tiny.transcribe_batch([DecodeRequest(audio=audio)])[0]
-    assert 0 < res.temperature <= 1.0 and res.tokens < cap
+    assert 0 < res.temperature <= tiny.decoding.opt.fallback_temperatures[decoding.FALLBACK_ROUNDS - 1] and res.tokens < cap
     assert wer([ref], [res.text]) <= 0.15, res.text
     again = tiny.transcribe_batch([DecodeRequest(audio=audio)])[0]
     assert again.text == res.text  # the samples are seeded from the audio
@@ -526,7 +524,7 @@ def test_a_final_that_loops_is_decoded_again_by_sampling(tiny, dev, tmp_path, mo
     partial = tiny.transcribe_batch([DecodeRequest(audio=audio, partial=True)])[0]
     assert partial.temperature == 0.0 and partial.tokens == cap  # a partial's loop is cut, never sampled
 
-    monkeypatch.setattr(decoding, "FALLBACK_TIME_RATIO", 0.0)  # out of time at once: the greedy loop stands
+    monkeypatch.setattr(decoding, "FALLBACK_ROUNDS", 0)  # no round to sample in: the greedy loop stands
     spent = tiny.transcribe_batch([DecodeRequest(audio=audio)])[0]
     monkeypatch.setattr(tiny.decoding.opt, "temperature_increment", 0.0)
     greedy = tiny.transcribe_batch([DecodeRequest(audio=audio)])[0]
