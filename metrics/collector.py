@@ -48,7 +48,7 @@ BUSY_WINDOW_S = 5.0  # the worker busy ratio is averaged over this long
 RECENT_ERRORS = 50
 RETIRED_KEPT = 64  # dead incarnations remembered, in case one was only stalled and speaks again
 MAX_MESSAGE_BYTES = 4 << 20
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 Labels = tuple[tuple[str, str], ...]
 Key = tuple[str, Labels]  # (metric name, labels) within one process
@@ -237,7 +237,9 @@ class Collector:
         self._carried_counters: dict[Series, float] = {}
         self._carried_hists: dict[Series, Histogram] = {}
         self._restarts: dict[str, int] = {}  # per process name
-        self._seen: set[str] = set()  # process names ever heard, a predecessor's included: a new pid is a restart
+        # per process name ever seen, a predecessor's included: [its last pid, supervisord's start
+        # time of that pid, None until matched]; a pid or a start time other than these is a restart
+        self._births: dict[str, list[Any]] = {}
         self._heard: set[str] = set()  # heard by this collector: a first snapshot's history is not news
         self._errors: deque[dict[str, Any]] = deque(maxlen=RECENT_ERRORS)
         self._history: deque[tuple[float, dict[str, Histogram]]] = deque()
@@ -361,13 +363,35 @@ class Collector:
             return inc
         if live is not None:
             self._retire(live)
-        if process in self._seen:
-            self._restarts[process] = self._restarts.get(process, 0) + 1
+        self._born(process, pid)
         inc = Incarnation(process, token, pid, started, quiet=process not in self._heard)
-        self._seen.add(process)
         self._heard.add(process)
         self._live[process] = inc
         return inc
+
+    def _born(self, process: str, pid: int, start: float = 0.0) -> None:
+        """Count a restart of `process` when it shows a pid other than its last one (in a snapshot,
+        or in supervisord's list with the time supervisord started it), or when supervisord
+        started it again since the last look and it is gone already: a process that crashes
+        before it publishes, or within a second, still counts. supervisord's list alone would
+        miss those that come and go between two looks; snapshots alone, those that crash
+        before their first, and the dashboard itself, which sends none."""
+        if not pid and not start:
+            return  # never started
+        known = self._births.get(process)
+        if known is None:
+            self._births[process] = [pid, start or None]
+            return
+        last_pid, last_start = known
+        if pid and pid != last_pid:
+            self._restarts[process] = self._restarts.get(process, 0) + 1
+            self._births[process] = [pid, start or None]  # a snapshot's: supervisord's start time to match
+        elif pid:
+            known[1] = known[1] or start or None
+        elif start != last_start:
+            if last_start is not None:  # else the start of the pid a snapshot showed
+                self._restarts[process] = self._restarts.get(process, 0) + 1
+            known[1] = start
 
     def _retire(self, inc: Incarnation) -> None:
         del self._live[inc.process]
@@ -422,7 +446,7 @@ class Collector:
                  "hists": [[p, n, list(lb), *h.row()] for (p, n, lb), h in self._carried_hists.items()],
                  "retired": [incarnation(i) for i in self._retired.values()],
                  "live": [incarnation(i) for i in self._live.values()],
-                 "restarts": self._restarts, "seen": sorted(self._seen)}
+                 "restarts": self._restarts, "births": self._births}
         tmp = path.with_name(path.name + ".tmp")
         try:
             tmp.write_bytes(msgpack.packb(state))
@@ -444,7 +468,7 @@ class Collector:
             retired = [_unpack_incarnation(row) for row in state["retired"]]
             live = [_unpack_incarnation(row) for row in state["live"]]
             restarts = {str(p): int(n) for p, n in state["restarts"].items()}
-            seen = {str(p) for p in state["seen"]}
+            births = {str(p): [int(pid), None if start is None else float(start)] for p, (pid, start) in state["births"].items()}
         except FileNotFoundError:
             return
         except (OSError, ValueError, KeyError, TypeError, AttributeError, msgpack.UnpackException) as exc:
@@ -452,7 +476,7 @@ class Collector:
             return
         with self._lock:
             self._carried_counters, self._carried_hists = counters, hists
-            self._restarts, self._seen = restarts, seen
+            self._restarts, self._births = restarts, births
             for inc in retired:
                 self._retired[inc.token] = inc
             for inc in live:
@@ -477,6 +501,8 @@ class Collector:
         resources = self._read_resources(pids)
         gpus = self._nvml.read()
         with self._lock:
+            for p in supervisor:
+                self._born(p["name"], int(p.get("pid") or 0), float(p.get("start") or 0))
             self._supervisor, self._supervisor_error = supervisor, supervisor_error
             self._resources, self._gpus = resources, gpus
             self._history.append((now, self._window_totals()))
@@ -627,7 +653,7 @@ class Collector:
 
     def _program_restarts(self) -> dict[str, int]:
         out: dict[str, int] = {}
-        for process in self._seen | {p["name"] for p in self._supervisor}:
+        for process in self._births.keys() | {p["name"] for p in self._supervisor}:
             out.setdefault(program_of(process), 0)
         for process, n in self._restarts.items():
             out[program_of(process)] += n

@@ -18,6 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import xmlrpc.client
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -374,3 +375,46 @@ def test_a_supervised_process_that_stops_publishing_is_shown_silent(service_fact
         os.kill(pid, signal.SIGCONT)
     wait_for(lambda: (row := ingest_row()) and row["state"] == "RUNNING" and row["last_seen_s"] < 3,
              timeout=10, what="the resumed ingest shown RUNNING")
+
+
+def test_restarts_count_a_process_that_crashed_before_it_published_and_the_dashboard_itself(service_factory) -> None:
+    """An operator alerts on `process_restarts_total`. A worker that crashes before it sends its
+    first snapshot (a crash loop while it loads) is seen only in supervisord's list, and the
+    dashboard sends no snapshot at all: both count, and a restarted dashboard goes on from
+    its predecessor's counts."""
+    from supervisor.xmlrpc import SupervisorTransport
+
+    svc = service_factory(model="null", workers=1)
+    url = f"http://127.0.0.1:{svc.cfg.metrics.dashboard_port}/"
+    rpc = xmlrpc.client.ServerProxy("http://127.0.0.1", transport=SupervisorTransport(
+        None, None, f"unix://{svc.cfg.run_path / 'supervisor.sock'}")).supervisor
+
+    def restarts() -> dict[str, float] | None:
+        try:
+            return {dict(labels)["program"]: v for labels, v in counters(url, "streamasr_process_restarts").items()}
+        except OSError:  # the dashboard between two lives
+            return None
+
+    def running(name: str, old_pid: int) -> int | None:
+        info = rpc.getProcessInfo(name)
+        return info["pid"] if info["statename"] == "RUNNING" and info["pid"] != old_pid else None
+
+    wait_for(lambda: (r := restarts()) and r.get("worker") == 0 and r.get("dashboard") == 0, timeout=30,
+             what="the worker and the dashboard counted, neither restarted")
+    first_pid = rpc.getProcessInfo("worker:worker-0")["pid"]
+    rpc.stopProcess("worker:worker-0")
+    rpc.startProcess("worker:worker-0", False)
+    pid = wait_for(lambda: rpc.getProcessInfo("worker:worker-0")["pid"] or None, timeout=10, what="the worker's new pid")
+    os.kill(pid, signal.SIGKILL)  # long before the interpreter has loaded what it needs to publish
+    rpc.stopProcess("worker:worker-0")  # no automatic retry: the collector has only supervisord's word for it
+    wait_for(lambda: (r := restarts()) and r["worker"] == 1 and r, timeout=10, what="the crashed worker's start counted")
+    rpc.startProcess("worker:worker-0")
+    wait_for(lambda: running("worker:worker-0", first_pid), timeout=30, what="the worker running again")
+    wait_for(lambda: (r := restarts()) and r["worker"] == 2 and r, timeout=10, what="its next start counted")
+
+    dashboard = rpc.getProcessInfo("dashboard:dashboard")["pid"]
+    time.sleep(1.5)  # a refresh that saved what the dashboard has counted
+    os.kill(dashboard, signal.SIGKILL)
+    wait_for(lambda: running("dashboard:dashboard", dashboard), timeout=30, what="supervisord to restart the dashboard")
+    counted = wait_for(lambda: (r := restarts()) and "dashboard" in r and r, timeout=30, what="the new dashboard's count")
+    assert counted == {"broker": 0, "dashboard": 1, "ingest": 0, "worker": 2}
