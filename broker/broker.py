@@ -101,8 +101,11 @@ def ingest_identity(index: int) -> bytes:
 
 def ingest_index(identity: bytes) -> int | None:
     prefix = b"ingest-"
-    if identity.startswith(prefix) and identity[len(prefix):].isdigit():
-        return int(identity[len(prefix):])
+    digits = identity[len(prefix):]
+    # bounded as a peer's counts are: an index too large to pack would fail the broker's loop
+    # when it answers that ingest's jobs or reports it in a status reply
+    if identity.startswith(prefix) and digits.isdigit() and len(digits) <= 10 and int(digits) <= wire.MAX_COUNT:
+        return int(digits)
     return None
 
 
@@ -113,7 +116,8 @@ def _decode_cost(value: Any) -> tuple[float, float] | None:
         partial, final = (float(x) for x in value)
     except (TypeError, ValueError):
         return None
-    return (partial, final) if 0 <= partial < math.inf and 0 <= final < math.inf else None
+    # no more than a day, as a DONE row's decode: finite but absurd, they priced a stream at inf
+    return (partial, final) if 0 <= partial <= wire.MAX_CLOCK_GAP_S and 0 <= final <= wire.MAX_CLOCK_GAP_S else None
 
 
 class Broker:

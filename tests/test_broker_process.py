@@ -918,3 +918,26 @@ def test_an_ingest_given_up_on_registers_again_and_gets_its_final(cluster: Clust
     assert sum(e["event"] == "broker.ingest_lost" for e in events) == 1
     asked = sum(e["event"] == "broker.ingest_unregistered" for e in events)
     assert asked >= 1 and sum(e["event"] == "broker.ingest_ready" for e in events) == 1 + asked
+
+
+def test_an_ingest_identity_whose_index_packs_in_no_message_does_not_end_the_broker(running: Cluster) -> None:
+    """A peer on the ingest socket named `ingest-<index>` with an index beyond what msgpack can
+    carry (a 25-digit one): its job, another ingest's, is refused and answered FAILED to that
+    index, as any foreign job is. Packing that answer raised in the broker's loop and the broker
+    died, and every stream with it; such an identity must be refused like any other malformed
+    one, and the broker must keep serving."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"ingest-" + b"1" * 25)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(running.cfg.broker_ingest_endpoint)
+    try:
+        sock.send_multipart([wire.JOBS, wire.pack_jobs(running.jobs(1))])
+        wait_for(lambda: any(e["event"] in ("broker.bad_ingest_message", "broker.bad_job")
+                             for e in running.log_events("broker")), 5, "the peer's message refused")
+        time.sleep(3 * HEARTBEAT_MS / 1000)
+        assert running.procs["broker"].poll() is None, "the broker died"
+        jobs = running.jobs(2)
+        running.ingest.submit(jobs)
+        assert_exactly_once(running.wait_answers(jobs), jobs)
+    finally:
+        sock.close(linger=0)

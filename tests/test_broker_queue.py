@@ -958,3 +958,19 @@ def test_partials_asked_while_no_worker_serves_do_not_price_a_stream() -> None:
             assert broker.stream_share == pytest.approx(steady)
     finally:
         broker.close()
+
+
+def test_a_worker_s_absurd_start_up_decode_times_price_no_stream_at_infinity() -> None:
+    """A READY whose decode times are finite but absurd (1e308 s: a worker of another version, a
+    bug) must not make the admission figures infinite: priced from them, one stream's share was
+    inf, sent to every ingest and shown by status; an ingest multiplying it by no stream got NaN."""
+    broker = Broker(settings.load())
+    try:
+        broker._on_worker([b"worker-1-1", wire.READY, wire.pack(
+            {"capacity": 1, "pid": 1, "model": "null", "cost": [1e308, 1e308]})], NOW)
+        assert list(broker.dispatcher.workers) == [b"worker-1-1"]  # registered, served all the same
+        assert all(math.isfinite(x) for x in broker.share_prior), broker.share_prior
+        assert math.isfinite(broker.stream_share)
+        assert math.isfinite(broker.status(NOW).stream_share_prior)
+    finally:
+        broker.close()
