@@ -94,11 +94,12 @@ def ingest_endpoint(front_door: str, ingest: str) -> str:
     """Where to stream: the welcome's endpoint, with a loopback/wildcard host replaced by the front door's.
 
     An ingest process only knows the interface it bound; a client that reached the front door
-    through another host name must use that name for the ingest too.
+    through another host name must use that name for the ingest too. ZeroMQ's wildcard `*` can
+    be bound but never connected to: it takes the front door's host even when that is a local one.
     """
     front_host = _host(front_door)
     host = _host(ingest)
-    if host in LOCAL_HOSTS and front_host is not None and front_host not in LOCAL_HOSTS:
+    if host in LOCAL_HOSTS and front_host is not None and (front_host not in LOCAL_HOSTS or host == "*"):
         scheme, _, rest = ingest.partition("://")
         port = rest.rpartition(":")[2]
         return f"{scheme}://{front_host}:{port}"

@@ -229,6 +229,13 @@ class Config:
         return self.workers.processes or (os.cpu_count() or 1)
 
     @property
+    def front_door(self) -> str:
+        """Where a client on this host reaches the front door: `ingest.address`, with ZeroMQ's
+        wildcard host, which binds every interface but cannot be connected to, as loopback."""
+        scheme, _, rest = self.ingest.address.partition("://")
+        return f"tcp://127.0.0.1:{rest[2:]}" if scheme == "tcp" and rest.startswith("*:") else self.ingest.address
+
+    @property
     def ingest_host(self) -> str:
         """The interface the ingest processes bind: `[ingest] host`, else the front door's."""
         return self.ingest.host or (_tcp_host_port(self.ingest.address) or ("127.0.0.1", 0))[0]
@@ -351,16 +358,20 @@ def load_started(path: str | os.PathLike[str]) -> Config:
     return _build(Config, read(path), "", lenient=True)
 
 
-def _absolute(data: dict[str, Any], cls: type, base: Path) -> dict[str, Any]:
+def _absolute(data: dict[str, Any], cls: type, base: Path, where: str = "") -> dict[str, Any]:
     """`data` with the relative paths among `cls`'s path settings made absolute from `base`."""
     out = dict(data)
     hints = get_type_hints(cls)
     for f in dataclasses.fields(cls):
         value = out.get(f.name)
         if dataclasses.is_dataclass(hints[f.name]) and isinstance(value, dict):
-            out[f.name] = _absolute(value, hints[f.name], base)
+            out[f.name] = _absolute(value, hints[f.name], base, f"{where}{f.name}.")
         elif isinstance(value, str) and value and (kind := f.metadata.get("path")):
-            full = base / Path(value).expanduser()
+            try:
+                full = base / Path(value).expanduser()
+            except RuntimeError:  # `~user` of a user this machine does not have
+                raise ConfigError(f"{where}{f.name} {value!r}: no home directory for "
+                                  f"{value.split('/', 1)[0]!r}") from None
             if kind == "always" or (value not in MODEL_NAMES and full.is_dir()):
                 out[f.name] = str(full)
     return out
@@ -370,7 +381,8 @@ def _tcp_host_port(address: str) -> tuple[str, int] | None:
     """(host, port) of a `tcp://host:port` endpoint; None for other transports or a port by name."""
     scheme, _, rest = address.partition("://")
     host, _, port = rest.rpartition(":")
-    return (host, int(port)) if scheme == "tcp" and host and port.isdigit() else None
+    # isdigit() alone takes "²" for a digit, which int() refuses
+    return (host, int(port)) if scheme == "tcp" and host and port.isascii() and port.isdigit() else None
 
 
 def _check_together(cfg: Config) -> None:

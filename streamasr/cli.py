@@ -112,7 +112,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
         curve = service.ops_curve(cfg)  # a service with CURVE on answers no one without keys
     except (OSError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
-    return remote.run(args.files, server=args.server or cfg.ingest.address, offline=args.offline, as_json=args.json,
+    return remote.run(args.files, server=args.server or cfg.front_door, offline=args.offline, as_json=args.json,
                       language=args.language, curve=curve)
 
 

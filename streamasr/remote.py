@@ -18,11 +18,12 @@ from typing import TextIO
 import numpy as np
 import soundfile
 import soxr
+import zmq
 
 from client.client import Client, Stream
 from client.core import ServerError
 from protocol.auth import Curve
-from protocol.messages import OVERLOADED, RATES, Closed, ErrorMsg, Final, Partial
+from protocol.messages import OVERLOADED, RATES, Closed, ErrorMsg, Final, Partial, ProtocolError
 from speech.audio import RAW_SUFFIXES
 
 RAW_RATE = 16000  # headerless files (RAW_SUFFIXES): 16 kHz s16le mono
@@ -108,7 +109,8 @@ def run(
         return 1
     try:
         client = Client(server, curve=curve)
-    except (ServerError, TimeoutError, OSError) as exc:
+    # ZMQError: an address ZeroMQ cannot connect to; ProtocolError: an answer that is not this protocol's
+    except (ServerError, TimeoutError, OSError, ProtocolError, zmq.ZMQError) as exc:
         print(f"cannot connect to {server}: {exc}", file=sys.stderr)
         return 1
     output = Output(out, as_json)
@@ -141,7 +143,7 @@ def _transcribe(client: Client, job: Job, offline: bool, language: str | None, p
     try:
         job.stream = client.open(rate=job.audio.rate, channels=job.audio.samples.shape[1], language=language,
                                  partials=partials, priority="batch" if offline else "realtime")
-    except (ServerError, TimeoutError) as exc:
+    except (ServerError, TimeoutError, ValueError) as exc:  # ValueError: an open the protocol does not allow (--language)
         job.error = f"cannot open a stream: {exc}"
         return
     job.started = time.monotonic()

@@ -281,7 +281,7 @@ def status(cfg: Config) -> dict[str, Any]:
         except (OSError, xmlrpc.client.Fault) as exc:
             report["supervisor_error"] = str(exc)
     try:
-        reply = front_door(cfg.ingest.address, m.Status(), curve=ops_curve(cfg))
+        reply = front_door(cfg.front_door, m.Status(), curve=ops_curve(cfg))
         report.update(m.as_dict(reply))
         report.pop("type", None)
     except (TimeoutError, zmq.ZMQError, m.ProtocolError, ValueError, OSError) as exc:  # OSError: a key file unreadable
@@ -365,7 +365,7 @@ class LocalService:
 
     @property
     def address(self) -> str:
-        return self.cfg.ingest.address
+        return self.cfg.front_door
 
     def logs(self, program: str) -> str:
         """The program's log up to its last whole line: a line being written may be half there."""

@@ -212,8 +212,8 @@ def test_stop_of_an_instance_run_by_another_user_says_so(tmp_path: Path, monkeyp
 def test_ops_commands_follow_the_running_instance_from_anywhere(tmp_path: Path) -> None:
     """A config file's relative paths are its directory's, whatever directory `serve` is run
     from (its programs run from the source tree); `serve --address` is what `status` and
-    `transcribe` use afterwards (the run directory's config); ingests bind the front door's host;
-    and an instance whose supervisord is not running is not ready, whoever answers at its address."""
+    `transcribe` use afterwards (the run directory's config); ingests bind the front door's host,
+    here ZeroMQ's wildcard, which a client on this host reaches on loopback; and an instance whose supervisord is not running is not ready, whoever answers at its address."""
     base = free_ports(3)
     (tmp_path / "conf").mkdir()
     (tmp_path / "elsewhere").mkdir()
@@ -224,7 +224,7 @@ def test_ops_commands_follow_the_running_instance_from_anywhere(tmp_path: Path) 
     config.write_text(f'instance = "{instance}"\nrun_dir = "r \'"\n[ingest]\nport_base = {base + 1}\n'
                       f"[metrics]\ndashboard_port = {base + 2}\n[workers]\nprocesses = 1\n")
     serve = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "serve", "--config", "../conf/streamasr.toml", "--model", "null",
-                              "--address", f"tcp://0.0.0.0:{base}"], cwd=tmp_path / "elsewhere",
+                              "--address", f"tcp://*:{base}"], cwd=tmp_path / "elsewhere",
                              env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     reaper = threading.Thread(target=serve.wait, daemon=True)  # supervisord's exit seen by `stop`, as when run from a shell
     reaper.start()
@@ -233,8 +233,8 @@ def test_ops_commands_follow_the_running_instance_from_anywhere(tmp_path: Path) 
         report = json.loads(done.stdout)
         assert done.returncode == 0 and report["ready"], (report, serve.stderr.read() if serve.poll() is not None and serve.stderr else "")
         assert (tmp_path / "conf" / "r '" / "config.toml").is_file()
-        assert report["address"] == f"tcp://0.0.0.0:{base}"
-        assert [i["endpoint"] for i in report["ingests"]] == [f"tcp://0.0.0.0:{base + 1}"]
+        assert report["address"] == f"tcp://*:{base}"
+        assert [i["endpoint"] for i in report["ingests"]] == [f"tcp://*:{base + 1}"]
         audio = next(u.path for u in testdata.utterances() if u.name == "goforward")
         done = _streamasr("transcribe", "--config", str(config), "--offline", audio)
         assert done.returncode == 0 and "null model" in done.stdout, done.stderr
@@ -618,3 +618,12 @@ def test_a_run_dir_its_own_dashboard_made_before_the_first_serve_is_the_instance
     with _serving(config, instance):
         done = _streamasr("status", "--config", str(config), "--wait", "120", timeout=180)
         assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("server", ["foo", "tcp://127.0.0.1:notaport", "7700"])
+def test_transcribe_to_an_address_zeromq_refuses_says_so(server: str) -> None:
+    """`--server` is typed by hand: one ZeroMQ refuses to connect to gave a ZMQError traceback."""
+    audio = next(u.path for u in testdata.utterances() if u.name == "goforward")
+    done = _streamasr("transcribe", "--server", server, audio, timeout=60)
+    assert done.returncode == 1 and done.stdout == ""
+    assert f"cannot connect to {server}" in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -973,3 +973,55 @@ def test_an_open_in_flight_when_the_ingest_is_lost_reports_no_resume() -> None:
         assert reconnects >= 1 and resumes == []
     finally:
         fake.close()
+
+
+def test_transcribe_with_a_language_the_protocol_does_not_allow_fails_the_file(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """`transcribe --server --language <17 characters>`: `Client.open` refuses it with ValueError
+    before sending. Raised on the file's thread, it left a traceback, no error for the file, an
+    empty transcript and exit status 0."""
+    uncaught: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: uncaught.append(args.exc_value))
+    fake = FakeIngest()
+    try:
+        out = io.StringIO()
+        code = remote.run([utterance("goforward").path], fake.address, offline=True, as_json=False,
+                          language="english-as-spoken", out=out)
+    finally:
+        fake.close()
+    assert uncaught == []
+    assert code == 1
+    assert "language must be a language code" in capsys.readouterr().err
+
+
+def test_transcribe_against_a_front_door_that_is_not_one_says_it_cannot_connect(capsys) -> None:
+    """An answer to `hello` that is not the protocol's (another ZeroMQ service on that port)
+    raised ProtocolError out of `remote.run`: a traceback, not `cannot connect to ...`."""
+    fake = FakeIngest(garble_hellos=(1,))
+    try:
+        code = remote.run([utterance("goforward").path], fake.address, offline=True, as_json=False, language=None,
+                          out=io.StringIO())
+    finally:
+        fake.close()
+    assert code == 1
+    assert f"cannot connect to {fake.address}" in capsys.readouterr().err
+
+
+def test_a_client_on_the_services_host_reaches_an_ingest_bound_to_the_wildcard() -> None:
+    """A service on `tcp://*:7700` (ZeroMQ's wildcard, which the config takes) names its ingests
+    `tcp://*:<port>`; a client that reached the front door on 127.0.0.1 connected to that as it
+    was and failed with ZMQError 'Invalid argument', in either client."""
+    fake = FakeIngest()
+    fake.ingest = fake.address.replace("127.0.0.1", "*")
+    try:
+        with Client(fake.address, timeout=5.0) as client:
+            client.open("s")
+            assert client.ingest == fake.address
+
+        async def main() -> str:
+            async with AsyncClient(fake.address, timeout=5.0) as aclient:
+                await aclient.open("a")
+                return aclient.ingest
+
+        assert asyncio.run(main()) == fake.address
+    finally:
+        fake.close()

@@ -344,6 +344,9 @@ def test_to_pcm_refuses_what_does_not_fit_the_stream(pcm: object, encoding: str,
     ("tcp://10.1.2.3:7700", "tcp://0.0.0.0:7702", "tcp://10.1.2.3:7702"),
     ("tcp://asr.example:7700", "tcp://10.0.0.5:7701", "tcp://10.0.0.5:7701"),
     ("ipc:///run/asr.sock", "tcp://127.0.0.1:7701", "tcp://127.0.0.1:7701"),
+    # `serve --address tcp://*:7700`: ZeroMQ binds "*" but cannot connect to it, whatever host reached the front door
+    ("tcp://127.0.0.1:7700", "tcp://*:7701", "tcp://127.0.0.1:7701"),
+    ("tcp://localhost:7700", "tcp://*:7701", "tcp://localhost:7701"),
 ])
 def test_ingest_endpoint_uses_the_front_doors_host_for_a_local_one(front: str, welcome: str, expected: str) -> None:
     assert ingest_endpoint(front, welcome) == expected

@@ -85,6 +85,12 @@ def test_the_embedded_default_and_its_file_agree() -> None:
                                       + "/ingest-0-results.sock is 117 bytes, over the 107-byte limit of Unix socket paths"),
     ({"run_dir": "/tmp/" + "r" * 80, "ingest": {"processes": 11}},  # ingest 9's socket fits; the eleventh's does not
      "run_dir '/tmp/" + "r" * 80 + "' is too long: the socket path /tmp/" + "r" * 80 + "/ingest-10-results.sock is 108 bytes"),
+    # `~user` of a user this machine lacks: pathlib raised RuntimeError, a traceback from every command
+    ({"run_dir": "~nosuchuser/run"}, "run_dir '~nosuchuser/run': no home directory for '~nosuchuser'"),
+    ({"model": {"cache_dir": "~nosuchuser/cache"}}, "model.cache_dir '~nosuchuser/cache': no home directory for '~nosuchuser'"),
+    ({"model": {"name": "~nosuchuser/ct2"}}, "model.name '~nosuchuser/ct2': no home directory for '~nosuchuser'"),
+    # str.isdigit() takes "²" for a digit, int() does not: ValueError out of the port check
+    ({"ingest": {"address": "tcp://127.0.0.1:77²"}}, "ingest.address tcp://127.0.0.1:77²: the front door needs a fixed port"),
 ])
 def test_a_value_that_cannot_work_names_its_key(overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError) as refused:
