@@ -125,7 +125,10 @@ def run(
         if job.error is not None:
             print(f"{job.file}: {job.error}", file=sys.stderr)
             failed = True
-            continue
+            if job.closed is None or job.closed.reason != "end":
+                continue  # cut short: its transcript would pass for the whole file's
+            # a segment the service could not transcribe still had its final (what its partials agreed
+            # on) and the stream went on: the transcript is the file's, with that error said
         text = " ".join(job.finals)
         if as_json:
             audio_s = job.closed.audio_s if job.closed is not None else job.audio.seconds

@@ -26,9 +26,11 @@ from config import settings
 from conftest import ROOT
 from protocol.messages import (
     BAD_FORMAT,
+    INTERNAL,
     OVERLOADED,
     UNKNOWN_MODEL,
     UNKNOWN_STREAM,
+    Ack,
     Audio,
     Closed,
     End,
@@ -38,6 +40,7 @@ from protocol.messages import (
     Open,
     Partial,
     Ready,
+    ServerMessage,
     Welcome,
     decode_client,
     encode,
@@ -347,11 +350,14 @@ class FakeIngest:
     the second hello on (a resume: another ingest, other limits); `garble_hellos` are the hellos (1
     for the first) it answers with bytes that are not msgpack; `refuse_reopens` answers an `open` of
     an id it opened before `overloaded`, like a busy service refusing a resume; `ready_delay` is how
-    long the first `ready` of each id takes, like a busy ingest's.
+    long the first `ready` of each id takes, like a busy ingest's; `at_end` makes it a working
+    ingest: it acks audio, and gives, for a stream id, what it sends between that stream's `end`
+    and its `closed`.
     """
 
     def __init__(self, *, ingest: str | None = None, resumed: dict[str, Any] | None = None, garble_hellos: tuple[int, ...] = (),
-                 refuse_reopens: bool = False, ready_delay: float = 0.0) -> None:
+                 refuse_reopens: bool = False, ready_delay: float = 0.0,
+                 at_end: Callable[[str], list[ServerMessage]] | None = None) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
@@ -361,6 +367,8 @@ class FakeIngest:
         self.garble_hellos = garble_hellos
         self.refuse_reopens = refuse_reopens
         self.ready_delay = ready_delay
+        self.at_end = at_end
+        self.taken: Counter[str] = Counter()  # input frames of each stream, acked when `at_end` is given
         self.held: list[tuple[float, list[bytes]]] = []  # (when, frames) of replies held back
         self.opened: set[str] = set()
         self.live: set[str] = set()  # opened and not ended
@@ -387,7 +395,7 @@ class FakeIngest:
                 continue
             if isinstance(msg, Hello):
                 fields = {"ingest": self.ingest, **(self.resumed if self.received["hello"] > 1 else {})}
-                reply: Welcome | Ready | ErrorMsg = Welcome(**fields)
+                reply: ServerMessage = Welcome(**fields)
             elif isinstance(msg, Open) and self.refuse_reopens and msg.stream in self.opened:
                 reply = ErrorMsg(code=OVERLOADED, message="the service is busy", stream=msg.stream)
             elif isinstance(msg, Open):
@@ -403,12 +411,17 @@ class FakeIngest:
                 self.log.append(f"end {msg.stream}")
                 if msg.stream in self.live:
                     self.live.discard(msg.stream)
+                    for said in self.at_end(msg.stream) if self.at_end else []:
+                        self.sock.send_multipart([ident, *encode(said)])
                     reply = Closed(stream=msg.stream)
                 else:
                     reply = ErrorMsg(code=UNKNOWN_STREAM, message="no such stream", stream=msg.stream)
             elif isinstance(msg, Audio):
                 self.audio.append((self.received["hello"], len(msg.data)))
-                continue
+                if self.at_end is None:
+                    continue
+                taken = self.taken[msg.stream] = self.taken[msg.stream] + len(msg.data) // 2
+                reply = Ack(stream=msg.stream, seq=msg.seq, samples=taken, window=taken + RATE * 30)
             else:
                 continue
             if self.held:  # answers leave in order
@@ -1025,3 +1038,23 @@ def test_a_client_on_the_services_host_reaches_an_ingest_bound_to_the_wildcard()
         assert asyncio.run(main()) == fake.address
     finally:
         fake.close()
+
+
+def test_transcribe_prints_a_file_whose_segment_failed_with_the_error(capsys) -> None:
+    """A segment the service could not transcribe is said (`error internal`) and still gets its
+    final; the stream goes on to `closed` "end". The file's transcript is printed with the
+    error beside it and the exit status 1: it was left out as if nothing had been heard."""
+    fake = FakeIngest(at_end=lambda stream: [
+        Final(stream=stream, seg=0, text="go forward", start=0.1, end=1.0),
+        ErrorMsg(code=INTERNAL, stream=stream, message="segment 1 could not be transcribed: a worker failed"),
+        Final(stream=stream, seg=1, text="ten", start=1.0, end=1.6),
+        Final(stream=stream, seg=2, text="meters", start=1.6, end=2.5),
+    ])
+    try:
+        out = io.StringIO()
+        code = remote.run([utterance("goforward").path], fake.address, offline=True, as_json=False, language=None, out=out)
+    finally:
+        fake.close()
+    assert code == 1
+    assert out.getvalue() == "go forward ten meters\n"
+    assert "server error internal: segment 1 could not be transcribed" in capsys.readouterr().err
