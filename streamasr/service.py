@@ -10,6 +10,7 @@ supervisord starts reads exactly the same settings, then hands over to superviso
 from __future__ import annotations
 
 import configparser
+import contextlib
 import errno
 import os
 import signal
@@ -115,6 +116,11 @@ def _check_run_dir(run: Path) -> None:
     if run.exists() and not run.is_dir():
         raise SystemExit(f"run_dir {run} is not a directory: give the instance a directory of its own")
     if run.is_dir() and not os.access(run, os.R_OK | os.W_OK | os.X_OK):
+        if os.statvfs(run).f_flag & os.ST_RDONLY:  # the instance's own, on a file system mounted read-only
+            raise SystemExit(f"run_dir {run} is on a read-only file system: give this instance a writable directory")
+        if run.stat().st_uid == os.geteuid():
+            raise SystemExit(f"run_dir {run} is not writable by its owner (mode {run.stat().st_mode & 0o777:o}): "
+                             "make it so, or give this instance a directory of its own")
         raise SystemExit(f"run_dir {run} is another user's: serve as that user, or give this instance a directory of its own")
     if run.is_dir() and any(p.name not in COLLECTOR_FILES for p in run.iterdir()) and not (run / "config.toml").is_file():
         raise SystemExit(f"run_dir {run} holds files of something else: give the instance a directory of its own "
@@ -164,17 +170,29 @@ def prepare(cfg: Config) -> dict[str, str]:
                          f"{cfg.shm.streams_per_ingest} streams of {cfg.shm.ring_seconds:g} s need {need / 2**20:,.0f} MiB: "
                          "lower shm.streams_per_ingest or shm.ring_seconds, or give it more room (a container's --shm-size)")
     run = cfg.run_path
+    created = not run.exists()
     try:
         run.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:  # a file on its path, a read-only file system
         raise SystemExit(f"cannot make run_dir {run}: {exc.strerror or exc}") from None
-    os.chmod(run, 0o700)
-    (run / "logs").mkdir(mode=0o700, exist_ok=True)
-    for leftover in cfg.ipc_paths:  # this instance's own sockets, left by a crash: nothing else in the directory
-        Path(leftover).unlink(missing_ok=True)
-    cfg.metrics_state_path.unlink(missing_ok=True)  # a new service's counters start from zero
     config_file = run / "config.toml"
-    config_file.write_text(settings.dump(cfg))
+    partial = run / "config.toml.tmp"
+    try:
+        os.chmod(run, 0o700)
+        for leftover in cfg.ipc_paths:  # this instance's own sockets, left by a crash: nothing else in the directory
+            Path(leftover).unlink(missing_ok=True)
+        cfg.metrics_state_path.unlink(missing_ok=True)  # a new service's counters start from zero
+        # whole or not at all, and first: a full disk leaves neither an empty config.toml nor a
+        # directory that the next serve would take for another program's
+        partial.write_text(settings.dump(cfg))
+        os.replace(partial, config_file)
+        (run / "logs").mkdir(mode=0o700, exist_ok=True)
+    except OSError as exc:  # a full or read-only file system
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+            if created:
+                run.rmdir()
+        raise SystemExit(f"cannot write run_dir {run}: {exc.strerror or exc}") from None
     env = dict(os.environ)
     env.update(
         STREAMASR_CONFIG=str(config_file),
@@ -323,7 +341,10 @@ def stop(cfg: Config, timeout: float | None = None) -> bool:
     pid = supervisord_pid(cfg)
     if pid is None:
         return False
-    os.kill(pid, 15)
+    try:
+        os.kill(pid, 15)
+    except ProcessLookupError:  # it exited since its pid was read (another `stop`): stopped all the same
+        return True
     deadline = time.monotonic() + (stop_timeout() if timeout is None else timeout)
     while time.monotonic() < deadline:
         try:

@@ -627,3 +627,43 @@ def test_transcribe_to_an_address_zeromq_refuses_says_so(server: str) -> None:
     done = _streamasr("transcribe", "--server", server, audio, timeout=60)
     assert done.returncode == 1 and done.stdout == ""
     assert f"cannot connect to {server}" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+@contextmanager
+def _small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 64 KiB tmpfs to hold a run directory (mounting needs root), unmounted at the end."""
+    mount = tmp_path / "fs"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount)], check=True)
+
+
+def test_a_run_dir_on_a_full_file_system_is_refused_not_a_traceback(tmp_path: Path) -> None:
+    """/tmp full (logs, a core dump): serve cannot write the run directory's config.toml. It must
+    say so as its other refusals do, and leave no run directory (nor an empty config.toml) behind."""
+    with _small_tmpfs(tmp_path) as fs:
+        (fs / "fill").write_bytes(b"\0" * 64 * 1024)  # the whole file system
+        config = tmp_path / "streamasr.toml"
+        _one_worker_config(config, f"full{uuid.uuid4().hex[:8]}", fs / "run")
+        done = _streamasr("serve", "--config", str(config), "--model", "null", timeout=60)
+        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.startswith("streamasr serve: error: ") and str(fs / "run") in done.stderr, done.stderr
+        assert not (fs / "run").exists()  # made by this serve: nothing left behind
+
+
+def test_a_run_dir_on_a_read_only_file_system_is_not_said_to_be_another_users(tmp_path: Path) -> None:
+    """The instance's own run directory, on a file system mounted read-only since its last run:
+    serve must not send the operator looking for another user."""
+    with _small_tmpfs(tmp_path) as fs:
+        config = tmp_path / "streamasr.toml"
+        _one_worker_config(config, f"ro{uuid.uuid4().hex[:8]}", fs / "run")
+        (fs / "run").mkdir(mode=0o700)
+        (fs / "run" / "config.toml").write_text("")  # a previous run's
+        subprocess.run(["mount", "-o", "remount,ro", str(fs)], check=True)
+        done = _streamasr("serve", "--config", str(config), "--model", "null", timeout=60)
+        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+        assert "another user's" not in done.stderr and "read-only" in done.stderr, done.stderr
