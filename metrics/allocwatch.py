@@ -1,8 +1,9 @@
 """What a serving process allocates and keeps, for `streamasr bench --tracemalloc`.
 
 With $STREAMASR_TRACEMALLOC naming a directory, a process traces its Python allocations
-(tracemalloc) once start-up is done. SIGUSR1 marks: the first takes a baseline snapshot; each later
-one takes another and writes its difference from the baseline to <directory>/<process>-<k>.json —
+(tracemalloc) once start-up is done. SIGUSR1 marks: the first takes a baseline snapshot (so does the
+first after the bench removed the reports: a sweep's next run); each later one takes another and
+writes its difference from the baseline to <directory>/<process>-<k>.json —
 the blocks and bytes allocated since the baseline and still held, and the source lines that hold
 most of them. Under steady load what is in flight (queued messages, a decode's arrays) is about
 the same at every mark, so the bench compares two later marks: a hot path that keeps nothing per
@@ -88,6 +89,10 @@ def arm(process: str) -> None:
         nonlocal marks, level
         peak = tracemalloc.get_traced_memory()[1] - level  # before the snapshot: it is traced too
         snap = _snapshot()
+        if marks and not (out / f"{process}-{marks}.json").exists():
+            # the bench cleared the reports: another run of a sweep, whose first mark is its own baseline
+            baseline.clear()
+            marks = 0
         if not baseline:
             baseline.append(snap)
         else:

@@ -764,7 +764,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="real-time only: stream i of N opens at i x SECONDS / N, and admission control refuses what does "
                         "not fit; a refused open is counted by its error code and not retried (0: open all at once, "
                         "with admission control off in a service the bench starts)")
-    p.add_argument("--sweep", help="comma-separated stream counts, e.g. 1,2,4,8: runs each, reports the largest N within the bounds "
+    p.add_argument("--sweep", type=_stream_counts, help="comma-separated stream counts, e.g. 1,2,4,8: runs each, reports the largest N within the bounds "
                                    "(admission control off in a service the bench starts)")
     p.add_argument("--p99-bound-ms", type=float, default=1000.0, help="sweep bound on p99 partial latency (finals: 1.5x)")
     p.add_argument("--interval-bound-ms", type=float, default=1000.0,
@@ -787,6 +787,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _stream_counts(text: str) -> list[int]:
+    """`--sweep`'s comma-separated stream counts, each at least 1, refused with the usage otherwise."""
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"stream counts must be whole numbers separated by commas, not {text!r}") from None
+    if min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"stream counts must be at least 1, not {text}")
+    return counts
+
+
 def within_bounds(s: dict[str, Any], bound_ms: float, interval_bound_ms: float) -> bool:
     """Whether all N streams were served: a refused open means the latencies are of fewer streams."""
     pl, fl = s["partial_latency_ms"]["p99"], s["final_latency_ms"]["p99"]
@@ -796,9 +807,9 @@ def within_bounds(s: dict[str, Any], bound_ms: float, interval_bound_ms: float) 
             and pl <= bound_ms and fl <= 1.5 * bound_ms and iv <= interval_bound_ms)
 
 
-def served(target: Target, asked: str | None) -> tuple[str, int | None]:
-    """The model and worker count of a running service, from its status: a report must say what
-    was measured, and the null model's fixed text has no word error rate to score."""
+def served(target: Target, asked: str | None, asked_batch: int | None = None) -> tuple[str, int | None, int | None]:
+    """The model, worker count and max batch of a running service, from its status: a report must
+    say what was measured, and the null model's fixed text has no word error rate to score."""
     reply = target.status()
     if reply is None:
         raise SystemExit(f"streamasr bench: no status from {target.address}: is the service running?")
@@ -806,7 +817,12 @@ def served(target: Target, asked: str | None) -> tuple[str, int | None]:
     model = "+".join(models) if models else (asked or "unknown")
     if asked and models and models != [asked]:
         print(f"note: --model {asked} ignored: the service at {target.address} serves {model}", file=sys.stderr)
-    return model, len(reply.workers) or None
+    capacities = {int(w["capacity"]) for w in reply.workers if w.get("capacity")}  # a worker's model.max_batch
+    max_batch = capacities.pop() if len(capacities) == 1 else None
+    if asked_batch and max_batch != asked_batch:
+        print(f"note: --max-batch {asked_batch} ignored: the service at {target.address} has its own "
+              f"(its workers batch up to {max_batch if max_batch is not None else 'unknown'})", file=sys.stderr)
+    return model, len(reply.workers) or None, max_batch
 
 
 def started_settings(args: argparse.Namespace, counts: list[int]) -> dict[str, Any]:
@@ -837,7 +853,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
     signal.signal(signal.SIGTERM, _terminate)
-    counts = [int(x) for x in args.sweep.split(",")] if args.sweep else [args.streams]
+    counts = args.sweep or [args.streams]
     command = " ".join(["streamasr", "bench", *argv])
     workdir = Path(tempfile.mkdtemp(prefix="streamasr-bench-"))
     target: Target | None = None
@@ -846,10 +862,11 @@ def main(argv: list[str] | None = None) -> int:
         clips = corpus(workdir)
         if args.server:
             target = Target(args.server)
-            model, workers = served(target, args.model)
+            model, workers, served_batch = served(target, args.model, args.max_batch)
         else:
             overrides = started_settings(args, counts)
             model, workers = overrides["model"]["name"], args.workers
+            served_batch = None
             print(f"starting the service: model {model}, {workers} workers ...", file=sys.stderr, flush=True)
             if args.tracemalloc:
                 trace_dir = workdir / "tracemalloc"
@@ -865,7 +882,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = target.local.cfg if target.local else None  # settings are known only for a service we started
         for n in counts:
             spec = RunSpec(n, args.duration, args.offline, args.frame_ms, args.clients, model, workers,
-                           args.max_batch or (cfg.model.max_batch if cfg else None), args.drain, args.ramp, args.rate,
+                           (args.max_batch or cfg.model.max_batch) if cfg else served_batch, args.drain, args.ramp, args.rate,
                            admit_limit_s=cfg.ingest.admit_max_load_s if cfg else None,
                            precision=cfg.model.precision if cfg else None,
                            partial_precision=cfg.model.partials_precision if cfg else None,

@@ -261,3 +261,48 @@ def test_throughput_of_a_run_that_ended_nothing_counts_the_audio_sent_not_the_dr
     summary, _ = streamasr_bench.summarize(spec, [{"lag": packed([(0.001,)]), "streams": [stream]}], 100.0, 165.0,
                                            streamasr_bench.Sampler({}), None, (None, None), 1, {}, {})
     assert summary["throughput"]["wall_s"] == 3.0 and summary["streams"]["unfinished"] == 1
+
+
+def test_tracemalloc_marks_of_every_run_of_a_sweep_are_read(tmp_path: Path) -> None:
+    """A sweep with --tracemalloc marks the same serving processes in every run: each run's first
+    mark must be that run's baseline and its second and third its reports, or every run after the
+    first waits out the timeout and reports no process at all."""
+    import os
+    import time
+
+    from metrics import allocwatch
+    from streamasr.allocmarks import AllocationMarks
+
+    script = ("import time\nfrom metrics import allocwatch\nallocwatch.arm('worker-0')\nprint('armed', flush=True)\n"
+              "while True:\n    time.sleep(0.05)\n")
+    child = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=os.environ | {allocwatch.ENV: str(tmp_path)},
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "armed"
+        for run in range(2):  # what run_load does for each N of a sweep
+            marks = AllocationMarks(tmp_path, {"worker-0": child.pid}, lambda: 0)
+            now = time.monotonic()
+            marks.schedule([now + 0.3 * k for k in (1, 2, 3)])
+            a = marks.collect(1, 20.0, timeout=5.0)
+            assert a is not None and set(a["per_process"]) == {"worker-0"}, (run, a, sorted(os.listdir(tmp_path)))
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_against_a_server_the_report_names_its_max_batch_not_the_option(tmp_path: Path,
+                                                                       service_factory: Callable[..., Service]) -> None:
+    """--max-batch sets the started service's model.max_batch; a running service's own settings
+    hold, so its report must say how many requests its workers batch, not the option it ignored."""
+    svc = service_factory(model="null", workers=1, model_options={"max_batch": 2})
+    s = bench(tmp_path, "--server", svc.address, "--streams", "1", "--duration", "2", "--model", "null",
+              "--max-batch", "8")
+    assert s["config"]["max_batch"] == 2, s["config"]
+
+
+@pytest.mark.parametrize("sweep", ["1,x", "0,2", "2,-4", ""])
+def test_a_sweep_that_is_not_stream_counts_is_refused_with_the_usage(sweep: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--sweep 1,x` gave a traceback once the service had started; 0 or fewer streams measure nothing."""
+    with pytest.raises(SystemExit) as refused:
+        streamasr_bench.parse(["--sweep", sweep])
+    assert refused.value.code == 2 and "--sweep: stream counts must be" in capsys.readouterr().err
