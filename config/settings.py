@@ -232,8 +232,8 @@ class Config:
     def front_door(self) -> str:
         """Where a client on this host reaches the front door: `ingest.address`, with ZeroMQ's
         wildcard host, which binds every interface but cannot be connected to, as loopback."""
-        scheme, _, rest = self.ingest.address.partition("://")
-        return f"tcp://127.0.0.1:{rest[2:]}" if scheme == "tcp" and rest.startswith("*:") else self.ingest.address
+        front = _tcp_host_port(self.ingest.address)
+        return f"tcp://127.0.0.1:{front[1]}" if front and front[0] == "*" else self.ingest.address
 
     @property
     def ingest_host(self) -> str:

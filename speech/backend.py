@@ -14,6 +14,7 @@ import numpy as np
 
 SAMPLE_RATE = 16_000
 MAX_WINDOW_S = 30.0  # Whisper's receptive field; longer audio goes through speech.longform
+MIN_REST_S = 0.05  # audio left after a seek shorter than this is not decoded (long-form windows, decoding on)
 
 
 @dataclass(slots=True)

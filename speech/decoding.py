@@ -43,7 +43,7 @@ from typing import Sequence
 
 import numpy as np
 
-from speech.backend import MAX_WINDOW_S, SAMPLE_RATE, DecodeRequest, DecodeResult, Segment
+from speech.backend import MAX_WINDOW_S, MIN_REST_S, SAMPLE_RATE, DecodeRequest, DecodeResult, Segment
 from speech.graphio import Group, GraphIO
 from speech.mel import FRAMES_PER_SECOND, N_FRAMES, LogMel
 from speech.tokenizer import TIME_PRECISION, WhisperTokenizer
@@ -67,7 +67,6 @@ FALLBACK_ROUNDS = 3
 # decoded on from that timestamp, as Whisper's transcribe seeks: at most this many times more,
 # and not for a rest shorter than MIN_REST_S.
 DECODE_ON_ROUNDS = 3
-MIN_REST_S = 0.05
 
 
 def compression_ratio(text: str) -> float:

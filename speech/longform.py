@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from speech.backend import MAX_WINDOW_S, SAMPLE_RATE, Backend, DecodeRequest, DecodeResult, Segment
+from speech.backend import MAX_WINDOW_S, MIN_REST_S, SAMPLE_RATE, Backend, DecodeRequest, DecodeResult, Segment
 
 WINDOW = int(MAX_WINDOW_S * SAMPLE_RATE)
 TIME_PRECISION = 0.02
-MIN_REST_S = 0.05  # a remainder shorter than this is not decoded
 PROMPT_CHARS = 600
 FRESH_PROMPT_ABOVE = 0.5  # a window decoded at a higher fallback temperature does not prompt the next
 
