@@ -14,6 +14,7 @@ import urllib.request
 from datetime import datetime
 from typing import Any, Callable
 
+from rich import box
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -95,6 +96,11 @@ def _bytes(value: float | None) -> str:
     return f"{value:.1f} TiB"
 
 
+def _table(title: str) -> Table:
+    """No edges and light rules: nine columns fit the 80 that a pipe or a small terminal gets."""
+    return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+
+
 def render(snap: dict[str, Any] | None, source: str) -> Group:
     """One frame: summary, processes, workers, GPUs and recent errors. A snapshot this version
     cannot read (a dashboard of another version, reached during an upgrade or with `--url`) is
@@ -130,10 +136,10 @@ def _frame(snap: dict[str, Any], source: str) -> Group:
                     "realtime wait", _seconds(adm["wait_s"]), "workers busy", f"{100 * adm['busy']:.0f} %",
                     "per stream", f"{100 * adm['stream_share']:.0f} %")
 
-    procs = Table(title="processes", title_justify="left", expand=False)
+    procs = _table("processes")  # what names a row (name, state, pid) is never cut; the figures wrap
     for name, justify in (("name", "left"), ("state", "left"), ("pid", "right"), ("CPU %", "right"), ("RSS", "right"),
                           ("threads", "right"), ("fds", "right"), ("restarts", "right"), ("heard", "right")):
-        procs.add_column(name, justify=justify)  # type: ignore[arg-type]
+        procs.add_column(name, justify=justify, no_wrap=name in ("name", "state", "pid"))  # type: ignore[arg-type]
     for p in snap["processes"]:
         state_style = "green" if p["state"] == "RUNNING" else "yellow" if p["state"] in ("SILENT", "STARTING", "BACKOFF") else "red"
         procs.add_row(p["name"], Text(p["state"], style=state_style), _num(p["pid"]), _num(p["cpu_percent"], 1), _bytes(p["rss_bytes"]),
@@ -142,21 +148,21 @@ def _frame(snap: dict[str, Any], source: str) -> Group:
     parts: list[Any] = [header, summary, procs]
 
     if snap["workers"]:
-        workers = Table(title="workers", title_justify="left")
+        workers = _table("workers")
         workers.add_column("worker")
         workers.add_column("busy", justify="right")
         for w in snap["workers"]:
             workers.add_row(w["name"], "–" if w["busy_ratio"] is None else f"{100 * w['busy_ratio']:.0f} %")
         parts.append(workers)
     if snap.get("gpus"):
-        gpus = Table(title="GPUs", title_justify="left")
+        gpus = _table("GPUs")
         for name in ("gpu", "utilisation", "memory"):
             gpus.add_column(name, justify="right")
         for g in snap["gpus"]:
             gpus.add_row(g["gpu"], f"{g['utilization_percent']:.0f} %", f"{_bytes(g['memory_used_bytes'])} / {_bytes(g['memory_total_bytes'])}")
         parts.append(gpus)
     if snap["recent_errors"]:
-        errors = Table(title="recent errors and refusals", title_justify="left")
+        errors = _table("recent errors and refusals")
         for name in ("time", "process", "kind", "code", "count"):
             errors.add_column(name)
         for e in snap["recent_errors"][:8]:

@@ -8,6 +8,7 @@ against the real service (supervisord's own dashboard) under `streamasr bench`.
 from __future__ import annotations
 
 import http.client
+import io
 import json
 import os
 import re
@@ -25,6 +26,7 @@ from typing import Callable, Iterable, Iterator
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
 
 from config import settings
 from dashboard.server import REQUEST_TIMEOUT_S
@@ -199,6 +201,16 @@ def test_top_prints_one_frame_from_the_dashboard_or_its_own_collector(fake_insta
         assert "via dashboard" in frame and all(name in frame for name in names)
         assert top.main(cfg, once=True, url="http://127.0.0.1:9/") == 1  # the dashboard holds the endpoint
         assert "already bound" in capsys.readouterr().out
+        snap = json.loads(get(url + "api/snapshot")[1])
+    # the widest figures a busy host shows still leave every row's name, state and pid whole in the 80
+    # columns a pipe or a small terminal gets
+    for p in snap["processes"]:
+        p.update(state="STARTING", pid=4194304, cpu_percent=199.9, rss_bytes=3 << 30, threads=123, open_fds=1234,
+                 restarts=123, last_seen_s=123.4)
+    console = Console(width=80, record=True, file=io.StringIO())
+    console.print(top.render(snap, f"dashboard {url}"))
+    rows = [line.split()[:3] for line in console.export_text().splitlines()]
+    assert all([name, "STARTING", "4194304"] in rows for name in names), console.export_text()
 
 
 def test_top_says_when_a_dashboard_s_snapshot_is_not_one_it_can_read(tmp_path: Path, capsys) -> None:
