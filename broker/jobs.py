@@ -123,6 +123,7 @@ class BadJob:
     job_id: int | None  # when the row names one: its sender can be answered
     field: str  # the first field found wrong ("row": not a list of the right length)
     error: str
+    ingest: int | None = None  # when the row names one: where a worker answers it
 
 
 def _int(value: Any) -> bool:
@@ -218,17 +219,18 @@ def _rows(data: bytes, kind: str) -> list[Any]:
 def check_job(row: Any, now: float) -> Job | BadJob:
     """The job a wire row describes, or what is wrong with it; `now`: the broker's clock."""
     job_id = row[0] if isinstance(row, list) and row and _int(row[0]) else None
+    ingest = row[1] if isinstance(row, list) and len(row) > 1 and _int(row[1]) else None
     if not isinstance(row, list) or not _JOB_REQUIRED <= len(row) <= len(_JOB_FIELDS):
-        return BadJob(job_id, "row", f"not a list of {_JOB_REQUIRED} to {len(_JOB_FIELDS)} fields: {str(row)[:80]}")
+        return BadJob(job_id, "row", f"not a list of {_JOB_REQUIRED} to {len(_JOB_FIELDS)} fields: {str(row)[:80]}", ingest)
     if wrong := _first_wrong(_JOB_CHECKS, _JOB_FIELDS, row):
-        return BadJob(job_id, *wrong)
+        return BadJob(job_id, *wrong, ingest)
     job = Job.from_wire(row)
     if job.end < job.start:  # negative speech: a final's would turn the admission share negative
-        return BadJob(job_id, "end", f"end {job.end} is before start {job.start}")
+        return BadJob(job_id, "end", f"end {job.end} is before start {job.start}", ingest)
     # not given: created 0, deadline <= 0 (the broker's clock and configured deadlines stand in)
     for name, t, given in (("created", job.created, job.created != 0), ("deadline", job.deadline, job.deadline > 0)):
         if given and not _near(t, now):
-            return BadJob(job_id, name, f"{name} {t:g} is more than {MAX_CLOCK_GAP_S:g} s from the broker's clock ({now:g})")
+            return BadJob(job_id, name, f"{name} {t:g} is more than {MAX_CLOCK_GAP_S:g} s from the clock ({now:g})", ingest)
     return job
 
 

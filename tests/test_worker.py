@@ -3,6 +3,7 @@ its result sockets to the ingests; and the watchdog that ends a worker stuck in 
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import subprocess
@@ -303,55 +304,116 @@ def _maps(pid: int, name: str) -> bool:
     return f"/{name}" in Path(f"/proc/{pid}/maps").read_text()
 
 
+def test_a_segment_read_by_a_batch_the_backend_failed_on_is_unmapped_when_released(worker: Worker, segment_name: str) -> None:
+    """A backend error must not pin the audio it was given: a worker that holds an unlinked
+    segment's pages keeps the restarted ingest from making its new one. An idle worker allocates
+    next to nothing, so no garbage collection comes to free what a reference cycle holds:
+    collection is off here as it is, in effect, there."""
+    pool, ring = segment_with_audio(segment_name)
+    worker.backend = Broken()
+    gc.disable()
+    try:
+        results = worker.process([job(pool, 0, ring.generation, 0, 100, i) for i in range(2)])  # a batch, then each alone
+        assert [r.status for r in results] == [FAILED, FAILED]
+        del ring
+        pool.close()
+        pool.unlink()  # the ingest exits
+        worker.release_stale_pools()
+        assert not _maps(os.getpid(), segment_name), "the worker still maps the unlinked segment"
+    finally:
+        gc.enable()
+
+
+class FakeBroker:
+    """A real worker process (null model) and the broker's worker socket, played by the test."""
+
+    def __init__(self) -> None:
+        self.run = Path(tempfile.mkdtemp(prefix="sasr-"))  # short: ipc paths are limited to about 100 bytes
+        self.cfg = settings.load(None, {"run_dir": str(self.run), "instance": f"t{uuid.uuid4().hex[:8]}",
+                                        "model": {"name": "null", "backend": "null"}})
+        config_file = self.run / "config.toml"
+        config_file.write_text(settings.dump(self.cfg))
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.bind(self.cfg.broker_worker_endpoint)
+        self.proc = subprocess.Popen([sys.executable, "-m", "workers", "--index", "0", "--config", str(config_file)],
+                                     cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def receive(self, kind: bytes | None, seconds: float) -> list[bytes] | None:
+        """The next message of `kind` from the worker within `seconds`, heartbeats answered meanwhile."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self.sock.poll(int(left * 1000) + 1):
+                frames = self.sock.recv_multipart()
+                if frames[1] == wire.HEARTBEAT:
+                    self.sock.send_multipart([frames[0], wire.HEARTBEAT])
+                elif frames[1] == kind:
+                    return frames
+        return None
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(15)
+        self.sock.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self.run, ignore_errors=True)
+
+
 def test_a_worker_unmaps_a_segment_its_ingest_unlinked_without_waiting_for_a_job(segment_name: str) -> None:
     """An unlinked segment's pages stay in /dev/shm while any process maps it: a worker holding a
     stopped ingest's segment would leave no room for the restarted ingest's new one, and no job
     of the old segment comes to tell it. A real worker process, a fake broker: the worker reads
     a job's audio from the segment, the ingest unlinks it, the worker unmaps it on its own."""
     pool, ring = segment_with_audio(segment_name)
-    run = Path(tempfile.mkdtemp(prefix="sasr-"))  # short: ipc paths are limited to about 100 bytes
-    cfg = settings.load(None, {"run_dir": str(run), "instance": f"t{uuid.uuid4().hex[:8]}",
-                               "model": {"name": "null", "backend": "null"}})
-    config_file = run / "config.toml"
-    config_file.write_text(settings.dump(cfg))
-    ctx = zmq.Context()
-    broker = ctx.socket(zmq.ROUTER)
-    broker.bind(cfg.broker_worker_endpoint)
-    proc = subprocess.Popen([sys.executable, "-m", "workers", "--index", "0", "--config", str(config_file)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def receive(kind: bytes | None, seconds: float) -> list[bytes] | None:
-        """The next message of `kind` from the worker within `seconds`, heartbeats answered meanwhile."""
-        deadline = time.monotonic() + seconds
-        while (left := deadline - time.monotonic()) > 0:
-            if broker.poll(int(left * 1000) + 1):
-                frames = broker.recv_multipart()
-                if frames[1] == wire.HEARTBEAT:
-                    broker.send_multipart([frames[0], wire.HEARTBEAT])
-                elif frames[1] == kind:
-                    return frames
-        return None
-
+    broker = FakeBroker()
     try:
-        ready = receive(wire.READY, 30)
+        ready = broker.receive(wire.READY, 30)
         assert ready, "the worker never registered"
-        broker.send_multipart([ready[0], wire.JOBS, wire.pack_jobs([job(pool, 0, ring.generation, 0, 100)])])
-        done = receive(wire.DONE, 30)
+        broker.sock.send_multipart([ready[0], wire.JOBS, wire.pack_jobs([job(pool, 0, ring.generation, 0, 100)])])
+        done = broker.receive(wire.DONE, 30)
         assert done and [row[2] for row in wire.unpack(done[2])] == [OK]
-        assert _maps(proc.pid, segment_name)
+        assert _maps(broker.proc.pid, segment_name)
         del ring
         pool.close()
         pool.unlink()  # the ingest exits
         deadline = time.monotonic() + 10
-        while _maps(proc.pid, segment_name) and time.monotonic() < deadline:
-            receive(None, 0.1)
-        assert not _maps(proc.pid, segment_name), "the worker still maps the unlinked segment"
+        while _maps(broker.proc.pid, segment_name) and time.monotonic() < deadline:
+            broker.receive(None, 0.1)
+        assert not _maps(broker.proc.pid, segment_name), "the worker still maps the unlinked segment"
     finally:
-        proc.terminate()
-        proc.wait(15)
-        broker.close(linger=0)
-        ctx.term()
-        shutil.rmtree(run, ignore_errors=True)
+        broker.close()
+
+
+def test_a_malformed_job_row_from_the_broker_is_refused_alone_and_the_worker_goes_on(pool: RingPool) -> None:
+    """A row the worker cannot order or run (a deadline that is no number, from a broker of
+    another version, say) is refused and logged, and answered FAILED to the broker (its credit)
+    and to the ingest; the rows beside it are run, and the worker lives on: taken, such a row
+    ended the worker in its batcher, and every worker it went to."""
+    ring = pool.acquire()
+    ring.write(np.zeros(1000, dtype=np.float32))
+    good = replace(job(pool, ring.slot, ring.generation, 0, 100, 1), final=False, deadline=time.monotonic() + 60)
+    bad = list(replace(good, job_id=2).to_wire())
+    bad[10] = "soon"  # deadline
+    broker = FakeBroker()
+    ingest = broker.ctx.socket(zmq.PULL)
+    ingest.bind(broker.cfg.ingest_results_endpoint(good.ingest))
+    try:
+        ready = broker.receive(wire.READY, 30)
+        assert ready, "the worker never registered"
+        broker.sock.send_multipart([ready[0], wire.JOBS, wire.pack([bad, list(good.to_wire())])])
+        done: dict[int, int] = {}
+        while len(done) < 2 and (frames := broker.receive(wire.DONE, 10)):
+            done.update((row[0], row[2]) for row in wire.unpack(frames[2]))
+        assert done == {1: OK, 2: FAILED}
+        told: dict[int, JobResult] = {}
+        while len(told) < 2 and ingest.poll(10_000):
+            told.update((r.job_id, r) for r in wire.unpack_results(ingest.recv_multipart()[1]))
+        assert told[2].status == FAILED and "deadline must be a finite number" in told[2].error
+        assert told[1].status == OK
+        assert broker.proc.poll() is None, "the worker ended"
+    finally:
+        ingest.close(linger=0)
+        broker.close()
 
 
 class Clock:

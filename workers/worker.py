@@ -454,13 +454,17 @@ class Worker:
                 link.reconnect()
                 continue
             now = time.monotonic()
-            for jobs in link.receive():
+            refused: list[JobResult] = []
+            for body in link.receive():
                 try:
-                    self._batcher.add(wire.unpack_jobs(jobs), now)
+                    jobs, bad = wire.unpack_jobs_checked(body, now)
                 except Exception:
                     log.exception("worker.bad_jobs")
+                    continue
+                refused += self._refuse(bad)
+                self._batcher.add(jobs, now)
             batch, late = self._batcher.take(now)
-            results = [_answer(job, EXPIRED, self.identity, "deadline passed while queued in the worker") for job in late]
+            results = refused + [_answer(job, EXPIRED, self.identity, "deadline passed while queued in the worker") for job in late]
             if batch:
                 results += self.process(batch)
             if results:
@@ -468,6 +472,20 @@ class Worker:
                 link.send([wire.DONE, wire.pack_done(results)])
             else:
                 link.send_outbox()
+
+    def _refuse(self, bad: list[wire.BadJob]) -> list[JobResult]:
+        """Rows from the broker checked as it checks an ingest's (a broker of another version may
+        send what this one cannot order or run: taken, such a row ended the worker, and each it went
+        to). Each is logged and, where it names its job and one of the ingests, answered FAILED, so
+        the broker returns the credit and the ingest hears of it."""
+        answers = []
+        for row in bad:
+            self.metrics.inc("errors_total", code=INTERNAL)
+            log.error("worker.bad_job", job=row.job_id, ingest=row.ingest, field=row.field, error=row.error)
+            if row.job_id is not None and row.ingest is not None and 0 <= row.ingest < self.cfg.ingest.processes:
+                answers.append(JobResult(job_id=row.job_id, ingest=row.ingest, status=FAILED, worker=self.identity,
+                                         error=f"refused by the worker: {row.error}"))
+        return answers
 
     def process(self, batch: list[Job]) -> list[JobResult]:
         """Run one batch; never raises: every job gets a result, FAILED ones say why."""
@@ -508,11 +526,16 @@ class Worker:
             self.watchdog.end()
         if failure is not None and len(taken) > 1:
             log.warning("worker.batch_failed", batch=len(taken), error=repr(failure))
+            # Dropped once logged: its frames hold the requests' views of shm, and this frame holds
+            # `failure`, a cycle only the collector frees (an idle worker may not run it for long),
+            # until when an unlinked segment's pages are kept from its restarted ingest.
+            failure.__traceback__ = None
             return [result for one, request in zip(taken, requests) for result in self._decode([one], [request])]
         if failure is not None:
             [(job, _)] = taken
             self.metrics.inc("errors_total", code=INTERNAL)
             log.error("worker.decode_failed", job=job.job_id, stream=job.stream, exc_info=failure)
+            failure.__traceback__ = None  # logged: dropped, as above
             return [_answer(job, FAILED, self.identity, f"backend error: {failure!r}")]
         finished = time.monotonic()
         self._record(taken, finished - started)
