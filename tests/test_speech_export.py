@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -220,3 +221,22 @@ def test_loader_backends():
     assert r.text == "hi" and r.segments[0].end == 2.0
     with pytest.raises(NotImplementedError, match="TensorRT"):
         loader.load_backend(ModelConfig(backend="tensorrt"))
+
+
+def test_new_weights_at_a_model_directory_s_path_are_not_taken_for_the_old(tiny_files, tmp_path):
+    """A model directory updated in place with weights of the same size and the same mtime (a
+    fine-tune of the same architecture, copied with `cp -p`/`rsync -a`, or an image built with
+    normalized timestamps): the service must load the new weights' graphs, not the old ones'."""
+    model = tmp_path / "mine"
+    model.mkdir()
+    (model / "tokenizer.json").symlink_to(tiny_files.dir / "tokenizer.json")
+    (model / "model.bin").write_bytes(b"weights, version 1")
+    cfg = ModelConfig(name=str(model), cache_dir=str(tmp_path / "cache"))
+    old = loader.resolve_model(cfg)
+    mtime = (model / "model.bin").stat().st_mtime_ns
+    (tmp_path / "new.bin").write_bytes(b"weights, version 2")
+    os.utime(tmp_path / "new.bin", ns=(mtime, mtime))
+    os.replace(tmp_path / "new.bin", model / "model.bin")
+    new = loader.resolve_model(cfg)
+    assert new.sha256 == loader.sha256_file(model / "model.bin") != old.sha256
+    assert loader._export_dir(cfg, new) != loader._export_dir(cfg, old)
