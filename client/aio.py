@@ -284,12 +284,18 @@ class AsyncClient:
             wait = self._liveness.interval if deadline is None else deadline - time.monotonic()
             ready = dict(await poller.poll(max(int(wait * 1000) + 1, 0)))
             if self._sock in ready:  # what arrived counts before a disconnect: `closed`, then exit, is no loss
+                lost: IngestLost | None = None
                 while True:
                     try:
                         frames = await self._sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    self._receive(frames)
+                    try:
+                        self._receive(frames)
+                    except IngestLost as exc:  # raised once all that arrived is routed, as in the blocking client
+                        lost = lost or exc
+                if lost is not None:
+                    raise lost
             if self._monitor in ready:
                 dropped = False
                 while await self._monitor.poll(0):

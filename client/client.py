@@ -432,11 +432,17 @@ class Client:
             self._sock.send_multipart(encode(End(entry.core.stream)))
 
     def _receive(self) -> None:
+        """Route every message that arrived; a loss one of them reveals is raised once all are routed.
+
+        What arrived behind it (another stream's last final, its `closed`) is delivered, not
+        dropped with the socket: that stream would be decoded again, or fail if the resume does.
+        """
+        lost: IngestLost | None = None
         while True:
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                break
             now = time.monotonic()
             self._liveness.heard(now)
             try:
@@ -444,9 +450,14 @@ class Client:
             except ProtocolError as exc:
                 log.warning("ignoring a server message: %s", exc.message)  # e.g. a type from a newer server
                 continue
-            if not self._abandoned.answered(msg) and route(self._streams, msg, now):
-                with self._progress:
-                    self._progress.notify_all()
+            try:
+                if not self._abandoned.answered(msg) and route(self._streams, msg, now):
+                    with self._progress:
+                        self._progress.notify_all()
+            except IngestLost as exc:
+                lost = lost or exc
+        if lost is not None:
+            raise lost
 
     def _flush(self, last: bool = False) -> None:
         """Send what flow control allows now; `last` (closing): every requested `end` too, held or not."""

@@ -60,6 +60,7 @@ class ProtocolError(Exception):
 class Limits:
     max_frame_bytes: int = 262_144
     max_message_bytes: int = 1_048_576
+    max_streams_per_client: int = 64  # open streams one ingest connection may have (a client's, from the welcome)
 
 
 # ---------------------------------------------------------------- client -> server

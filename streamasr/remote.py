@@ -115,7 +115,9 @@ def run(
         return 1
     output = Output(out, as_json)
     with client:
-        threads = [threading.Thread(target=_transcribe, args=(client, job, offline, language, partials, frame_ms, output),
+        # the ingest refuses a connection more open streams than this: the other files wait for a place
+        places = threading.Semaphore(client.limits.max_streams_per_client)
+        threads = [threading.Thread(target=_transcribe, args=(client, job, offline, language, partials, frame_ms, output, places),
                                     name=f"transcribe-{i}") for i, job in enumerate(jobs)]
         for t in threads:
             t.start()
@@ -141,7 +143,14 @@ def run(
 
 
 def _transcribe(client: Client, job: Job, offline: bool, language: str | None, partials: bool, frame_ms: int,
-                output: Output) -> None:
+                output: Output, places: threading.Semaphore) -> None:
+    """`_stream` once one of the connection's `places` is free; its `closed` frees the ingest's too."""
+    with places:
+        _stream(client, job, offline, language, partials, frame_ms, output)
+
+
+def _stream(client: Client, job: Job, offline: bool, language: str | None, partials: bool, frame_ms: int,
+            output: Output) -> None:
     """Open, then send on a helper thread while this one reads events until `closed`."""
     try:
         job.stream = client.open(rate=job.audio.rate, channels=job.audio.samples.shape[1], language=language,

@@ -338,6 +338,17 @@ def test_transcribe_takes_files_as_local_transcription_does(null_service, tmp_pa
     assert "empty.raw: cannot read audio: the file holds no audio samples" in capsys.readouterr().err
 
 
+def test_transcribe_takes_more_files_than_one_connection_may_stream_at_once(service_factory, capsys) -> None:
+    """One connection may have `max_streams_per_client` streams open (64 by default): the files past
+    that wait for a stream to end, and are transcribed, rather than refused `too_many_streams`."""
+    svc = service_factory(model="null", workers=1, ingest={"max_streams_per_client": 2})
+    out = io.StringIO()
+    code = remote.run([utterance("goforward").path] * 3, svc.address, offline=True, as_json=True, language=None, out=out)
+    assert capsys.readouterr().err == "" and code == 0
+    summaries = [line for line in map(json.loads, out.getvalue().splitlines()) if line["type"] == "summary"]
+    assert len(summaries) == 3 and all(s["text"] for s in summaries), summaries
+
+
 # ---------------------------------------------------------------- against a fake ingest, no service
 
 
@@ -1058,3 +1069,66 @@ def test_transcribe_prints_a_file_whose_segment_failed_with_the_error(capsys) ->
     assert code == 1
     assert out.getvalue() == "go forward ten meters\n"
     assert "server error internal: segment 1 could not be transcribed" in capsys.readouterr().err
+
+
+def test_finals_that_arrived_behind_another_streams_shutdown_reach_their_stream() -> None:
+    """An ingest shutting down closes a stream still speaking (`closed` "shutdown": it goes on elsewhere)
+    and, in the same flush, sends another stream its last final and `closed`. Those arrived: dropped
+    with the old connection, that stream would be decoded again on another ingest, or, with none
+    left to take it (the whole service stopping), fail with `connection_lost` for a final it had."""
+    nowhere = {"ingest": f"tcp://127.0.0.1:{free_ports(1)}"}  # no ingest left to resume on
+
+    def shutting_down(speaking: str) -> tuple[FakeIngest, Callable[[], None]]:
+        """The fake, and what holds the client's IO until the fake's answer to `end` is all in, so it
+        arrives as the results of one flush do: together."""
+        held, answering = threading.Event(), threading.Event()
+
+        def at_end(stream: str) -> list[ServerMessage]:
+            held.wait(10)
+            answering.set()
+            return [Closed(stream=speaking, reason="shutdown"),
+                    Final(stream=stream, seg=0, text="the last words", start=0.1, end=0.4, durable=RATE // 2)]
+
+        def hold() -> None:
+            held.set()
+            answering.wait(10)
+            time.sleep(0.2)
+
+        return FakeIngest(resumed=nowhere, at_end=at_end), hold
+
+    fake, hold = shutting_down("a")
+    try:
+        with Client(fake.address, timeout=2.0, liveness=0.5, resume_timeout=1.5) as client:
+            speaking = client.open("a")
+            speaking.send(np.zeros(RATE // 2, np.int16))
+            done = client.open("b")
+            done.send(np.zeros(RATE // 2, np.int16))
+            done.end()
+            assert wait_for(lambda: "end b" in fake.log, 5.0)
+            client._submit(hold)  # on the IO thread
+            events = drain(done, timeout=20)
+            assert [type(ev) for ev in events] == [Final, Closed] and events[0].text == "the last words", events
+            assert done.resumes == []
+            with pytest.raises(StreamError) as failed:  # the stream cut short still fails: nowhere to resume it
+                drain(speaking, timeout=20)
+            assert failed.value.code == LOST
+    finally:
+        fake.close()
+
+    async def main() -> tuple[list[ServerMessage], list[int]]:
+        async with AsyncClient(afake.address, timeout=2.0, liveness=0.5, resume_timeout=1.5) as aclient:
+            aspeaking = await aclient.open("x")
+            await aspeaking.send(np.zeros(RATE // 2, np.int16))
+            adone = await aclient.open("y")
+            await adone.send(np.zeros(RATE // 2, np.int16))
+            await adone.end()
+            ahold()  # on the event loop, which the reader runs on
+            return [ev async for ev in adone.events(timeout=20)], adone.resumes
+
+    afake, ahold = shutting_down("x")
+    try:
+        events, resumes = asyncio.run(main())
+        assert [type(ev) for ev in events] == [Final, Closed] and events[0].text == "the last words", events
+        assert resumes == []
+    finally:
+        afake.close()
