@@ -182,6 +182,14 @@ def _labels(raw: Any) -> Labels:
     return tuple(sorted((str(k), str(v)) for k, v in dict(raw).items()))
 
 
+def _histogram_row(bounds: Any, counts: Any, total: Any) -> bool:
+    """Whether a snapshot's histogram can be summed, windowed and exported: finite figures, one
+    count per bucket and +Inf, and bounds that rise (a quantile needs one bound at least, and
+    Prometheus one series per `le`)."""
+    return (len(counts) == len(bounds) + 1 and all(math.isfinite(x) for x in (total, *bounds, *counts))
+            and len(bounds) > 0 and all(low < high for low, high in zip(bounds, bounds[1:])))
+
+
 class _Nvml:
     """GPU utilisation and memory, only where pynvml imports and a GPU exists."""
 
@@ -329,11 +337,12 @@ class Collector:
             counters = {(str(n), _labels(lb)): float(v) for n, lb, v in snap["counters"] if math.isfinite(v)}
             gauges = {(str(n), _labels(lb)): float(v) for n, lb, v in snap["gauges"] if math.isfinite(v)}
             hists = {(str(n), _labels(lb)): Histogram.read(b, cs, t)
-                     for n, lb, b, cs, t in snap["histograms"]
-                     if len(cs) == len(b) + 1 and all(math.isfinite(x) for x in (t, *b, *cs))}
+                     for n, lb, b, cs, t in snap["histograms"] if _histogram_row(b, cs, t)}
             pid, started, sent = int(snap["pid"]), float(snap["started"]), float(snap["time"])
             if not (math.isfinite(started) and math.isfinite(sent)):  # they reach the page as uptime and error times
                 raise ValueError("a time that is not finite")
+            if not 0 < pid < 2 ** 31:  # no process's: psutil refuses a negative one, the state file one past 64 bits
+                raise ValueError("not a pid")
         except (ValueError, KeyError, TypeError, OverflowError, msgpack.UnpackException):  # int(inf): OverflowError
             return
         inc = self._incarnation(process, token, pid, started, now)

@@ -26,7 +26,7 @@ from typing import Any
 
 import psutil
 import zmq
-from supervisor.xmlrpc import SupervisorTransport
+from supervisor.xmlrpc import SupervisorTransport, UnixStreamHTTPConnection
 
 from config import settings
 from config.settings import Config
@@ -39,6 +39,7 @@ HOME = Path(__file__).resolve().parents[1]
 SUPERVISORD_CONF = HOME / "supervisord.conf"
 DRAIN_EXIT_S = 2.0  # an ingest's time to close its sockets and unlink its rings once a drain ends
 STOP_SLACK_S = 5.0  # supervisord's own shutdown, beyond its programs' stop times
+SUPERVISOR_TIMEOUT_S = 2.0  # supervisord answers its process list at once; longer is a supervisord that will not
 
 
 def stop_waits() -> dict[str, float]:
@@ -251,12 +252,32 @@ def front_door(address: str, msg: m.ClientMessage, timeout: float = 2.0, curve: 
         sock.close()
 
 
+class _UnixConnection(UnixStreamHTTPConnection):
+    """supervisor's HTTP over a unix socket, with the connection's timeout: its own waits forever."""
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.socketfile)
+
+
 def processes(cfg: Config) -> list[dict[str, Any]]:
-    """supervisord's view of each program, over its unix socket."""
+    """supervisord's view of each program, over its unix socket. One that does not answer within
+    SUPERVISOR_TIMEOUT_S raises TimeoutError, rather than hold the caller (the dashboard's one
+    collecting thread, `status`) for as long as it says nothing."""
     sock = cfg.run_path / "supervisor.sock"
     transport = SupervisorTransport(None, None, f"unix://{sock}")
-    proxy = xmlrpc.client.ServerProxy("http://127.0.0.1", transport=transport)
-    return proxy.supervisor.getAllProcessInfo()
+
+    def connection() -> _UnixConnection:
+        conn = _UnixConnection("localhost", timeout=SUPERVISOR_TIMEOUT_S)
+        conn.socketfile = str(sock)
+        return conn
+
+    transport._get_connection = connection
+    try:
+        return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=transport).supervisor.getAllProcessInfo()
+    finally:
+        transport.close()
 
 
 def saved_config(cfg: Config) -> Config:

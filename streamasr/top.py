@@ -114,6 +114,7 @@ def render(snap: dict[str, Any] | None, source: str) -> Group:
 
 
 def _frame(snap: dict[str, Any], source: str) -> Group:
+    """Names and codes from the snapshot go in as Text, not markup: `[` in one is no style."""
     when = datetime.fromtimestamp(snap["time"]).strftime("%H:%M:%S")
     header = Text.assemble(("streamasr ", "bold"), (snap["instance"], "bold cyan"), f"  {when}  via {source}")
 
@@ -130,7 +131,7 @@ def _frame(snap: dict[str, Any], source: str) -> Group:
                     f"{_seconds(lat['final']['p50'])} / {_seconds(lat['final']['p95'])}")
     summary.add_row("audio rings", f"{_num(snap['rings']['used'])}/{_num(snap['rings']['total'])}", "in flight", _num(snap["inflight"]),
                     "batch mean", _num(snap["batch"]["mean"], 2), "restarts",
-                    ", ".join(f"{p} {n}" for p, n in snap["restarts"].items()) or "none")
+                    Text(", ".join(f"{p} {n}" for p, n in snap["restarts"].items()) or "none"))
     adm = snap["admission"]
     summary.add_row("realtime cap", _num(adm["realtime_cap"]) if adm["realtime_cap"] else "none",
                     "realtime wait", _seconds(adm["wait_s"]), "workers busy", f"{100 * adm['busy']:.0f} %",
@@ -142,7 +143,7 @@ def _frame(snap: dict[str, Any], source: str) -> Group:
         procs.add_column(name, justify=justify, no_wrap=name in ("name", "state", "pid"))  # type: ignore[arg-type]
     for p in snap["processes"]:
         state_style = "green" if p["state"] == "RUNNING" else "yellow" if p["state"] in ("SILENT", "STARTING", "BACKOFF") else "red"
-        procs.add_row(p["name"], Text(p["state"], style=state_style), _num(p["pid"]), _num(p["cpu_percent"], 1), _bytes(p["rss_bytes"]),
+        procs.add_row(Text(p["name"]), Text(p["state"], style=state_style), _num(p["pid"]), _num(p["cpu_percent"], 1), _bytes(p["rss_bytes"]),
                       _num(p["threads"]), _num(p["open_fds"]), _num(p["restarts"]),
                       "–" if p.get("last_seen_s") is None else f"{p['last_seen_s']:.1f} s")
     parts: list[Any] = [header, summary, procs]
@@ -152,21 +153,22 @@ def _frame(snap: dict[str, Any], source: str) -> Group:
         workers.add_column("worker")
         workers.add_column("busy", justify="right")
         for w in snap["workers"]:
-            workers.add_row(w["name"], "–" if w["busy_ratio"] is None else f"{100 * w['busy_ratio']:.0f} %")
+            workers.add_row(Text(w["name"]), "–" if w["busy_ratio"] is None else f"{100 * w['busy_ratio']:.0f} %")
         parts.append(workers)
     if snap.get("gpus"):
         gpus = _table("GPUs")
         for name in ("gpu", "utilisation", "memory"):
             gpus.add_column(name, justify="right")
         for g in snap["gpus"]:
-            gpus.add_row(g["gpu"], f"{g['utilization_percent']:.0f} %", f"{_bytes(g['memory_used_bytes'])} / {_bytes(g['memory_total_bytes'])}")
+            gpus.add_row(Text(str(g["gpu"])), f"{g['utilization_percent']:.0f} %", f"{_bytes(g['memory_used_bytes'])} / {_bytes(g['memory_total_bytes'])}")
         parts.append(gpus)
     if snap["recent_errors"]:
         errors = _table("recent errors and refusals")
         for name in ("time", "process", "kind", "code", "count"):
             errors.add_column(name)
         for e in snap["recent_errors"][:8]:
-            errors.add_row(datetime.fromtimestamp(e["time"]).strftime("%H:%M:%S"), e["process"], e["kind"], e["code"], _num(e["count"]))
+            errors.add_row(datetime.fromtimestamp(e["time"]).strftime("%H:%M:%S"), *(Text(e[k]) for k in ("process", "kind", "code")),
+                           _num(e["count"]))
         parts.append(errors)
     if snap.get("supervisor_error"):
         parts.append(Text(f"supervisord: {snap['supervisor_error']}", style="yellow"))

@@ -207,10 +207,14 @@ def test_top_prints_one_frame_from_the_dashboard_or_its_own_collector(fake_insta
     for p in snap["processes"]:
         p.update(state="STARTING", pid=4194304, cpu_percent=199.9, rss_bytes=3 << 30, threads=123, open_fds=1234,
                  restarts=123, last_seen_s=123.4)
+    # and what a snapshot names is shown as it is: `[/]` in an error code is no markup that ends `top`
+    snap["recent_errors"] = [{"time": snap["time"], "process": "ingest-0", "kind": "error", "code": "[/]odd[b]", "count": 1}]
     console = Console(width=80, record=True, file=io.StringIO())
     console.print(top.render(snap, f"dashboard {url}"))
-    rows = [line.split()[:3] for line in console.export_text().splitlines()]
-    assert all([name, "STARTING", "4194304"] in rows for name in names), console.export_text()
+    frame = console.export_text()
+    rows = [line.split()[:3] for line in frame.splitlines()]
+    assert all([name, "STARTING", "4194304"] in rows for name in names), frame
+    assert "[/]odd[b]" in frame, frame
 
 
 def test_top_says_when_a_dashboard_s_snapshot_is_not_one_it_can_read(tmp_path: Path, capsys) -> None:

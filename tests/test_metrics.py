@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -432,17 +433,24 @@ def test_a_snapshot_taken_while_a_thread_observes_holds_each_observation_whole(t
     assert not torn, torn[:5]
 
 
-def test_collector_ignores_malformed_snapshots_and_refuses_a_second_bind(instance, publishers, collector) -> None:
-    cfg, config_file = instance
+def publisher_socket(cfg: Config) -> zmq.Socket:
+    """A PUB socket on the instance's metrics endpoint, for snapshots a test makes itself."""
     sock = zmq.Context.instance().socket(zmq.PUB)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint(cfg))
+    return sock
 
-    def heard(process: str) -> None:
-        """A good snapshot of `process` on this socket, sent until the collector shows it."""
-        good = msgpack.packb(ProcessMetrics(cfg, process).snapshot())
-        wait_for(lambda: sock.send(good) or process in processes(collector), what=f"the good snapshot of {process!r}")
 
+def send_until_heard(sock: zmq.Socket, cfg: Config, collector: Collector, process: str) -> None:
+    """A good snapshot of `process` on `sock`, sent until the collector shows it."""
+    good = msgpack.packb(ProcessMetrics(cfg, process).snapshot())
+    wait_for(lambda: sock.send(good) or process in processes(collector), what=f"the good snapshot of {process!r}")
+
+
+def test_collector_ignores_malformed_snapshots_and_refuses_a_second_bind(instance, publishers, collector) -> None:
+    cfg, config_file = instance
+    sock = publisher_socket(cfg)
+    heard = partial(send_until_heard, sock, cfg, collector)
     try:
         # The collector hears this socket before any junk goes (a PUB drops what it sends before
         # the subscription arrives), and hears it through: what follows the junk on the same
@@ -475,6 +483,39 @@ def test_collector_ignores_malformed_snapshots_and_refuses_a_second_bind(instanc
     with pytest.raises(RuntimeError, match="already bound"):
         Collector(cfg).start()
 
+
+def test_a_snapshot_with_an_impossible_pid_or_histogram_neither_stops_the_collector_nor_spoils_its_export(instance) -> None:
+    """A pid that is no process's (psutil refuses a negative one, the state file one past 64
+    bits) and a histogram without bounds (no bucket to put a quantile in) or with a bound twice
+    (two series of one `le` in /metrics) are malformed as a non-finite time is: dropped, while the
+    dashboard's collector goes on hearing the rest."""
+    cfg, _ = instance
+    collector = Collector(cfg, state_file=cfg.metrics_state_path).start()
+    sock = publisher_socket(cfg)
+    heard = partial(send_until_heard, sock, cfg, collector)
+    try:
+        heard("before")
+        for name, pid in (("negative", -1), ("huge", float(2 ** 64))):
+            impossible = ProcessMetrics(cfg, name).snapshot()
+            impossible["pid"] = pid
+            sock.send(msgpack.packb(impossible))
+        boundless = ProcessMetrics(cfg, "boundless")
+        for count in (1, 2):  # the first is the process's history; the second, news in the window
+            snap = boundless.snapshot()
+            snap["histograms"] = [["batch_size", {}, [], [count], float(count)]]
+            sock.send(msgpack.packb(snap))
+        doubled = ProcessMetrics(cfg, "doubled").snapshot()
+        doubled["histograms"] = [["partial_latency_seconds", {}, [0.1, 0.1], [1, 0, 0], 0.05]]
+        sock.send(msgpack.packb(doubled))
+        heard("after")
+        assert not {"negative", "huge"} & set(processes(collector))
+        text = collector.prometheus().decode()
+        series = [(s.name, tuple(sorted(s.labels.items()))) for f in text_string_to_metric_families(text) for s in f.samples]
+        assert len(series) == len(set(series)), sorted(s for s in series if series.count(s) > 1)
+        assert "streamasr_partial_latency_seconds_bucket" not in text and "streamasr_batch_size_bucket" not in text
+    finally:
+        sock.close()
+        collector.close()
 
 
 def test_a_supervisord_socket_that_answers_no_http_is_reported_and_the_collector_lives_on(instance, publishers, collector) -> None:
@@ -510,6 +551,41 @@ def test_a_supervisord_socket_that_answers_no_http_is_reported_and_the_collector
         stop.set()
         thread.join(2)
         server.close()
+
+
+def test_a_supervisord_socket_that_never_answers_does_not_freeze_the_collector(instance, publishers, collector) -> None:
+    """A supervisord that takes the request and never answers (stopped, or wedged) must not hold
+    the collector's one thread: processes that publish are still heard and the view still moves."""
+    cfg, config_file = instance
+    cfg.run_path.mkdir(parents=True, exist_ok=True)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(cfg.run_path / "supervisor.sock"))
+    server.listen(8)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def take_and_hold() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=take_and_hold, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: held, what="the collector to ask supervisord")
+        publishers(config_file, "broker")
+        wait_for(lambda: "broker" in processes(collector), what="a publisher heard while supervisord says nothing")
+        assert "timed out" in collector.snapshot().get("supervisor_error", ""), collector.snapshot().get("supervisor_error")
+    finally:
+        stop.set()
+        thread.join(2)
+        for conn in held:
+            conn.close()
+        server.close()
+
 
 def test_histogram_quantiles_follow_prometheus() -> None:
     h = Histogram((0.1, 0.2, 0.4), [0, 10, 10, 0], 4.0)
