@@ -173,7 +173,8 @@ class Client:
     """A connection to the service; open any number of streams on it.
 
     `timeout` bounds the handshake and each `open`. A lost ingest is resumed from, and so is one
-    that closes a stream at its shutdown before the stream was complete (a restart, a deploy):
+    that closes a stream at its shutdown before the stream was complete (a restart, a deploy; a
+    stream whose `end` crossed the shutdown, all transcribed, ends with that `closed` "shutdown"):
     `liveness` is how long it may leave an open or audio unanswered before it is taken for dead, and
     `resume_timeout` how long after a loss a stream may go without progress (its resent audio acked,
     or a final) however often it is resumed meanwhile, before it fails with

@@ -211,5 +211,7 @@ def _read(job: Job, output: Output) -> None:
                 job.error = job.error or f"server error {ev.code}: {ev.message}"
         elif isinstance(ev, Closed):
             job.closed = ev
-            if ev.reason != "end":
+            # "shutdown" reaches here only for a stream the service had all of (its `end` crossed the
+            # shutdown): the client resumes any other elsewhere, so this one is whole
+            if ev.reason not in ("end", "shutdown"):
                 job.error = job.error or f"stream closed early ({ev.reason})"

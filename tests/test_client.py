@@ -363,12 +363,12 @@ class FakeIngest:
     an id it opened before `overloaded`, like a busy service refusing a resume; `ready_delay` is how
     long the first `ready` of each id takes, like a busy ingest's; `at_end` makes it a working
     ingest: it acks audio, and gives, for a stream id, what it sends between that stream's `end`
-    and its `closed`.
+    and its `closed`, which gives `end_reason` and all the audio taken as `durable`.
     """
 
     def __init__(self, *, ingest: str | None = None, resumed: dict[str, Any] | None = None, garble_hellos: tuple[int, ...] = (),
                  refuse_reopens: bool = False, ready_delay: float = 0.0,
-                 at_end: Callable[[str], list[ServerMessage]] | None = None) -> None:
+                 at_end: Callable[[str], list[ServerMessage]] | None = None, end_reason: str = "end") -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
@@ -379,6 +379,7 @@ class FakeIngest:
         self.refuse_reopens = refuse_reopens
         self.ready_delay = ready_delay
         self.at_end = at_end
+        self.end_reason = end_reason
         self.taken: Counter[str] = Counter()  # input frames of each stream, acked when `at_end` is given
         self.held: list[tuple[float, list[bytes]]] = []  # (when, frames) of replies held back
         self.opened: set[str] = set()
@@ -424,7 +425,7 @@ class FakeIngest:
                     self.live.discard(msg.stream)
                     for said in self.at_end(msg.stream) if self.at_end else []:
                         self.sock.send_multipart([ident, *encode(said)])
-                    reply = Closed(stream=msg.stream)
+                    reply = Closed(stream=msg.stream, reason=self.end_reason, durable=self.taken[msg.stream])
                 else:
                     reply = ErrorMsg(code=UNKNOWN_STREAM, message="no such stream", stream=msg.stream)
             elif isinstance(msg, Audio):
@@ -1069,6 +1070,21 @@ def test_transcribe_prints_a_file_whose_segment_failed_with_the_error(capsys) ->
     assert code == 1
     assert out.getvalue() == "go forward ten meters\n"
     assert "server error internal: segment 1 could not be transcribed" in capsys.readouterr().err
+
+
+def test_transcribe_prints_a_file_whose_end_crossed_the_services_shutdown() -> None:
+    """The service is stopping as the file's `end` goes out: the ingest ends the stream itself and
+    answers `closed` "shutdown" with every frame transcribed (`durable`). The client passes such a
+    `closed` on only for a stream the service had all of (it resumes the others elsewhere), so the
+    file is whole: printed, exit 0, not failed as "closed early"."""
+    fake = FakeIngest(at_end=lambda stream: [Final(stream=stream, seg=0, text="go forward ten meters", start=0.1, end=2.5)],
+                      end_reason="shutdown")
+    try:
+        out = io.StringIO()
+        code = remote.run([utterance("goforward").path], fake.address, offline=True, as_json=False, language=None, out=out)
+    finally:
+        fake.close()
+    assert (code, out.getvalue()) == (0, "go forward ten meters\n")
 
 
 def test_finals_that_arrived_behind_another_streams_shutdown_reach_their_stream() -> None:
