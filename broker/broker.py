@@ -35,6 +35,7 @@ from metrics.registry import ProcessMetrics
 from metrics.stallwatch import StallWatch
 from protocol import auth
 from protocol import messages as m
+from streamasr.logs import Throttle
 
 log = structlog.get_logger()
 
@@ -184,6 +185,7 @@ class Broker:
         # Replies to clients that left are dropped: one vanished client must not stall the loop.
         self._front.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self._limits = m.Limits(max_frame_bytes=cfg.ingest.max_frame_bytes, max_message_bytes=cfg.ingest.max_message_bytes)
+        self._throttle = Throttle()  # the refusal lines of each front door client: see _on_client
 
     def run(self) -> None:
         """Serve until SIGTERM/SIGINT."""
@@ -604,7 +606,11 @@ class Broker:
         try:
             reply = self._client_reply(m.decode_client(body, self._limits), now)
         except m.ProtocolError as exc:
-            log.warning("broker.bad_client_message", client=envelope[0].hex(), code=exc.code, error=exc.message)
+            # every one answered, at most a line a second per client and code: a client sending
+            # thousands must not make this loop, which every job of the service waits on, a log writer
+            if (suppressed := self._throttle((envelope[0], exc.code))) is not None:
+                log.warning("broker.bad_client_message", client=envelope[0].hex(), code=exc.code, error=exc.message,
+                            suppressed=suppressed)
             reply = exc.reply()
         try:
             self._front.send_multipart([*envelope, *m.encode(reply)], zmq.NOBLOCK)

@@ -97,3 +97,7 @@ def check_server_keys(secret_key_file: str, authorized_dir: str) -> None:
         raise ValueError(f"ingest.curve_secret_key: {exc}") from None
     if not os.path.isdir(authorized_dir):
         raise ValueError(f"ingest.curve_authorized_keys: {authorized_dir} is not a directory")
+    try:  # every process loads each key file there at start: one it cannot read stops it
+        zmq.auth.load_certificates(authorized_dir)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"ingest.curve_authorized_keys: {exc}") from None

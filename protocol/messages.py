@@ -239,6 +239,26 @@ def _unpack_header(frame: bytes | memoryview, bounds: dict[str, int]) -> dict[st
     return header
 
 
+# What an error quotes of a client's value or field names. A refusal quoting whole 4096-byte
+# strings (31 unknown fields of them, say) is ~130 kB, and a client that sends such messages
+# without reading the answers has the ingest hold ingest.server.CLIENT_QUEUE of them: gigabytes.
+QUOTE_CHARS = 40
+QUOTE_NAMES = 4
+
+
+def _quote(value: Any) -> str:
+    """`value`'s repr, cut to QUOTE_CHARS characters."""
+    text = repr(value)
+    return text if len(text) <= QUOTE_CHARS else text[:QUOTE_CHARS] + "..."
+
+
+def _quote_names(names: set[str | bytes]) -> str:
+    """The first QUOTE_NAMES of `names` (map keys: str or bytes), quoted, and how many more there are."""
+    shown = sorted(map(_quote, names))[:QUOTE_NAMES]
+    more = f" and {len(names) - len(shown)} more" if len(names) > len(shown) else ""
+    return ", ".join(shown) + more
+
+
 def _build(cls: type, header: dict[str, Any], strict: bool = True) -> Any:
     """`strict` refuses unknown fields (server side); clients drop them, so servers may add fields within a version."""
     known = _KNOWN[cls]
@@ -247,7 +267,7 @@ def _build(cls: type, header: dict[str, Any], strict: bool = True) -> Any:
     stream = header.get("stream")
     stream = stream if isinstance(stream, str) and 0 < len(stream) <= MAX_STREAM_ID else None  # a bad id is not echoed
     if unknown and strict:
-        raise ProtocolError(BAD_MESSAGE, f"{cls.type}: unknown fields {sorted(map(repr, unknown))}", stream)
+        raise ProtocolError(BAD_MESSAGE, f"{cls.type}: unknown fields {_quote_names(unknown)}", stream)
     try:
         return cls(**kwargs)
     except TypeError as exc:
@@ -289,9 +309,9 @@ def decode_client(frames: Sequence[bytes | memoryview], limits: Limits = Limits(
     sid = msg.stream
     _check(isinstance(sid, str) and 0 < len(sid) <= MAX_STREAM_ID, BAD_MESSAGE, f"stream id must be a string of 1..{MAX_STREAM_ID} characters")
     if isinstance(msg, Open):
-        _check(_is_int(msg.rate) and msg.rate in RATES, BAD_FORMAT, f"sample rate {msg.rate!r} not supported; use one of {list(RATES)}", sid)
-        _check(msg.encoding in ENCODINGS, BAD_FORMAT, f"encoding {msg.encoding!r} not supported; use one of {list(ENCODINGS)}", sid)
-        _check(_is_int(msg.channels) and 1 <= msg.channels <= 8, BAD_FORMAT, f"channels {msg.channels!r} not supported (1..8)", sid)
+        _check(_is_int(msg.rate) and msg.rate in RATES, BAD_FORMAT, f"sample rate {_quote(msg.rate)} not supported; use one of {list(RATES)}", sid)
+        _check(msg.encoding in ENCODINGS, BAD_FORMAT, f"encoding {_quote(msg.encoding)} not supported; use one of {list(ENCODINGS)}", sid)
+        _check(_is_int(msg.channels) and 1 <= msg.channels <= 8, BAD_FORMAT, f"channels {_quote(msg.channels)} not supported (1..8)", sid)
         _check(msg.priority in PRIORITIES, BAD_MESSAGE, f"priority must be one of {list(PRIORITIES)}", sid)
         _check(isinstance(msg.partials, bool), BAD_MESSAGE, "partials must be a boolean", sid)
         _check(_optional_str(msg.language, 16), BAD_MESSAGE, "language must be a language code or nil", sid)

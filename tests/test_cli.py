@@ -569,12 +569,16 @@ def test_rings_that_do_not_fit_in_shared_memory_are_refused_before_anything_star
     ("server.key", "clients", "ingest.curve_secret_key: "),  # the public half only
     ("server.key_secret", "no-such-dir", "is not a directory"),
     ("server.key_secret", "", "must be set together"),
+    ("server.key_secret", "half-written", "ingest.curve_authorized_keys: No public key found in"),
 ])
 def test_curve_keys_that_cannot_be_used_are_refused_before_anything_starts(tmp_path: Path, secret: str, authorized: str,
                                                                             named: str) -> None:
-    """The broker and the ingest read the server's keys at start: a key file that is not there
-    would stop both, over and over, with the front door unanswered."""
+    """The broker and the ingest read the server's keys at start, and every client key in the
+    authorized directory: a key file that is not there, or one that holds no key (an operator's
+    copy cut short), would stop both, over and over, with the front door unanswered."""
     (tmp_path / "clients").mkdir()
+    (tmp_path / "half-written").mkdir()
+    (tmp_path / "half-written" / "client.key").write_text("#   ZeroMQ CURVE Public Certificate\n")
     zmq.auth.create_certificates(str(tmp_path), "server")
     base = free_ports(3)
     config = tmp_path / "streamasr.toml"

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import pytest
 import zmq
@@ -402,3 +403,40 @@ def test_a_closed_connection_s_streams_are_dropped_and_their_rings_kept_until_th
         got = serve_until(server, other, lambda got: any(isinstance(a, m.Ack) for a in got))
         assert [type(a) for a in got] == [m.Ready, m.Ack] and got[1].samples == FRAME, got
     results.close()
+
+
+def _rss_mb() -> float:
+    """This process's resident memory: the ingest under test runs in it."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+
+
+def test_a_client_that_never_reads_its_refusals_cannot_fill_the_ingest_s_memory(server: IngestServer) -> None:
+    """Every refusal waits in the ingest for its client, up to CLIENT_QUEUE of them per
+    connection. A refusal quoting in full what it refuses (31 unknown fields of 4096 characters,
+    a rate that is a list of 64 such strings) is as large as the message, 130 kB and more: a
+    client that sends such messages and never reads would have the ingest hold gigabytes, until
+    it and every stream it serves were killed for memory. A refusal quotes a bounded part."""
+    fields = {f"{i:02d}" + "k" * 4090: 0 for i in range(31)}
+    hostile = [msgpack.packb({"type": "hello", **fields}), msgpack.packb({"type": "open", "stream": "s", "rate": ["r" * 4096] * 64})]
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    sock.setsockopt(zmq.RCVHWM, 1)  # it reads nothing: the answers queue in the ingest
+    sock.setsockopt(zmq.RCVBUF, 4096)
+    sock.connect(server.endpoint)
+    try:
+        before = _rss_mb()
+        for i in range(1000):
+            sock.send(hostile[i % 2])
+            if i % 50 == 49:
+                _drain(server.clients, server._on_client, copy=False)
+        wait_for(lambda: (_drain(server.clients, server._on_client, copy=False), not server.clients.poll(100))[1],
+                 what="the messages read")
+        grown = _rss_mb() - before
+        assert not server.gone, "the connection was taken as gone"
+        assert grown < 40, f"the ingest holds {grown:.0f} MB for a client's 1000 unread refusals"
+        refusal = m.decode_server(sock.recv_multipart())
+        assert isinstance(refusal, m.ErrorMsg) and refusal.code == m.BAD_MESSAGE and "unknown fields '00kkk" in refusal.message
+        assert "and 27 more" in refusal.message and len(refusal.message) < 400, refusal.message
+    finally:
+        sock.close()

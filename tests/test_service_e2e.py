@@ -277,6 +277,28 @@ def test_bad_input_gets_clear_errors_and_nothing_dies(null_svc) -> None:
     bad.close()
 
 
+def test_a_client_flooding_the_front_door_with_bad_messages_gets_answers_but_not_a_log_line_each(null_svc) -> None:
+    """The front door runs in the broker's loop, which hands every job of the service to the
+    workers: a client that keeps sending what it must not (`open` to the front door, here) has
+    every message answered, but not a log line each, as at the ingest."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(null_svc.address)
+    try:
+        answers = []
+        for i in range(2000):
+            sock.send_multipart(m.encode(m.Open(stream="s")))
+            if i % 100 == 99:  # read as it goes: the front door drops answers to a client not reading
+                while len(answers) < i + 1:
+                    assert sock.poll(10_000), "the front door stopped answering"
+                    answers.append(m.decode_server(sock.recv_multipart()))
+    finally:
+        sock.close()
+    assert all(isinstance(a, m.ErrorMsg) and a.code == m.BAD_MESSAGE for a in answers) and len(answers) == 2000
+    lines = [json.loads(line) for line in null_svc.logs("broker").splitlines() if '"broker.bad_client_message"' in line]
+    assert 1 <= len(lines) <= 6 and all(line["suppressed"] >= 0 for line in lines), f"{len(lines)} lines"  # one a second at most
+
+
 def test_client_that_vanishes_is_closed_and_others_are_unaffected(null_svc) -> None:
     before = _pids(null_svc)
     gone = RawClient(null_svc.address)
