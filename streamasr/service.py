@@ -40,6 +40,7 @@ SUPERVISORD_CONF = HOME / "supervisord.conf"
 DRAIN_EXIT_S = 2.0  # an ingest's time to close its sockets and unlink its rings once a drain ends
 STOP_SLACK_S = 5.0  # supervisord's own shutdown, beyond its programs' stop times
 SUPERVISOR_TIMEOUT_S = 2.0  # supervisord answers its process list at once; longer is a supervisord that will not
+CLAIM_FD = 3  # where supervisord keeps the instance's claim: it closes 5 and up when SIGHUP reloads it, and 3 and up in its programs
 
 
 def stop_waits() -> dict[str, float]:
@@ -135,8 +136,7 @@ def prepare(cfg: Config) -> dict[str, str]:
     """Model export, shm reclaim, run directory and config file; returns supervisord's
     environment. What cannot start is found first (the CURVE keys, the addresses, the model,
     room in /dev/shm) and leaves nothing behind."""
-    if supervisord_pid(cfg) is not None:
-        raise SystemExit(f"instance {cfg.instance!r} is already running (run dir {cfg.run_path})")
+    refuse_running(cfg)
     _check_run_dir(cfg.run_path)
     try:
         auth.check_server_keys(cfg.ingest.curve_secret_key, cfg.ingest.curve_authorized_keys)
@@ -150,11 +150,6 @@ def prepare(cfg: Config) -> dict[str, str]:
         raise settings.ConfigError(f"ingest.drain_timeout_s ({cfg.ingest.drain_timeout_s:g} s) and {DRAIN_EXIT_S:g} s to exit "
                                    f"do not fit in the ingest's stopwaitsecs ({wait:g} s, {SUPERVISORD_CONF.name}): "
                                    "supervisord would kill it mid-drain")
-    if users := pool.users(cfg.instance):
-        # its segments are named by the instance alone: reclaiming them would pull the rings from under it
-        raise SystemExit(f"instance {cfg.instance!r} is running from another run directory, or its processes outlived "
-                         f"their supervisord: pid(s) {', '.join(map(str, users))} map its shm segments. Stop it, or give "
-                         "this one another instance name (--instance)")
     if taken := unbindable_addresses(cfg):
         raise SystemExit(f"cannot bind {', '.join(taken)}: choose other addresses (ingest.address, ingest.host, "
                          "ingest.port_base, metrics.dashboard_port)")
@@ -209,11 +204,45 @@ def prepare(cfg: Config) -> dict[str, str]:
     return env
 
 
+def claim(cfg: Config) -> socket.socket:
+    """An abstract Unix socket named by the instance, which one `serve` at a time can bind. A
+    second `serve` while the first is still starting (exporting the model; its supervisord not
+    up, so no pid file and nothing bound yet) would find nothing running, clear the first's
+    sockets and start a supervisord of its own. The kernel lets it go with the last process
+    holding it, however that ends; the instance, not the run directory, names the shm segments."""
+    held = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        held.bind(f"\0streamasr-serve.{cfg.instance}")
+    except OSError as exc:
+        held.close()
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        refuse_running(cfg)  # where it runs, when it is up
+        raise SystemExit(f"instance {cfg.instance!r} is already starting: another `streamasr serve` of it holds it") from None
+    return held
+
+
+def refuse_running(cfg: Config) -> None:
+    """SystemExit when the instance runs: from this run directory, or from another (its shm
+    segments are named by the instance alone), or as processes that outlived their supervisord."""
+    if supervisord_pid(cfg) is not None:
+        raise SystemExit(f"instance {cfg.instance!r} is already running (run dir {cfg.run_path})")
+    if users := pool.users(cfg.instance):
+        # its segments are named by the instance alone: reclaiming them would pull the rings from under it
+        raise SystemExit(f"instance {cfg.instance!r} is running from another run directory, or its processes outlived "
+                         f"their supervisord: pid(s) {', '.join(map(str, users))} map its shm segments. Stop it, or give "
+                         "this one another instance name (--instance)")
+
+
 def serve(cfg: Config) -> None:
-    """Replace this process with supervisord in the foreground (signals go straight to it)."""
+    """Replace this process with supervisord in the foreground (signals go straight to it), which
+    holds the instance's `claim` for as long as it runs."""
+    held = claim(cfg)
     env = prepare(cfg)
     print(f"streamasr {cfg.instance}: {cfg.worker_count} workers, {cfg.ingest.processes} ingest, model "
           f"{cfg.model.name} ({cfg.model.backend}), clients connect to {cfg.ingest.address}", file=sys.stderr, flush=True)
+    os.dup2(held.fileno(), CLAIM_FD)
+    os.set_inheritable(CLAIM_FD, True)
     supervisord = Path(sys.executable).with_name("supervisord")
     os.execve(str(supervisord), [str(supervisord), "-n", "-c", str(SUPERVISORD_CONF)], env)
 
@@ -356,7 +385,8 @@ def wait_ready(cfg: Config, timeout: float) -> dict[str, Any]:
 
 def stop(cfg: Config, timeout: float | None = None) -> bool:
     """SIGTERM to supervisord, which stops ingest (draining), workers, then the broker; waits
-    up to `timeout` (default: the longest the programs' stop times allow) for it to exit.
+    up to `timeout` (default: the longest the programs' stop times allow) for it to exit, then
+    unlinks the shm segments a program killed on its way out left behind.
     PermissionError: the caller may not read its run directory or signal it (another user's instance)."""
     if cfg.run_path.is_dir() and not os.access(cfg.run_path, os.R_OK | os.X_OK):  # `serve` makes it 0700
         raise PermissionError(errno.EACCES, "the run directory is another user's", str(cfg.run_path))
@@ -369,12 +399,24 @@ def stop(cfg: Config, timeout: float | None = None) -> bool:
         return True
     deadline = time.monotonic() + (stop_timeout() if timeout is None else timeout)
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except OSError:  # gone (or its pid already another user's program)
+        if _exited(pid):
+            # An ingest supervisord had to SIGKILL (it did not stop within its stopwaitsecs) could
+            # not unlink its segment: its rings would hold /dev/shm until this instance's next serve.
+            if not pool.users(cfg.instance):
+                for name in pool.reclaim(cfg.instance):
+                    print(f"reclaimed shm segment {name} left by a program killed as it stopped", file=sys.stderr)
             return True
         time.sleep(0.1)
     return False
+
+
+def _exited(pid: int) -> bool:
+    """The process has exited: gone, or a zombie its parent has not reaped yet (`serve` started by
+    a program that reaps its children only when it next looks), which still answers signals."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:  # gone
+        return True
 
 
 # ------------------------------------------------------------------ private instances (bench, tests)

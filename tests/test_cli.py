@@ -331,6 +331,77 @@ def test_a_killed_supervisord_takes_its_programs_with_it(tmp_path: Path) -> None
                 os.kill(pid, signal.SIGKILL)
 
 
+def test_stop_sees_supervisord_exit_before_its_parent_reaps_it(tmp_path: Path) -> None:
+    """`serve` started by a program that reaps its children only when it next looks (a script's
+    Popen, a process manager between its polls): supervisord stays a zombie until then. `stop`
+    must report the instance stopped once it has exited, not wait its whole limit (42 s) and
+    say it did not stop."""
+    instance = f"unreaped{uuid.uuid4().hex[:8]}"
+    config = tmp_path / "streamasr.toml"
+    _one_worker_config(config, instance, tmp_path / "run")
+    serve = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "serve", "--config", str(config), "--model", "null"],
+                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        done = _streamasr("status", "--config", str(config), "--wait", "120", timeout=180)
+        assert done.returncode == 0, done.stdout
+        done = _streamasr("stop", "--config", str(config))
+        assert done.returncode == 0, done.stderr
+        assert serve.wait(10) == 0
+    finally:
+        if serve.poll() is None:
+            serve.send_signal(signal.SIGTERM)
+            serve.wait(60)
+    assert not pool.segments(instance)
+
+
+def test_stop_leaves_no_shm_of_an_ingest_supervisord_had_to_kill(tmp_path: Path) -> None:
+    """An ingest that does not stop within its stopwaitsecs (frozen here; a hung drain, or a SIGTERM
+    supervisord sent while it was still spawning the process, which never reaches it) is SIGKILLed
+    and cannot unlink its shm segment: its rings (983 MB of RAM with the defaults) stayed in
+    /dev/shm until the instance was served again. `stop` leaves none behind."""
+    instance = f"frozen{uuid.uuid4().hex[:8]}"
+    config = tmp_path / "streamasr.toml"
+    _one_worker_config(config, instance, tmp_path / "run")
+    with _serving(config, instance):
+        done = _streamasr("status", "--config", str(config), "--wait", "120", "--json", timeout=180)
+        assert done.returncode == 0, done.stdout
+        ingest = next(p["pid"] for p in json.loads(done.stdout)["processes"] if p["name"] == "ingest-0")
+        assert pool.segments(instance)
+        os.kill(ingest, signal.SIGSTOP)
+
+
+def test_two_serves_of_one_instance_at_once_start_it_once(tmp_path: Path) -> None:
+    """A second `serve` of an instance that is starting (exporting its model, supervisord not up
+    yet: no pid file, nothing bound) finds nothing running, so it went on to clear the first's
+    sockets and start a supervisord of its own: it failed with supervisord's usage error, or
+    both ran, the first one's socket gone and so out of reach of `status` and `stop`. The second
+    is refused as the instance already running or starting, and one `stop` stops the one that runs."""
+    instance = f"twice{uuid.uuid4().hex[:8]}"
+    config = tmp_path / "streamasr.toml"
+    _one_worker_config(config, instance, tmp_path / "run")
+    serves = [subprocess.Popen([sys.executable, "-m", "streamasr.cli", "serve", "--config", str(config), "--model", "null"],
+                               cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 60
+        while all(s.poll() is None for s in serves) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        refused = [s for s in serves if s.poll() is not None]
+        assert len(refused) == 1, "both serves run"
+        stderr = refused[0].stderr.read() if refused[0].stderr else ""
+        assert refused[0].returncode == 1 and f"instance {instance!r} is already " in stderr, stderr
+        done = _streamasr("status", "--config", str(config), "--wait", "120", timeout=180)
+        assert done.returncode == 0, done.stdout
+        assert _streamasr("stop", "--config", str(config)).returncode == 0
+        assert all(s.wait(10) is not None for s in serves)
+    finally:
+        for s in serves:
+            if s.poll() is None:
+                s.send_signal(signal.SIGTERM)
+                s.wait(60)
+    assert not pool.segments(instance)
+
+
 def _gone(pid: int) -> bool:
     """Exited: a zombie no one has reaped yet counts (its parent was killed)."""
     try:
