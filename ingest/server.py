@@ -56,6 +56,11 @@ GONE_KEEP_S = 60.0  # how long messages of a closed connection, still queued, ar
 # Messages queued for one client connection: a client that leaves this many unread has stopped
 # reading, and its connection is taken as gone (`_send`).
 CLIENT_QUEUE = 100_000
+# A realtime stream resuming at an offset was admitted before its ingest died: it is not new load,
+# but the figures may count it where it was until the broker hears that ingest is gone (at most
+# once more, as a service held to its limits holds at most them). Past twice the limits it is
+# refused as a new stream is, and retried by its client: an `offset` alone is no pass past them.
+RESUME_HEADROOM = 2.0
 
 
 class IngestServer:
@@ -288,16 +293,18 @@ class IngestServer:
             return refuse(m.TOO_MANY_STREAMS, f"at most {self.cfg.ingest.max_streams_per_client} open streams per client")
         if len(self.sessions) >= self.max_streams:
             return refuse(m.TOO_MANY_STREAMS, "the service is at its stream limit; try again later")
-        if msg.priority == "realtime" and not msg.offset:
+        if msg.priority == "realtime":
             # Admitting another realtime stream would delay every admitted one; batch streams
-            # are still taken, credits slow them down instead. A stream resuming at an offset was
-            # admitted before (its ingest died): it is not new load.
-            max_load, max_busy = self.cfg.ingest.admit_max_load_s, self.cfg.ingest.admit_max_busy
+            # are still taken, credits slow them down instead. One resuming is held to twice the limits.
+            headroom = RESUME_HEADROOM if msg.offset else 1.0
+            cfg = self.cfg.ingest
+            max_load, max_busy = cfg.admit_max_load_s * headroom, cfg.admit_max_busy * headroom
             realtime = self._realtime_open() + self.realtime_elsewhere  # open over the service, as last heard
-            cap = self.cfg.ingest.admit_max_realtime_streams
+            cap = cfg.admit_max_realtime_streams * headroom
             if cap and realtime >= cap:
-                return refuse(m.OVERLOADED, f"the service admits {cap} realtime streams at a time "
-                                            "(ingest.admit_max_realtime_streams); try again later or open with priority batch")
+                return refuse(m.OVERLOADED, f"the service admits {cfg.admit_max_realtime_streams} realtime streams at a time "
+                                            f"(ingest.admit_max_realtime_streams{', twice that resuming' if msg.offset else ''}); "
+                                            "try again later or open with priority batch")
             if max_load and self.load > max_load:
                 return refuse(m.OVERLOADED, f"the service is past its capacity (realtime streams wait {self.load:.1f} s for a model); "
                                             "try again later or open with priority batch")

@@ -223,8 +223,9 @@ def test_stream_limits(service_factory: Any) -> None:
 
 def test_realtime_stream_cap(service_factory: Any) -> None:
     """The cap needs no load to have been seen: on idle workers the realtime open past it is
-    refused, batch streams and resumed ones are still taken, and a realtime stream that ends
-    frees its place."""
+    refused, batch streams are still taken, and resumed ones up to twice the cap (they were
+    admitted before their ingest died, and may still be counted there; past that, an `offset`
+    alone would be a pass), and a realtime stream that ends frees its place."""
     with pytest.raises(ValueError, match="admit_max_realtime_streams"):
         settings.load(None, {"ingest": {"admit_max_realtime_streams": -1}})  # not "refuse every realtime stream"
     service = service_factory(model="null", workers=1, ingest={"admit_max_realtime_streams": 2})
@@ -237,11 +238,16 @@ def test_realtime_stream_cap(service_factory: Any) -> None:
         assert "admit_max_realtime_streams" in refused.message and refused.stream == "three"
         assert isinstance(_open(sock, "batch", priority="batch"), m.Ready)
         assert isinstance(_open(sock, "resumed", offset=16_000), m.Ready)  # admitted before its ingest died
+        assert isinstance(_open(sock, "resumed-2", offset=16_000), m.Ready)
+        refused = _open(sock, "resumed-3", offset=16_000)
+        assert isinstance(refused, m.ErrorMsg) and refused.code == m.OVERLOADED, refused
+        assert "twice that resuming" in refused.message and refused.stream == "resumed-3"
         # status counts them (as of the ingest's next heartbeat) against the cap
-        wait_for(lambda: svc.status(service.cfg)["realtime"] == 3, 10, "three realtime streams in the status")
+        wait_for(lambda: svc.status(service.cfg)["realtime"] == 4, 10, "four realtime streams in the status")
         printed = service.cli("status").stdout
-        assert "admission: 3 realtime streams (cap 2)" in printed, printed
+        assert "admission: 4 realtime streams (cap 2)" in printed, printed
         _end(sock, "one")
+        _end(sock, "resumed-2")
         # "resumed" counts now: two realtime streams are open again
         refused = _open(sock, "three")
         assert isinstance(refused, m.ErrorMsg) and refused.code == m.OVERLOADED, refused
