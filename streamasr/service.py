@@ -39,6 +39,7 @@ HOME = Path(__file__).resolve().parents[1]
 SUPERVISORD_CONF = HOME / "supervisord.conf"
 DRAIN_EXIT_S = 2.0  # an ingest's time to close its sockets and unlink its rings once a drain ends
 STOP_SLACK_S = 5.0  # supervisord's own shutdown, beyond its programs' stop times
+STARTING_WAIT_S = 600.0  # `stop` of an instance still starting: how long a model export may take before it is up
 SUPERVISOR_TIMEOUT_S = 2.0  # supervisord answers its process list at once; longer is a supervisord that will not
 CLAIM_FD = 3  # where supervisord keeps the instance's claim: it closes 5 and up when SIGHUP reloads it, and 3 and up in its programs
 
@@ -204,6 +205,20 @@ def prepare(cfg: Config) -> dict[str, str]:
     return env
 
 
+def _claim_name(cfg: Config) -> str:
+    return f"streamasr-serve.{cfg.instance}"
+
+
+def starting(cfg: Config) -> bool:
+    """Whether a `serve` of the instance holds its claim (read from the kernel's list of Unix
+    sockets, not by binding it, which would refuse a `serve` starting meanwhile)."""
+    try:
+        with open("/proc/net/unix") as table:
+            return any(line.split()[-1] == "@" + _claim_name(cfg) for line in table if len(line.split()) == 8)
+    except OSError:
+        return False
+
+
 def claim(cfg: Config) -> socket.socket:
     """An abstract Unix socket named by the instance, which one `serve` at a time can bind. A
     second `serve` while the first is still starting (exporting the model; its supervisord not
@@ -212,7 +227,7 @@ def claim(cfg: Config) -> socket.socket:
     holding it, however that ends; the instance, not the run directory, names the shm segments."""
     held = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        held.bind(f"\0streamasr-serve.{cfg.instance}")
+        held.bind("\0" + _claim_name(cfg))
     except OSError as exc:
         held.close()
         if exc.errno != errno.EADDRINUSE:
@@ -391,6 +406,12 @@ def stop(cfg: Config, timeout: float | None = None) -> bool:
     if cfg.run_path.is_dir() and not os.access(cfg.run_path, os.R_OK | os.X_OK):  # `serve` makes it 0700
         raise PermissionError(errno.EACCES, "the run directory is another user's", str(cfg.run_path))
     pid = supervisord_pid(cfg)
+    if pid is None and starting(cfg):  # a `serve` exporting the model, or its supervisord not up yet
+        print(f"instance {cfg.instance!r} is starting: waiting up to {STARTING_WAIT_S:g} s for it to be up to stop it",
+              file=sys.stderr, flush=True)
+        up_by = time.monotonic() + STARTING_WAIT_S
+        while (pid := supervisord_pid(cfg)) is None and starting(cfg) and time.monotonic() < up_by:
+            time.sleep(0.1)
     if pid is None:
         return False
     try:

@@ -402,6 +402,27 @@ def test_two_serves_of_one_instance_at_once_start_it_once(tmp_path: Path) -> Non
     assert not pool.segments(instance)
 
 
+def test_stop_of_an_instance_still_starting_waits_for_it(tmp_path: Path) -> None:
+    """`stop` while `serve` still exports the model (no supervisord yet, no pid file) said "not
+    running", and the instance came up after it. It waits for the instance while its `serve` holds
+    it (played here by the test holding the claim), and says so; a `serve` that gives up without
+    starting leaves nothing to stop."""
+    instance = f"starting{uuid.uuid4().hex[:8]}"
+    config = tmp_path / "streamasr.toml"
+    _one_worker_config(config, instance, tmp_path / "run")
+    held = service.claim(settings.load(config))
+    stop = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "stop", "--config", str(config)], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3)
+        assert stop.poll() is None, "stop did not wait for the instance starting"
+    finally:
+        held.close()
+    _, err = stop.communicate(timeout=10)
+    assert stop.returncode == 1 and f"instance {instance!r} is starting: waiting" in err, err
+    assert f"instance {instance!r} is not running" in err, err
+
+
 def _gone(pid: int) -> bool:
     """Exited: a zombie no one has reaped yet counts (its parent was killed)."""
     try:
