@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
@@ -302,6 +303,32 @@ def test_page_in_headless_chromium(fake_instance, tmp_path: Path) -> None:
     with running_dashboard(config_file) as url:
         screenshot = check_dashboard(url, names, tmp_path)
     assert screenshot.stat().st_size > 10_000
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium (apt-get install chromium)")
+def test_the_page_says_it_is_stale_while_the_dashboard_does_not_answer_and_goes_live_again_after(fake_instance) -> None:
+    """A dashboard that hangs (or a tunnel to it that dropped) closes no connection: the page must
+    not go on saying `live` over figures that no longer move."""
+    from playwright.sync_api import sync_playwright
+
+    config_file, _ = fake_instance
+    badge = "() => document.querySelector('#connection').textContent"
+    with running_dashboard(config_file) as url, sync_playwright() as pw:
+        pid = next(p.pid for p in psutil.Process().children() if "dashboard" in p.cmdline())  # `-m dashboard`
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.goto(url)
+            page.wait_for_function(f"({badge})() === 'live'", timeout=10_000)
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                page.wait_for_timeout(8_000)
+                assert "stale" in page.evaluate(badge), page.evaluate(badge)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            page.wait_for_function(f"({badge})() === 'live'", timeout=10_000)
+        finally:
+            browser.close()
 
 
 SERVICE_PROCESSES = ("broker", "ingest-0", "worker-0", "worker-1")

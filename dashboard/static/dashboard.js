@@ -4,6 +4,7 @@
 
 const HISTORY = 300; // points kept per chart (five minutes at one snapshot a second)
 const MIN_SPAN = 60; // the x axis spans at least this many points, so a fresh page is not a sliver
+const STALE_MS = 5000; // the dashboard sends a new snapshot every second; none for this long is a hang
 const series = {
   latency: [
     { label: "partial p50", color: "#60a5fa", values: [] },
@@ -202,17 +203,32 @@ function drawChart(canvas, lines, format) {
 
 function connect() {
   const badge = $("#connection");
-  const events = new EventSource("/events");
-  events.onopen = () => { badge.textContent = "live"; badge.className = "badge live"; };
-  events.onmessage = (e) => {
-    try {
-      render(JSON.parse(e.data));
-      badge.textContent = "live"; badge.className = "badge live";
-    } catch (err) { // a snapshot this page cannot read: said, not left looking live
-      badge.textContent = `unreadable snapshot: ${err.message}`; badge.className = "badge lost";
-    }
+  const show = (text, state) => { badge.textContent = text; badge.className = `badge ${state}`; };
+  let events, opened, shownTime = null, fresh = Date.now();
+  const open = () => {
+    opened = Date.now();
+    events = new EventSource("/events");
+    events.onmessage = (e) => {
+      try {
+        const s = JSON.parse(e.data);
+        if (s.time !== shownTime) { shownTime = s.time; fresh = Date.now(); } // new, if not readable: not stale
+        render(s);
+        if (Date.now() - fresh < STALE_MS) show("live", "live");
+      } catch (err) { // a snapshot this page cannot read: said, not left looking live
+        show(`unreadable snapshot: ${err.message}`, "lost");
+      }
+    };
+    events.onerror = () => show("reconnecting", "lost");
   };
-  events.onerror = () => { badge.textContent = "reconnecting"; badge.className = "badge lost"; };
+  open();
+  // A dashboard that hangs, or a tunnel to it that dropped, closes no connection, so EventSource
+  // would wait for ever: without a new snapshot for STALE_MS the page says so and connects again.
+  setInterval(() => {
+    const now = Date.now();
+    if (now - fresh < STALE_MS) return;
+    show(`stale: no new snapshot for ${Math.round((now - fresh) / 1000)} s, reconnecting`, "lost");
+    if (now - opened >= STALE_MS) { events.close(); open(); }
+  }, 1000);
 }
 
 connect();
