@@ -16,6 +16,7 @@ never committed, so nothing of it would ever be.
 from __future__ import annotations
 
 import re
+import unicodedata
 
 # Whisper writes a number in words in one decode and in digits in the next ("Eight" / "8",
 # "a hundred and five" / "105"): a number spelled out, in however many words, is one word
@@ -45,8 +46,9 @@ def _text(words: list[str]) -> str:
 
 
 def _key(word: str) -> str:
-    """Case and punctuation differ between decodes of the same word."""
-    return "".join(c for c in word.casefold() if c.isalnum())
+    """Case and punctuation differ between decodes of the same word. Combining marks stay: in
+    Devanagari or Thai they are the vowels ("कम" and "काम" are two words)."""
+    return "".join(c for c in word.casefold() if c.isalnum() or unicodedata.category(c)[0] == "M")
 
 
 def _spelled(keys: list[str], i: int) -> tuple[int, int]:
@@ -127,13 +129,15 @@ class LocalAgreement:
         tail, tail_keys = self._after_committed(*groups(hypothesis))
         if self._pending is not None:
             agreed = 0
-            # the last word sits at the edge of the audio heard, possibly cut mid-word: never committed
-            for old, new in zip(self._pending, tail_keys[:-1]):
+            # the last word sits at the edge of the audio heard, possibly cut mid-word: never committed,
+            # nor is it followed by punctuation of its own ("。"), which no audio was heard past
+            heard = max((i for i, key in enumerate(tail_keys) if key), default=0)
+            for old, new in zip(self._pending, tail_keys[:heard]):
                 if old != new:
                     break
                 agreed += 1
-            self._committed += tail[:agreed]  # spelled as in the newest hypothesis
-            self._committed_keys += tail_keys[:agreed]
+            if agreed:  # spelled as in the newest hypothesis; regrouped, as "twenty" then "five" are one number
+                self._committed, self._committed_keys = groups(_text(self._committed + tail[:agreed]))
             tail, tail_keys = tail[agreed:], tail_keys[agreed:]
         self._pending = tail_keys
         return _text(self._committed + tail), self.committed
@@ -160,6 +164,12 @@ class LocalAgreement:
         k = len(self._committed_keys)
         if keys[:k] == self._committed_keys:
             return hypothesis[k:], keys[k:]
+        # the committed words end inside a number the hypothesis goes on with ("twenty" of
+        # "twenty five"): the rest of it follows them, rather than being dropped with the number
+        spoken = words("".join(hypothesis))
+        n = len(words(self.committed))
+        if [_key(w) for w in spoken[:n]] == [_key(w) for w in words(self.committed)]:
+            return groups("".join(spoken[n:]))
         # dist[j] = edit distance between the committed words and keys[:j], one row per committed word
         dist = list(range(len(keys) + 1))
         for i, committed in enumerate(self._committed_keys, 1):

@@ -99,6 +99,24 @@ def test_a_number_spelled_out_in_several_words_is_one_word() -> None:
     assert la.update("a hundred and five days") == ("a hundred and five days", "")  # a number still growing is not agreed
 
 
+def test_words_that_finish_a_committed_number_are_kept() -> None:
+    """The committed words may end in a number the speaker had not finished ("twenty" of
+    "twenty five", "a" of "a hundred"): the words completing it are part of the partial, and
+    are not lost from its text nor from what is committed after."""
+    la = LocalAgreement()
+    la.update("it costs twenty")
+    assert la.update("it costs twenty f") == ("it costs twenty f", "it costs twenty")
+    assert la.update("it costs twenty five dollars") == ("it costs twenty five dollars", "it costs twenty")
+    assert la.update("it costs twenty five dollars each") == ("it costs twenty five dollars each", "it costs twenty five dollars")
+    assert la.update("it costs twenty five dollars each day") == (
+        "it costs twenty five dollars each day", "it costs twenty five dollars each")
+    assert la.finalize("It costs 25 dollars each day.") == ("It costs 25 dollars each day.", False)
+    la = LocalAgreement()
+    la.update("we waited a")
+    la.update("we waited a hun")
+    assert la.update("we waited a hundred days") == ("we waited a hundred days", "we waited a")
+
+
 def test_a_language_written_without_spaces_commits_character_by_character() -> None:
     """Chinese and Japanese have no spaces between words: split on spaces, a partial is one word,
     and the last word is never committed, so nothing would ever be stable. Each character is a
@@ -113,6 +131,25 @@ def test_a_language_written_without_spaces_commits_character_by_character() -> N
     la = LocalAgreement()
     la.update("東京 Tower は")
     assert la.update("東京 Tower は高い") == ("東京 Tower は高い", "東京 Tower は")
+
+
+def test_punctuation_after_the_last_word_does_not_make_it_committable() -> None:
+    """Japanese and Chinese end a sentence with "。", a word of its own: the character before it
+    is still the last one heard, and may be cut mid-word."""
+    la = LocalAgreement()
+    la.update("今日は天。")
+    assert la.update("今日は天。") == ("今日は天。", "今日は")
+    assert la.update("今日は天気です。") == ("今日は天気です。", "今日は天")
+
+
+def test_vowel_signs_tell_words_apart() -> None:
+    """In Devanagari or Thai a vowel is a combining sign on a consonant: "कम" (less) and "काम"
+    (work) are different words, and a final with the other one revises the stable text."""
+    assert keys("कम") != keys("काम")
+    la = LocalAgreement()
+    la.update("कम करो")
+    assert la.update("कम करो ना") == ("कम करो ना", "कम करो")
+    assert la.finalize("काम करो ना") == ("काम करो ना", True)
 
 
 def test_whitespace_is_normalized() -> None:
@@ -152,10 +189,11 @@ def test_committed_only_grows_and_finalize_keeps_it(hypotheses: list[str], final
 @given(st.lists(WORDS, min_size=1, max_size=20), st.data())
 def test_growing_prefixes_commit_all_but_the_newest(words: list[str], data: st.DataObject) -> None:
     """Hypotheses that only ever extend the truth commit it, lagging one hypothesis (and the newest
-    hypothesis's last word) behind."""
+    hypothesis's last word, with any punctuation after it) behind."""
     cuts = sorted(data.draw(st.lists(st.integers(0, len(words)), min_size=2, max_size=8)))
     la = LocalAgreement()
     for cut in cuts:
         la.update(" ".join(words[:cut]))
-    assert la.committed == " ".join(words[: max(0, min(cuts[-2], cuts[-1] - 1))])
+    last_word = max((i for i, w in enumerate(words[: cuts[-1]]) if keys(w) != [""]), default=0)
+    assert la.committed == " ".join(words[: min(cuts[-2], last_word)])
     assert la.finalize(" ".join(words)) == (" ".join(words), False)
