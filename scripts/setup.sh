@@ -5,8 +5,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-with_tests=0
-[ "${1:-}" = "--test" ] && with_tests=1
+case "$*" in
+    "") with_tests=0 ;;
+    --test) with_tests=1 ;;
+    *) echo "usage: scripts/setup.sh [--test]" >&2; exit 2 ;;
+esac
 
 if [ "$with_tests" = 1 ]; then
     apt_packages="pocketsphinx-testdata espeak-ng sox chromium"
@@ -24,7 +27,9 @@ fi
 
 # Python 3.11 or later with its venv module (Debian ships that apart, in python3-venv)
 python_ok() { command -v python3 >/dev/null && python3 -c 'import sys, ensurepip, venv; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; }
-if [ ! -x .venv/bin/python ] && ! python_ok; then
+# a .venv an earlier run left without pip (its venv module missing then) is made again
+venv_ok() { [ -x .venv/bin/python ] && .venv/bin/python -c 'import pip' 2>/dev/null; }
+if ! venv_ok && ! python_ok; then
     if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
         echo "need Python 3.11 or later with its venv module (Debian: apt-get install python3 python3-venv)" >&2; exit 1
     fi
@@ -32,7 +37,7 @@ if [ ! -x .venv/bin/python ] && ! python_ok; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-venv >/dev/null
     python_ok || { echo "python3 is $(python3 --version 2>&1): 3.11 or later is needed" >&2; exit 1; }
 fi
-[ -x .venv/bin/python ] || python3 -m venv .venv
+venv_ok || python3 -m venv --clear .venv
 .venv/bin/python -m pip install -q --upgrade pip
 if [ "$with_tests" = 1 ]; then
     .venv/bin/python -m pip install -q -e '.[test,base,bench]'

@@ -15,6 +15,8 @@ duration is the unclosed one) and the previous text as a text prompt.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from speech.backend import MAX_WINDOW_S, MIN_REST_S, SAMPLE_RATE, Backend, DecodeRequest, DecodeResult, Segment
@@ -113,7 +115,10 @@ def _add(segments: list[Segment], offset: float, start: float, end: float, text:
     if segments and start < segments[-1].end:
         start = segments[-1].end
     end = max(end, start)
-    segments.append(Segment(round(start, 2), round(end, 2), text))
+    # rounded to the centisecond, but never up past the audio's end (a segment closed at the last sample)
+    last = math.floor(round((offset + dur) * 100, 6)) / 100
+    end = min(round(end, 2), last)
+    segments.append(Segment(min(round(start, 2), end), end, text))
     return True
 
 

@@ -584,6 +584,22 @@ def test_local_run_json(tmp_path, capsys):
     assert normalize(out.getvalue()) == "go forward ten meters"
 
 
+def test_local_json_segments_end_within_the_files_duration(tmp_path):
+    """A file whose speech runs to its last sample has a last segment closed at the file's end.
+    Its times are rounded to the centisecond: rounded up, that end lay past the duration the
+    same line gives (6.96 s in a 6.955 s file), which a consumer checking the times refuses."""
+    from streamasr.local import run
+
+    first = load_audio(utterances()[0].path)
+    cut = tmp_path / "cut.wav"
+    sf.write(cut, first[:111281], SAMPLE_RATE)  # 6.9550625 s, cut just after the last word
+    out = io.StringIO()
+    assert run([str(cut)], ModelConfig(name="whisper-tiny.en", precision="fp32"), as_json=True, threads=2, out=out) == 0
+    obj = json.loads(out.getvalue())
+    assert obj["duration"] == 6.955 and obj["segments"], obj
+    assert all(0 <= s["start"] <= s["end"] <= obj["duration"] for s in obj["segments"]), obj["segments"]
+
+
 def test_a_final_cut_in_mid_speech_keeps_its_last_words(tiny, dev):
     """A segment cut at `max_segment_s` (25 s) while the speaker goes on ends mid-sentence. Whisper
     then often opens the next segment and stops (`<|22.74|><|22.74|>`, end of text): to its mind
