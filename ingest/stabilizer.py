@@ -82,6 +82,14 @@ def _spelled(keys: list[str], i: int) -> tuple[int, int]:
     return taken, total + group
 
 
+_NUMBER_WORDS = (*_SMALL, "hundred", *_SCALES)
+
+
+def _may_go_on(key: str) -> bool:
+    """Whether the word heard last (maybe cut short: "f", "hun") may go on a number before it."""
+    return key.isdigit() or any(w.startswith(key) for w in _NUMBER_WORDS)
+
+
 def groups(text: str) -> tuple[list[str], list[str]]:
     """`text` as words (see `words`), a number spelled out in several words joined into one, and
     each one's comparison key: case, punctuation and number spelling differ between decodes of
@@ -136,6 +144,8 @@ class LocalAgreement:
                 if old != new:
                     break
                 agreed += 1
+            if agreed and agreed == heard and tail_keys[agreed - 1].isdigit() and _may_go_on(tail_keys[heard]):
+                agreed -= 1  # "twenty" of "twenty f…": the number may go on ("twenty five", "25"), held back
             if agreed:  # spelled as in the newest hypothesis; regrouped, as "twenty" then "five" are one number
                 self._committed, self._committed_keys = groups(_text(self._committed + tail[:agreed]))
             tail, tail_keys = tail[agreed:], tail_keys[agreed:]

@@ -100,13 +100,15 @@ def test_a_number_spelled_out_in_several_words_is_one_word() -> None:
 
 
 def test_words_that_finish_a_committed_number_are_kept() -> None:
-    """The committed words may end in a number the speaker had not finished ("twenty" of
-    "twenty five", "a" of "a hundred"): the words completing it are part of the partial, and
-    are not lost from its text nor from what is committed after."""
+    """A number just before the word heard last, which may go on it ("twenty" of "twenty f…":
+    "twenty five" or "25"), is held back. Committed words that end in one all the same ("a" of
+    "a hundred") are followed by the words completing it, which are not lost from the partial's
+    text nor from what is committed after."""
     la = LocalAgreement()
     la.update("it costs twenty")
-    assert la.update("it costs twenty f") == ("it costs twenty f", "it costs twenty")
-    assert la.update("it costs twenty five dollars") == ("it costs twenty five dollars", "it costs twenty")
+    assert la.update("it costs twenty f") == ("it costs twenty f", "it costs")
+    assert la.update("it costs 25 dollars") == ("it costs 25 dollars", "it costs")
+    assert la.update("it costs twenty five dollars") == ("it costs twenty five dollars", "it costs twenty five")
     assert la.update("it costs twenty five dollars each") == ("it costs twenty five dollars each", "it costs twenty five dollars")
     assert la.update("it costs twenty five dollars each day") == (
         "it costs twenty five dollars each day", "it costs twenty five dollars each")
