@@ -284,6 +284,7 @@ def test_a_client_flooding_the_front_door_with_bad_messages_gets_answers_but_not
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(null_svc.address)
+    started = time.monotonic()
     try:
         answers = []
         for i in range(2000):
@@ -294,9 +295,10 @@ def test_a_client_flooding_the_front_door_with_bad_messages_gets_answers_but_not
                     answers.append(m.decode_server(sock.recv_multipart()))
     finally:
         sock.close()
+    seconds = time.monotonic() - started
     assert all(isinstance(a, m.ErrorMsg) and a.code == m.BAD_MESSAGE for a in answers) and len(answers) == 2000
     lines = [json.loads(line) for line in null_svc.logs("broker").splitlines() if '"broker.bad_client_message"' in line]
-    assert 1 <= len(lines) <= 6 and all(line["suppressed"] >= 0 for line in lines), f"{len(lines)} lines"  # one a second at most
+    assert 1 <= len(lines) <= seconds + 2, f"{len(lines)} lines in {seconds:.1f} s"  # one a second at most
 
 
 def test_client_that_vanishes_is_closed_and_others_are_unaffected(null_svc) -> None:
