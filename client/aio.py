@@ -75,8 +75,11 @@ async def handshake(ctx: zmq.asyncio.Context, address: str, timeout: float, curv
         try:
             sock.connect(address)
             await sock.send_multipart(encode(Hello()))
-            try:
-                frames = await asyncio.wait_for(sock.recv_multipart(), max(deadline - time.monotonic(), 0.0))
+            try:  # timeouts here are asyncio.timeout, never wait_for: on Python 3.11 wait_for loses a
+                # cancellation that comes as what it waits for completes (the reader, cancelled by
+                # close() as a welcome arrived, then ran on for ever, and close() waited for it)
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
+                    frames = await sock.recv_multipart()
             except TimeoutError:
                 raise TimeoutError(f"no answer from {address} within {timeout:.1f}s") from None
         finally:
@@ -169,7 +172,8 @@ class AsyncClient:
         if not self._reconnecting and not self._abandoned.hold(msg.stream):  # else sent by the reconnect, or once released
             self._send(encode(msg))
         try:
-            await asyncio.wait_for(asyncio.shield(entry.opened), self.timeout)
+            async with asyncio.timeout(self.timeout):
+                await asyncio.shield(entry.opened)
         except TimeoutError:
             self._abandon(entry)
             raise TimeoutError(f"stream {msg.stream}: no answer to open within {self.timeout:.1f}s") from None
@@ -409,7 +413,8 @@ class AsyncClient:
             if remaining is not None and remaining <= 0:
                 raise TimeoutError(f"stream {core.stream}: no send credit for {timeout:.1f}s (window {core.window})")
             try:
-                await asyncio.wait_for(self._moved.wait(), remaining)
+                async with asyncio.timeout(remaining):
+                    await self._moved.wait()
             except TimeoutError:
                 pass  # the loop checks this stream's progress and the deadline
 
@@ -444,7 +449,8 @@ class AsyncStream(StreamBase):
         """Partials, finals and errors as they arrive, ending with `closed` (as `Stream.events`)."""
         while not self._events_over():
             try:
-                at, item = await asyncio.wait_for(self._entry.events.get(), timeout)
+                async with asyncio.timeout(timeout):
+                    at, item = await self._entry.events.get()
             except TimeoutError:
                 raise TimeoutError(f"stream {self.id}: no event within {timeout:.1f}s") from None
             yield self._event(at, item)
