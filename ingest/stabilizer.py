@@ -176,10 +176,9 @@ class LocalAgreement:
             return hypothesis[k:], keys[k:]
         # the committed words end inside a number the hypothesis goes on with ("twenty" of
         # "twenty five"): the rest of it follows them, rather than being dropped with the number
-        spoken = words("".join(hypothesis))
-        n = len(words(self.committed))
-        if [_key(w) for w in spoken[:n]] == [_key(w) for w in words(self.committed)]:
-            return groups("".join(spoken[n:]))
+        spoken, said = words("".join(hypothesis)), words(self.committed)
+        if [_key(w) for w in spoken[:len(said)]] == [_key(w) for w in said]:
+            return groups("".join(spoken[len(said):]))
         # dist[j] = edit distance between the committed words and keys[:j], one row per committed word
         dist = list(range(len(keys) + 1))
         for i, committed in enumerate(self._committed_keys, 1):

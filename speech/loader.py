@@ -154,7 +154,7 @@ def _assemble_base(root: Path) -> Path:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
         for f in _BASE_FILES:  # as the installed package has them
-            if not (out_dir / f).exists() or (out_dir / f).read_bytes() != (p1 / f).read_bytes():
+            if not _same_file(out_dir / f, p1 / f):
                 shutil.copyfile(p1 / f, out_dir / (".tmp-" + f))
                 os.replace(out_dir / (".tmp-" + f), out_dir / f)
     return out_dir
@@ -165,10 +165,13 @@ def _base_model_bin(target: Path, root: Path) -> bool:
     return target.exists() and target.stat().st_size == BASE_SIZE and _cached_sha256(target, root) == BASE_SHA256
 
 
+def _same_file(copy: Path, original: Path) -> bool:
+    return copy.exists() and copy.read_bytes() == original.read_bytes()
+
+
 def _base_assembled(out_dir: Path, package: Path, root: Path) -> bool:
     """whisper-base's files in the cache are whole and as the installed packages have them."""
-    return _base_model_bin(out_dir / "model.bin", root) and all(
-        (out_dir / f).exists() and (out_dir / f).read_bytes() == (package / f).read_bytes() for f in _BASE_FILES)
+    return _base_model_bin(out_dir / "model.bin", root) and all(_same_file(out_dir / f, package / f) for f in _BASE_FILES)
 
 
 def resolve_model(cfg: ModelConfig) -> ModelFiles:

@@ -46,6 +46,12 @@ def _streamasr(*args: str, cwd: Path = ROOT, timeout: float = 120) -> subprocess
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+def _started(*args: str, cwd: Path = ROOT, stderr: int = subprocess.DEVNULL) -> subprocess.Popen[str]:
+    """`streamasr ARGS` started, not waited for (`serve` in the foreground, a `stop` that waits)."""
+    return subprocess.Popen([sys.executable, "-m", "streamasr.cli", *args], cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+
+
 def test_serve_help_says_where_the_run_directory_is() -> None:
     """The run directory holds the logs, sockets and effective config an operator looks for; `--help`
     is where a new one looks first."""
@@ -224,9 +230,8 @@ def test_ops_commands_follow_the_running_instance_from_anywhere(tmp_path: Path) 
     # splits its command lines as a shell would
     config.write_text(f'instance = "{instance}"\nrun_dir = "r \'"\n[ingest]\nport_base = {base + 1}\n'
                       f"[metrics]\ndashboard_port = {base + 2}\n[workers]\nprocesses = 1\n")
-    serve = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "serve", "--config", "../conf/streamasr.toml", "--model", "null",
-                              "--address", f"tcp://*:{base}"], cwd=tmp_path / "elsewhere",
-                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    serve = _started("serve", "--config", "../conf/streamasr.toml", "--model", "null", "--address", f"tcp://*:{base}",
+                     cwd=tmp_path / "elsewhere", stderr=subprocess.PIPE)
     reaper = threading.Thread(target=serve.wait, daemon=True)  # supervisord's exit seen by `stop`, as when run from a shell
     reaper.start()
     try:
@@ -286,8 +291,7 @@ def _one_worker_config(config: Path, instance: str, run_dir: Path) -> None:
 def _serving(config: Path, instance: str, *args: str) -> Iterator[None]:
     """`streamasr serve --model null` as a shell runs it (its exit reaped, so that `stop` sees
     supervisord go), stopped with `streamasr stop` at the end; no shm may be left behind."""
-    serve = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "serve", "--config", str(config), "--model", "null", *args],
-                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    serve = _started("serve", "--config", str(config), "--model", "null", *args)
     reaper = threading.Thread(target=serve.wait, daemon=True)
     reaper.start()
     try:
@@ -308,8 +312,7 @@ def test_a_killed_supervisord_takes_its_programs_with_it(tmp_path: Path) -> None
     instance = f"orphan{uuid.uuid4().hex[:8]}"
     config = tmp_path / "streamasr.toml"
     _one_worker_config(config, instance, tmp_path / "run")
-    serve = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "serve", "--config", str(config), "--model", "null"],
-                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    serve = _started("serve", "--config", str(config), "--model", "null")
     programs: list[int] = []
     try:
         done = _streamasr("status", "--config", str(config), "--wait", "120", "--json", timeout=180)
@@ -339,8 +342,7 @@ def test_stop_sees_supervisord_exit_before_its_parent_reaps_it(tmp_path: Path) -
     instance = f"unreaped{uuid.uuid4().hex[:8]}"
     config = tmp_path / "streamasr.toml"
     _one_worker_config(config, instance, tmp_path / "run")
-    serve = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "serve", "--config", str(config), "--model", "null"],
-                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    serve = _started("serve", "--config", str(config), "--model", "null")
     try:
         done = _streamasr("status", "--config", str(config), "--wait", "120", timeout=180)
         assert done.returncode == 0, done.stdout
@@ -379,9 +381,7 @@ def test_two_serves_of_one_instance_at_once_start_it_once(tmp_path: Path) -> Non
     instance = f"twice{uuid.uuid4().hex[:8]}"
     config = tmp_path / "streamasr.toml"
     _one_worker_config(config, instance, tmp_path / "run")
-    serves = [subprocess.Popen([sys.executable, "-m", "streamasr.cli", "serve", "--config", str(config), "--model", "null"],
-                               cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    serves = [_started("serve", "--config", str(config), "--model", "null", stderr=subprocess.PIPE) for _ in range(2)]
     try:
         deadline = time.monotonic() + 60
         while all(s.poll() is None for s in serves) and time.monotonic() < deadline:
@@ -411,8 +411,7 @@ def test_stop_of_an_instance_still_starting_waits_for_it(tmp_path: Path) -> None
     config = tmp_path / "streamasr.toml"
     _one_worker_config(config, instance, tmp_path / "run")
     held = service.claim(settings.load(config))
-    stop = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "stop", "--config", str(config)], cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    stop = _started("stop", "--config", str(config), stderr=subprocess.PIPE)
     try:
         time.sleep(3)
         assert stop.poll() is None, "stop did not wait for the instance starting"
@@ -807,9 +806,7 @@ def test_a_tokenizer_json_that_cannot_be_read_is_refused_before_anything_starts(
     tokenizer had them fail over and over under supervisord while `serve` said nothing."""
     model = _model_dir(tmp_path, tokenizer='{"model": ')
     config = _model_config(tmp_path, tmp_path / "cache")
-    serve = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "serve", "--config", str(config), "--model", str(model)],
-                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)
+    serve = _started("serve", "--config", str(config), "--model", str(model), stderr=subprocess.PIPE)
     try:
         _, err = serve.communicate(timeout=60)
     except subprocess.TimeoutExpired:
