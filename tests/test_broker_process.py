@@ -153,6 +153,21 @@ class Cluster:
     def start_broker(self) -> subprocess.Popen:
         return self.start("broker", "-m", "broker")
 
+    def configure_broker(self, **fields: Any) -> Config:
+        """Change the broker's settings for the processes started after this."""
+        self.cfg = replace(self.cfg, broker=replace(self.cfg.broker, **fields))
+        self.config_file.write_text(settings.dump(self.cfg))
+        return self.cfg
+
+    def start_all(self) -> None:
+        """A broker, two workers and the fake ingest, the workers registered."""
+        self.start_broker()
+        self.start_worker(0)
+        self.start_worker(1)
+        self.ingest = FakeIngest(self.cfg)
+        self.ingest.start()
+        self.wait_workers(2)
+
     def start_worker(self, index: int) -> subprocess.Popen:
         return self.start(f"worker{index}", "-m", "workers", "--index", str(index))
 
@@ -243,12 +258,7 @@ def cluster() -> Iterator[Cluster]:
 
 @pytest.fixture
 def running(cluster: Cluster) -> Cluster:
-    cluster.start_broker()
-    cluster.start_worker(0)
-    cluster.start_worker(1)
-    cluster.ingest = FakeIngest(cluster.cfg)
-    cluster.ingest.start()
-    cluster.wait_workers(2)
+    cluster.start_all()
     return cluster
 
 
@@ -357,27 +367,30 @@ def test_killed_worker_jobs_are_redispatched(running: Cluster) -> None:
     assert [w["id"].split("-")[1] for w in running.status()["workers"]] == ["1"]
 
 
-def test_stopping_worker_hands_back_what_it_holds(running: Cluster) -> None:
+def test_stopping_worker_hands_back_what_it_holds(cluster: Cluster) -> None:
     """A worker stopped with jobs in hand says goodbye: the broker requeues them at once, logs
-    a clean leave (not a lost worker), and every job is answered exactly once."""
-    leaving = running.procs["worker0"]
-    first = running.jobs(20)
-    running.ingest.submit(first)
-    running.wait_answers(first)
+    a clean leave (not a lost worker), and every job is answered exactly once. The broker's
+    patience is 10 s: the worker is frozen for a while below, and is not to be lost meanwhile."""
+    cluster.configure_broker(liveness=100)
+    cluster.start_all()
+    leaving = cluster.procs["worker0"]
+    first = cluster.jobs(20)
+    cluster.ingest.submit(first)
+    cluster.wait_answers(first)
     leaving.send_signal(signal.SIGSTOP)  # idle, so what it is sent now it holds unread
-    second = running.jobs(100)
-    running.ingest.submit(second)
-    wait_for(lambda: any(w["id"].split("-")[1] == "0" and w["inflight"] == MAX_BATCH for w in running.status()["workers"]),
+    second = cluster.jobs(100)
+    cluster.ingest.submit(second)
+    wait_for(lambda: any(w["id"].split("-")[1] == "0" and w["inflight"] == MAX_BATCH for w in cluster.status()["workers"]),
              5, "a full credit dispatched to the stopped worker")
     leaving.send_signal(signal.SIGTERM)
     leaving.send_signal(signal.SIGCONT)
     assert leaving.wait(5) == 0
-    assert_exactly_once(running.wait_answers(first + second), first + second)
-    events = running.log_events("broker")
+    assert_exactly_once(cluster.wait_answers(first + second), first + second)
+    events = cluster.log_events("broker")
     [left] = [e for e in events if e["event"] == "broker.worker_left"]
     assert left["level"] == "info" and left["worker"].split("-")[1] == "0" and left["requeued"] == MAX_BATCH
     assert not [e for e in events if e["event"] == "broker.worker_lost"]
-    assert [w["id"].split("-")[1] for w in running.status()["workers"]] == ["1"]
+    assert [w["id"].split("-")[1] for w in cluster.status()["workers"]] == ["1"]
 
 
 def test_each_ingest_hears_of_the_realtime_streams_open_and_just_admitted_elsewhere(running: Cluster) -> None:
@@ -524,8 +537,7 @@ def test_an_idle_broker_is_listening_and_a_frozen_one_is_not(cluster: Cluster) -
     warned `broker.was_not_listening` and kept peers excused as "replacing their sockets", so a
     worker killed meanwhile counted no loss and a job that crashes every worker was never given
     up on. A real freeze is still told apart (the default heartbeat: 1 s ticks, 3 s patience)."""
-    cluster.cfg = replace(cluster.cfg, broker=replace(cluster.cfg.broker, heartbeat_ms=1000, liveness=3))
-    cluster.config_file.write_text(settings.dump(cluster.cfg))
+    cluster.configure_broker(heartbeat_ms=1000, liveness=3)
     broker = cluster.start_broker()
     wait_for(lambda: cluster.try_front(msgpack.packb({"type": "status"})), 20, "the broker answering")
     time.sleep(4.5)  # four idle ticks
@@ -555,9 +567,7 @@ def test_a_restarted_broker_asks_its_workers_to_register_at_once(cluster: Cluste
     """A broker restarted within the workers' patience (supervisord restarts one within a second)
     does not know them, and would send them nothing until that patience ran out: the jobs of every
     stream would wait. It answers their first heartbeats with REGISTER instead."""
-    cfg = replace(cluster.cfg, broker=replace(cluster.cfg.broker, heartbeat_ms=500, liveness=40))  # patience 20 s
-    cluster.cfg = cfg
-    cluster.config_file.write_text(settings.dump(cfg))
+    cfg = cluster.configure_broker(heartbeat_ms=500, liveness=40)  # patience 20 s
     cluster.start_broker()
     for index in (0, 1):
         cluster.start_worker(index)
@@ -615,8 +625,7 @@ def _replaced(endpoint: str, identity: bytes, ready: dict[str, Any]) -> zmq.Sock
 def _patient_broker(cluster: Cluster) -> None:
     """The broker with 1 s heartbeats: the hand-made peers below send none of their own, and
     must not be given up for silent while a round runs on a loaded machine."""
-    cfg = replace(cluster.cfg, broker=replace(cluster.cfg.broker, heartbeat_ms=1000, liveness=3))
-    cluster.config_file.write_text(settings.dump(cfg))
+    cluster.configure_broker(heartbeat_ms=1000, liveness=3)
     cluster.start_broker()
 
 
@@ -750,8 +759,7 @@ def test_ingests_hear_the_figures_when_a_peer_registers_not_at_the_next_tick(clu
     READY changes the start-up price of a stream: a burst opened before the broker's next tick
     would otherwise be admitted at the old figures. The broker ticks every 30 s here, so no
     heartbeat of its tick comes during the test."""
-    cfg = replace(cluster.cfg, broker=replace(cluster.cfg.broker, heartbeat_ms=30_000))
-    cluster.config_file.write_text(settings.dump(cfg))
+    cfg = cluster.configure_broker(heartbeat_ms=30_000)
     cluster.start_broker()
     info = {"index": 0, "endpoint": cfg.ingest_endpoint(0), "streams": 0}
     ingest = _replaced(cfg.broker_ingest_endpoint, b"ingest-0", {**info, "pid": 1})

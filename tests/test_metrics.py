@@ -518,6 +518,24 @@ def test_a_snapshot_with_an_impossible_pid_or_histogram_neither_stops_the_collec
         collector.close()
 
 
+def read_request(conn: socket.socket) -> None:
+    """Read one HTTP request whole: its headers, then as much body as they announce."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+    want = int(length.group(1)) if length else 0
+    while len(body) < want:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return
+        body += chunk
+
+
 def test_a_supervisord_socket_that_answers_no_http_is_reported_and_the_collector_lives_on(instance, publishers, collector) -> None:
     """Whatever listens on the supervisord socket (another program, a supervisord of another
     version gone wrong) must not end the collector's thread, which would freeze the dashboard:
@@ -537,7 +555,7 @@ def test_a_supervisord_socket_that_answers_no_http_is_reported_and_the_collector
             except TimeoutError:
                 continue
             with conn:
-                conn.recv(65536)
+                read_request(conn)  # all of it: answering before the body leaves would make the error a broken pipe
                 conn.sendall(b"garbage, not HTTP\r\n\r\n")
 
     thread = threading.Thread(target=answer_garbage, daemon=True)
