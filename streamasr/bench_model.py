@@ -62,18 +62,33 @@ def _traced_peaks_kib(fn, items) -> list[float]:
     return peaks
 
 
+ENGINES = ("ours-fp32", "ours-int8", "fw-int8", "fw-fp32")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="streamasr bench-model", description=__doc__)
     ap.add_argument("--model", default="whisper-tiny.en")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=1, help="runs per utterance; the fastest counts")
-    ap.add_argument("--engines", default="ours-fp32,ours-int8,fw-int8,fw-fp32")
+    ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ENGINES)}")
     ap.add_argument("--cache-dir", default="")
     ap.add_argument("--json", dest="json_path", default=None, help="write the results as one JSON object")
     args = ap.parse_args(argv)
     if args.repeat < 1 or args.threads < 1:
         ap.error("--repeat and --threads must be 1 or more")
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if unknown := [e for e in args.engines if e not in ENGINES]:  # before any engine is loaded
+        ap.error(f"--engines: unknown {', '.join(unknown)} (choose from {', '.join(ENGINES)})")
+    from speech.loader import ModelError
 
+    try:
+        return _run(args)
+    except ModelError as exc:  # an unknown model, a cache_dir it cannot write: the operator's to fix
+        print(f"streamasr bench-model: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     from config.settings import ModelConfig
     from speech import longform
     from speech.audio import load_audio
@@ -95,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     engines: dict = {}
     loads: dict[str, float] = {}
     sizes = {"ctranslate2_model_bin_mb": _size_mb([files.model_bin])}
-    for engine in [e.strip() for e in args.engines.split(",") if e.strip()]:
+    for engine in args.engines:
         kind, prec = engine.split("-", 1)
         if kind == "ours":
             from speech.ort_backend import OrtWhisperBackend
@@ -111,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             def fn(audio, backend=backend):
                 return longform.transcribe(backend, audio, language=language).text
 
-        elif kind == "fw":
+        else:  # fw: faster-whisper
             try:
                 from faster_whisper import WhisperModel
             except ImportError:
@@ -127,9 +142,6 @@ def main(argv: list[str] | None = None) -> int:
                                         condition_on_previous_text=False, vad_filter=False)  # fmt: skip
                 return "".join(s.text for s in segs).strip()
 
-        else:
-            print(f"unknown engine {engine}", file=sys.stderr)
-            return 2
         engines[engine] = fn
     load_before = os.getloadavg()[0]
     results = _bench_interleaved(engines, items, args.repeat)

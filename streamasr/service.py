@@ -461,6 +461,15 @@ def free_ports(count: int) -> int:
     raise RuntimeError("no free port range")
 
 
+class Refused(RuntimeError):
+    """`serve` refused to start an instance (a model or setting it cannot run): its message, and
+    its exit status as `code`."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 @dataclass
 class LocalService:
     """An instance this process started with `streamasr serve` (supervisord in the foreground)."""
@@ -518,5 +527,9 @@ def launch(root: Path, overrides: dict[str, Any] | None = None, ready_timeout: f
         if report.get("ready") and complete(report):
             return service
         time.sleep(0.25)
+    refused = proc.poll()  # `serve` exited on its own: it said why, as it does on the command line
     service.stop()
-    raise RuntimeError(f"service did not become ready: {report}\n{proc.stderr.read() if proc.stderr else ''}")
+    stderr = proc.stderr.read() if proc.stderr else ""
+    if refused:
+        raise Refused(stderr.strip() or f"streamasr serve exited with status {refused}", refused)
+    raise RuntimeError(f"service did not become ready: {report}\n{stderr}")

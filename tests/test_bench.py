@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -111,10 +112,22 @@ def test_sweep_reports_each_run_and_the_largest_within_the_bounds(tmp_path: Path
         assert r["jobs"]["done"] > 0 and sum(r["jobs"]["per_worker"].values()) == r["jobs"]["done"], r["jobs"]
 
 
+def test_an_offline_sweep_reports_the_largest_n_within_the_bound_on_finals(tmp_path: Path) -> None:
+    """Offline streams get finals only, no partials: a sweep of them is judged by its finals, or no
+    N is ever within the bounds, however wide."""
+    s, printed = bench_run(tmp_path, "--sweep", "1,2", "--offline", "--duration", "3", "--model", "null",
+                           "--p99-bound-ms", "1e9", "--interval-bound-ms", "1e9")
+    for r in s["sweep"]:
+        assert r["partials"] == 0 and r["final_latency_ms"]["count"] > 0, r
+        assert r["streams"]["unfinished"] == 0 and r["within_bounds"] is True, r["streams"]
+    assert s["best_streams"] == 2
+    assert "admit_max_realtime_streams" not in printed  # batch streams are never refused for load
+
+
 def run_report(partial_p99: float | None = 500.0, final_p99: float | None = 700.0, interval_p90: float | None = 300.0,
-            opened: int = 2, unfinished: int = 0, behind: bool = False) -> dict[str, Any]:
+            opened: int = 2, unfinished: int = 0, behind: bool = False, mode: str = "realtime") -> dict[str, Any]:
     """The parts of a run's report that `within_bounds` judges, for a 2-stream run."""
-    return {"partial_latency_ms": {"p99": partial_p99}, "final_latency_ms": {"p99": final_p99},
+    return {"config": {"mode": mode}, "partial_latency_ms": {"p99": partial_p99}, "final_latency_ms": {"p99": final_p99},
             "jitter_ms": {"partial_interval": {"p90": interval_p90}},
             "streams": {"requested": 2, "opened": opened, "unfinished": unfinished}, "generator": {"behind": behind}}
 
@@ -132,6 +145,11 @@ def run_report(partial_p99: float | None = 500.0, final_p99: float | None = 700.
     (run_report(partial_p99=None), False),  # nothing measured is no measure
     (run_report(final_p99=None), False),
     (run_report(interval_p90=None), False),
+    # offline streams get finals only: their bound is the finals'
+    (run_report(partial_p99=None, interval_p90=None, mode="offline"), True),
+    (run_report(partial_p99=None, interval_p90=None, final_p99=1500.1, mode="offline"), False),
+    (run_report(partial_p99=None, interval_p90=None, final_p99=None, mode="offline"), False),
+    (run_report(partial_p99=None, interval_p90=None, opened=1, mode="offline"), False),
 ])
 def test_within_bounds_takes_only_a_run_that_served_every_stream_within_each_bound(run: dict[str, Any],
                                                                                   within: bool) -> None:
@@ -306,3 +324,33 @@ def test_a_sweep_that_is_not_stream_counts_is_refused_with_the_usage(sweep: str,
     with pytest.raises(SystemExit) as refused:
         streamasr_bench.parse(["--sweep", sweep])
     assert refused.value.code == 2 and "--sweep: stream counts must be" in capsys.readouterr().err
+
+
+def test_a_model_the_service_refuses_is_said_as_serve_says_it_without_a_traceback(tmp_path: Path) -> None:
+    """A typo in --model (or a --config that `serve` refuses) is the operator's to fix: the bench
+    says what `serve` said, with its exit status, not a traceback of its own."""
+    proc = subprocess.run([sys.executable, "-m", "streamasr.cli", "bench", "--streams", "1", "--duration", "2",
+                           "--model", "whisper-huge"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    assert "error: unknown model 'whisper-huge'" in proc.stderr
+
+
+def test_workers_0_starts_and_reports_one_worker_per_core(tmp_path: Path) -> None:
+    """`--workers 0` is the service's own default, a worker per CPU core: the report must count the
+    workers that served, not the 0 it was given."""
+    s = bench(tmp_path, "--workers", "0", "--streams", "1", "--duration", "2", "--model", "null")
+    cores = os.cpu_count() or 1
+    assert s["config"]["workers"] == cores, s["config"]
+    assert {f"worker-{i}" for i in range(cores)} <= {p["name"] for p in s["processes"]}
+
+
+@pytest.mark.parametrize("flag, value", [("--duration", "inf"), ("--duration", "nan"), ("--frame-ms", "nan"),
+                                         ("--frame-ms", "inf"), ("--ramp", "nan"), ("--drain", "nan")])
+def test_a_time_that_is_not_a_finite_number_is_refused_with_the_usage(flag: str, value: str,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """`--duration inf` had every client build an endless playlist once the service had started, and
+    `--frame-ms nan` ended the clients with a traceback: refused before anything starts."""
+    with pytest.raises(SystemExit) as refused:
+        streamasr_bench.parse([flag, value])
+    assert refused.value.code == 2 and "must be finite numbers" in capsys.readouterr().err

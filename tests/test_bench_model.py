@@ -61,3 +61,15 @@ def test_wer_refuses_lists_of_different_lengths():
 
     with pytest.raises(ValueError, match="2 references against 1 hypotheses"):
         wer(["a b", "c"], ["a b"])
+
+
+def test_an_unknown_engine_or_model_is_refused_without_a_traceback():
+    """An engine that is not one of the four, or a model that does not exist, is the operator's typo:
+    said as an error with exit status 2, before any engine is loaded, not as a traceback."""
+    for args, said in ((["--engines", "ours"], "--engines"), (["--engines", "ours-fp16"], "--engines"),
+                       (["--engines", "ours-int8,fw-int16"], "--engines"),
+                       (["--model", "whisper-huge", "--engines", "ours-int8"], "unknown model 'whisper-huge'")):
+        proc = subprocess.run([sys.executable, "-m", "streamasr.cli", "bench-model", *args],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (args, proc.stderr[-2000:])
+        assert said in proc.stderr, (args, proc.stderr[-2000:])
