@@ -505,16 +505,27 @@ class Broker:
                 self._unreachable(ident, now)
         for index, state in list(self.ingests.items()):
             if now - state.link.seen > self._patience_s:
-                del self.ingests[index]
-                dropped = self.dispatcher.drop_ingest(index)
-                log.warning("broker.ingest_lost", ingest=index, ingest_pid=state.pid, dropped=len(dropped))
-            else:
-                self._send_figures(state, realtime, recent)
+                self._drop_ingest(state, "silent")
+            elif self._send_figures(state, realtime, recent) == zmq.EHOSTUNREACH and now > self._replacing_until:
+                self._drop_ingest(state, "unreachable")
 
-    def _send_figures(self, state: IngestState, realtime: int, recent: int) -> None:
+    def _drop_ingest(self, state: IngestState, why: str) -> None:
+        """Forget an ingest that died or went silent, with the jobs it queued (their answers
+        would go nowhere). Its connection closing gives it up at once, not after the patience:
+        until then the front door would still send new clients to a dead endpoint, where their
+        `open` waits out its timeout. One that was draining has ended as it meant to."""
+        del self.ingests[state.index]
+        dropped = len(self.dispatcher.drop_ingest(state.index))
+        if state.draining:
+            log.info("broker.ingest_left", ingest=state.index, ingest_pid=state.pid, dropped=dropped)
+        else:
+            log.warning("broker.ingest_lost", ingest=state.index, ingest_pid=state.pid, why=why, dropped=dropped)
+
+    def _send_figures(self, state: IngestState, realtime: int, recent: int) -> int:
         """The admission figures, as a heartbeat to one ingest; `realtime` and `recent` are the
-        service's totals, of which the ingest is told the other ingests' part."""
-        self._send(self._ingest_sock, ingest_identity(state.index), [wire.HEARTBEAT, wire.pack({
+        service's totals, of which the ingest is told the other ingests' part. Returns the send's
+        errno, 0 once sent."""
+        return self._deliver(self._ingest_sock, ingest_identity(state.index), [wire.HEARTBEAT, wire.pack({
             "load": round(self.load, 3), "busy": round(self.busy, 3), "stream_share": round(self.stream_share, 4),
             "realtime_elsewhere": realtime - state.realtime, "recent_elsewhere": recent - state.recent,
             "window_s": self.figures_window_s,
@@ -588,13 +599,18 @@ class Broker:
 
     @staticmethod
     def _send(sock: zmq.Socket, ident: bytes, frames: list[bytes]) -> bool:
+        return Broker._deliver(sock, ident, frames) == 0
+
+    @staticmethod
+    def _deliver(sock: zmq.Socket, ident: bytes, frames: list[bytes]) -> int:
+        """0 once sent; else EHOSTUNREACH (not connected) or EAGAIN (connected, not reading)."""
         try:
             sock.send_multipart([ident, *frames], zmq.NOBLOCK)
-            return True
-        except zmq.ZMQError as exc:  # EHOSTUNREACH: not connected; EAGAIN: not reading
+            return 0
+        except zmq.ZMQError as exc:
             if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
                 raise
-            return False
+            return exc.errno
 
     # -- front door ------------------------------------------------------------------------------
 

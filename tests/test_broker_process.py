@@ -876,6 +876,32 @@ def test_an_ingest_drops_a_broker_message_it_cannot_read(cluster: Cluster) -> No
         ingest.broker.close(linger=0)
 
 
+def test_an_ingest_whose_connection_closes_gets_no_new_clients(cluster: Cluster) -> None:
+    """An ingest that dies (killed, crashed) closes its connection to the broker. Until the broker
+    gives it up the front door sends new clients to its dead endpoint, where their `open` waits
+    out its timeout: so it is given up as soon as a heartbeat finds its connection gone, not at
+    the end of the broker's patience (10 s here). One that was draining has left, not been lost."""
+    cluster.configure_broker(liveness=100)
+    cluster.start_broker()
+    cluster.start_worker(0)
+    hello = msgpack.packb({"type": "hello", "version": 1})
+    for draining in (False, True):
+        ingest = FakeIngest(cluster.cfg)
+        ingest.reported = {"streams": 0, "draining": draining}
+        ingest.start()
+        wait_for(lambda: [i["index"] for i in cluster.status()["ingests"]] == [0], 10, "the ingest registered")
+        if not draining:
+            cluster.wait_workers(1)
+            assert cluster.front(hello)["type"] == "welcome"
+        ingest.stop()  # its socket closes, as a dead process's does
+        wait_for(lambda: not cluster.status()["ingests"], 3, "the ingest given up")
+        reply = cluster.front(hello)
+        assert reply["type"] == "error" and reply["code"] == "not_ready", reply
+    events = [e for e in cluster.log_events("broker") if e["event"] in ("broker.ingest_lost", "broker.ingest_left")]
+    assert [(e["event"], e["level"], e.get("why")) for e in events] == [
+        ("broker.ingest_lost", "warning", "unreachable"), ("broker.ingest_left", "info", None)], events
+
+
 def test_an_ingest_given_up_on_registers_again_and_gets_its_final(cluster: Cluster) -> None:
     """An ingest whose loop stalled past the broker's patience is dropped with its queued jobs
     (a final among them). The broker still answers it (expired partials of another stream), so
