@@ -8,6 +8,7 @@ read when present.
 from __future__ import annotations
 
 import json
+import re
 from functools import cached_property
 from pathlib import Path
 
@@ -22,6 +23,9 @@ LANGUAGES = (
 ).split()
 
 TIME_PRECISION = 0.02  # seconds per timestamp token
+# what a byte-level decode shows for a character whose bytes are not all there, at either end
+_CUT_START = re.compile("^(\\s*)\ufffd+")
+_CUT_END = re.compile("\ufffd+(\\s*)$")
 
 
 def language_base(language: str) -> str:
@@ -124,7 +128,11 @@ class WhisperTokenizer:
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
-        return self.tok.decode([i for i in ids if i < self.eot], skip_special_tokens=False)
+        """The text of `ids`, special tokens left out. A character needs several tokens in many
+        scripts (one per byte of it, for tiny.en); one cut between them at either end (a decode
+        stopped at its token cap, a segment closed inside it) is left out, not shown as U+FFFD."""
+        text = self.tok.decode([i for i in ids if i < self.eot], skip_special_tokens=False)
+        return _CUT_END.sub(r"\1", _CUT_START.sub(r"\1", text))
 
     def language_code(self, language: str | None) -> str | None:
         """The model's code for `language` (see `language_base`), or None when it has none: a

@@ -16,6 +16,8 @@ from speech import decoding, longform
 from speech.audio import AudioError, load_audio
 from speech.backend import SAMPLE_RATE, DecodeRequest
 from speech.decoding import DecodeOptions, WhisperDecoder, window_token_cap
+from speech.loader import resolve_model
+from speech.tokenizer import WhisperTokenizer
 from streamasr.testdata import normalize, spoken, utterances, wer
 
 PARITY_POINTS = 0.005  # |WER ours - WER faster-whisper|, same weights, greedy, fp32
@@ -151,6 +153,21 @@ def test_the_tokenizer_reads_back_what_the_model_writes(base, dev):
         words = [t for t in tokens if t < tk.eot]
         assert tk.encode(tk.decode(words)) == words, u.reference
     assert tk.encode(" tell them that this is it") == [980, 552, 300, 341, 307, 309]
+
+
+def test_a_character_cut_between_its_tokens_is_left_out_not_shown_as_a_replacement_mark():
+    """tiny.en writes a Chinese or Hindi character as a token per byte, and a partial stopped at
+    its token cap (or a segment closed between them) cut one in two: the screen showed "今天天�".
+    The cut character is left out at either end; whole ones stay as they are."""
+    tk = WhisperTokenizer(resolve_model(ModelConfig(name="whisper-tiny.en")).dir)
+    for sentence in (" 今天天气很好", " नमस्ते दुनिया"):
+        ids = tk.encode(sentence)
+        assert len(ids) > len(sentence)  # several tokens to some character
+        for k in range(1, len(ids)):
+            head, tail = tk.decode(ids[:k]), tk.decode(ids[k:])
+            assert "\ufffd" not in head + tail, (k, head, tail)
+            assert sentence.startswith(head) and sentence.strip().endswith(tail.strip()), (k, head, tail)
+        assert tk.decode(ids) == sentence
 
 
 @pytest.mark.base
