@@ -41,6 +41,10 @@ MODEL_NAMES = ("whisper-tiny.en", "whisper-base", "null")  # registered names: n
 MAX_WATCH_S = 86_400.0
 MAX_THREADS = 1024  # ONNX Runtime takes an int32; far more than any machine's cores
 MAX_DEADLINE_MS = 86_400_000
+# What Whisper hears at once. A final longer than that has its audio past the window decoded only
+# when the model stops with a segment left open; one ending its text at a pause just before
+# 30 s would lose the rest, so a segment is cut before it grows longer.
+MAX_SEGMENT_S = 30.0
 
 
 class ConfigError(ValueError):
@@ -116,7 +120,7 @@ class VadConfig:
     threshold: float = setting(0.5, hi=1)
     min_silence_ms: int = 500  # a pause this long ends a segment
     min_speech_ms: int = 150  # shorter bursts are not segments
-    max_segment_s: float = setting(25.0, lo=1, hi=MAX_WATCH_S)  # cut a segment that runs this long
+    max_segment_s: float = setting(25.0, lo=1, hi=MAX_SEGMENT_S)  # cut a segment that runs this long
     pad_ms: int = 400  # audio kept before speech starts and after it ends: Whisper misreads clipped onsets
 
 

@@ -41,7 +41,9 @@ def test_the_embedded_default_and_its_file_agree() -> None:
     ({"broker": {"stall_after_s": 1e10}}, "broker.stall_after_s must be between 0 and 86400.0, not 10000000000.0"),
     ({"workers": {"stuck_after_s": 1e10}}, "workers.stuck_after_s must be between 0 and 86400.0, not 10000000000.0"),
     # finite, so past the inf check, but a second of it at 16 kHz is not: sizing the ring raised OverflowError
-    ({"vad": {"max_segment_s": 1e305}}, "vad.max_segment_s must be between 1 and 86400.0, not 1e+305"),
+    ({"vad": {"max_segment_s": 1e305}}, "vad.max_segment_s must be between 1 and 30.0, not 1e+305"),
+    # Whisper hears 30 s at once: a longer final could lose its end
+    ({"vad": {"max_segment_s": 30.5}}, "vad.max_segment_s must be between 1 and 30.0, not 30.5"),
     ({"shm": {"ring_seconds": 1e305}}, "shm.ring_seconds must be between 1 and 86400.0, not 1e+305"),
     ({"shm": 60}, "shm must be a table ([shm])"),
     # pyzmq takes a poll's timeout as a C int of milliseconds: the worker could not wait half of this
