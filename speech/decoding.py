@@ -263,7 +263,8 @@ class WhisperDecoder:
         tb, k = self.ts_begin, round(shift / TIME_PRECISION)
         last = tb + round(MAX_WINDOW_S / TIME_PRECISION)  # <|30.00|>
         toks = a_toks[:-1] + [min(t + k, last) if t >= tb else t for t in b_toks]
-        segments = a.segments + [Segment(round(s.start + shift, 2), round(s.end + shift, 3), s.text) for s in b.segments]
+        segments = a.segments + [Segment(min(round(s.start + shift, 2), round(s.end + shift, 3)), round(s.end + shift, 3), s.text)
+                                 for s in b.segments]
         res = DecodeResult(
             text=self.tk.decode([t for t in toks if t < self.tk.eot]).strip(), segments=segments, language=a.language,
             avg_logprob=(a.avg_logprob * (a.tokens + 1) + b.avg_logprob * (b.tokens + 1)) / (a.tokens + b.tokens + 2),
@@ -628,7 +629,9 @@ class WhisperDecoder:
             if cur:
                 seg_text = self.tk.decode(cur).strip()
                 if seg_text:
-                    segments.append(Segment(min(round(start or 0.0, 2), duration), round(duration, 3), seg_text))
+                    # a start rounded to the centisecond may pass the end rounded to the millisecond
+                    end = round(duration, 3)
+                    segments.append(Segment(min(round(start or 0.0, 2), end), end, seg_text))
         return DecodeResult(
             text=text, segments=segments, language=language, avg_logprob=avg, no_speech_prob=no_speech, tokens=sampled
         )

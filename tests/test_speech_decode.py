@@ -14,7 +14,7 @@ import soundfile as sf
 from config.settings import ModelConfig
 from speech import decoding, longform
 from speech.audio import AudioError, load_audio
-from speech.backend import SAMPLE_RATE, DecodeRequest
+from speech.backend import SAMPLE_RATE, DecodeRequest, DecodeResult, Segment
 from speech.decoding import DecodeOptions, WhisperDecoder, window_token_cap
 from speech.loader import resolve_model
 from speech.tokenizer import WhisperTokenizer
@@ -253,6 +253,28 @@ def test_silence_gives_empty_text(tiny):
     res = tiny.transcribe_batch([DecodeRequest(audio=np.zeros(SAMPLE_RATE // 2, np.float32))])[0]
     assert res.text == "" and res.segments == []
     assert res.no_speech_prob > 0.5
+
+
+def test_a_segment_opened_at_the_audios_end_does_not_start_after_it_ends(tiny):
+    """Whisper may open a last segment at (or past) the audio's end. Its start was rounded to the
+    centisecond and its end to the millisecond, so with 1.2364 s of audio it came out as 1.2364 to
+    1.236: a segment ending before it starts. The same held for a segment of a final decoded on.
+    The model's tokens are given here: which audio makes it do this cannot be chosen."""
+    dec, tk = tiny.decoding, tiny.tokenizer
+    audio = np.zeros(19_783, np.float32)  # 1.2364375 s
+    duration = len(audio) / SAMPLE_RATE
+
+    def ts(seconds: float) -> int:
+        return dec.ts_begin + round(seconds / 0.02)
+
+    row = decoding._Row(req=0, tokens=[ts(0.0), *tk.encode(" hello"), ts(1.0), ts(1.24), *tk.encode(" world"), tk.eot])
+    res = dec._result(DecodeRequest(audio=audio), row, "en", 0.0)
+    assert [s.text for s in res.segments] == ["hello", "world"]
+    assert all(s.start <= s.end <= duration for s in res.segments), res.segments
+    rest = DecodeResult(text="world", segments=[Segment(0.5364, 0.5364, "world")])
+    joined, _ = dec._joined((DecodeResult(text="hello", segments=[Segment(0.0, 0.7, "hello")]), [ts(0.0), tk.eot]),
+                            (rest, [ts(0.54), tk.eot]), 0.7)
+    assert all(s.start <= s.end for s in joined.segments), joined.segments
 
 
 def test_a_long_prompt_keeps_whispers_223_tokens(tiny, dev):
