@@ -414,6 +414,7 @@ def stop(cfg: Config, timeout: float | None = None) -> bool:
             time.sleep(0.1)
     if pid is None:
         return False
+    sockets = saved_config(cfg).ipc_paths  # as started: `serve --ingest N` binds N results sockets
     try:
         os.kill(pid, 15)
     except ProcessLookupError:  # it exited since its pid was read (another `stop`): stopped all the same
@@ -426,8 +427,23 @@ def stop(cfg: Config, timeout: float | None = None) -> bool:
             if not pool.users(cfg.instance):
                 for name in pool.reclaim(cfg.instance):
                     print(f"reclaimed shm segment {name} left by a program killed as it stopped", file=sys.stderr)
+            for path in sockets:  # ZeroMQ leaves its socket files behind when it closes them
+                if _unbound(path):
+                    Path(path).unlink(missing_ok=True)
             return True
         time.sleep(0.1)
+    return False
+
+
+def _unbound(path: str) -> bool:
+    """A Unix socket file that nothing listens on any more (one still bound accepts a connection)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            return True
+        except OSError:  # not there, not a socket
+            return False
     return False
 
 

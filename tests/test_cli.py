@@ -290,7 +290,8 @@ def _one_worker_config(config: Path, instance: str, run_dir: Path) -> None:
 @contextmanager
 def _serving(config: Path, instance: str, *args: str) -> Iterator[None]:
     """`streamasr serve --model null` as a shell runs it (its exit reaped, so that `stop` sees
-    supervisord go), stopped with `streamasr stop` at the end; no shm may be left behind."""
+    supervisord go), stopped with `streamasr stop` at the end; no shm may be left behind, nor
+    the sockets in its run directory."""
     serve = _started("serve", "--config", str(config), "--model", "null", *args)
     reaper = threading.Thread(target=serve.wait, daemon=True)
     reaper.start()
@@ -298,6 +299,9 @@ def _serving(config: Path, instance: str, *args: str) -> Iterator[None]:
         yield
         assert _streamasr("stop", "--config", str(config)).returncode == 0
         reaper.join(10)
+        served = settings.load_started(settings.load(config).run_path / "config.toml")  # --ingest N included
+        left = [path for path in served.ipc_paths if os.path.exists(path)]
+        assert not left, left
     finally:
         if serve.poll() is None:
             serve.send_signal(signal.SIGTERM)
