@@ -194,23 +194,35 @@ class _Nvml:
     """GPU utilisation and memory, only where pynvml imports and a GPU exists."""
 
     def __init__(self) -> None:
-        self.handles: list[Any] = []
+        self.handles: list[tuple[int, Any]] = []
         try:
             import pynvml  # optional: not a dependency
 
             pynvml.nvmlInit()
             self.nvml: Any = pynvml
-            self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            count = pynvml.nvmlDeviceGetCount()
         except Exception:  # no module, no driver, no device: GPU figures are omitted
-            self.handles = []
+            return
+        for i in range(count):
+            # NVML counts GPUs it may not talk to (NO_PERMISSION) and answers NOT_SUPPORTED for the
+            # utilisation of a MIG-enabled one: such a GPU is left out, not every GPU with it
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+                self._figures(i, handle)
+            except Exception:
+                continue
+            self.handles.append((i, handle))
+
+    def _figures(self, i: int, handle: Any) -> dict[str, Any]:
+        memory = self.nvml.nvmlDeviceGetMemoryInfo(handle)
+        return {"gpu": str(i), "utilization_percent": float(self.nvml.nvmlDeviceGetUtilizationRates(handle).gpu),
+                "memory_used_bytes": int(memory.used), "memory_total_bytes": int(memory.total)}
 
     def read(self) -> list[dict[str, Any]]:
         gpus = []
         try:
-            for i, handle in enumerate(self.handles):
-                memory = self.nvml.nvmlDeviceGetMemoryInfo(handle)
-                gpus.append({"gpu": str(i), "utilization_percent": float(self.nvml.nvmlDeviceGetUtilizationRates(handle).gpu),
-                             "memory_used_bytes": int(memory.used), "memory_total_bytes": int(memory.total)})
+            for i, handle in self.handles:
+                gpus.append(self._figures(i, handle))
         except Exception:  # a driver gone away mid-run: stop asking
             self.close()
             return []

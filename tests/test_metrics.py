@@ -676,6 +676,43 @@ def test_gpu_figures_come_from_nvml_when_it_is_there(tmp_path: Path, monkeypatch
     collector.close()
 
 
+def test_a_gpu_nvml_cannot_read_is_left_out_and_the_others_are_still_shown(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVML counts GPUs it may not talk to (their handle is refused with NO_PERMISSION) and does
+    not report the utilisation of a MIG-enabled GPU (NOT_SUPPORTED): the stand-in has one of each
+    beside a GPU that answers."""
+    import types
+
+    class NVMLError(Exception):
+        pass
+
+    def handle(i: int) -> str:
+        if i == 0:
+            raise NVMLError("Insufficient Permissions")
+        return f"gpu{i}"
+
+    def utilization(h: str) -> types.SimpleNamespace:
+        if h == "gpu1":
+            raise NVMLError("Not Supported")
+        return types.SimpleNamespace(gpu=37, memory=5)
+
+    nvml = types.ModuleType("pynvml")
+    nvml.nvmlInit = lambda: None  # type: ignore[attr-defined]
+    nvml.nvmlShutdown = lambda: None  # type: ignore[attr-defined]
+    nvml.nvmlDeviceGetCount = lambda: 3  # type: ignore[attr-defined]
+    nvml.nvmlDeviceGetHandleByIndex = handle  # type: ignore[attr-defined]
+    nvml.nvmlDeviceGetUtilizationRates = utilization  # type: ignore[attr-defined]
+    nvml.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(used=2 << 30, total=80 << 30, free=78 << 30)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    cfg, _ = instance_config(tmp_path)
+    collector = Collector(cfg)
+    collector.refresh()
+    collector.refresh()
+    assert collector.snapshot().get("gpus") == [{"gpu": "2", "utilization_percent": 37.0, "memory_used_bytes": 2 << 30,
+                                                 "memory_total_bytes": 80 << 30}]
+    assert samples(collector.prometheus().decode())[("streamasr_gpu_utilization_percent", (("gpu", "2"),))] == 37.0
+    collector.close()
+
+
 def test_no_gpu_figures_without_nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails, as where it is not installed
     cfg, _ = instance_config(tmp_path)
