@@ -526,7 +526,12 @@ class Session:
             return
         self.closed = True
         figures = self.figures()
-        self.outbox.append(self.closed_message(self.close_reason, durable=self.offset + self.in_frames))
+        # Ended by a shutdown, the stream resumes elsewhere from `durable`. All it took would skip
+        # its last part of a VAD chunk (and, at other rates, what the resampler held): a word begun
+        # there lost its onset. From the point a future segment could start at, with its pad, the
+        # resumed stream hears it whole.
+        durable = self.durable() if self.close_reason == "shutdown" else self.offset + self.in_frames
+        self.outbox.append(self.closed_message(self.close_reason, durable=durable))
         self.log.info("ingest.stream_closed", reason=self.close_reason, **figures)
 
     def closed_message(self, reason: str, durable: int) -> m.Closed:

@@ -233,6 +233,24 @@ def test_a_drain_ends_a_silent_stream_at_once_and_a_speaking_one_when_its_wait_r
     assert (final.start, final.end) == (0, 20 * CHUNK)  # cut where the audio stops
 
 
+def test_a_stream_a_drain_ends_resumes_from_before_the_audio_its_vad_never_heard(long_pool: RingPool) -> None:
+    """The VAD takes whole 32 ms chunks, so a drain ends a quiet stream with the last part of one
+    never classified. `closed` said all the audio was durable, so the stream resumed after it: a
+    word begun there had its onset heard nowhere. A resume from `durable` hears it again, with the
+    pad a segment opens with before it."""
+    s = session(long_pool)
+    talk = Talker(s)
+    talk.say(0.05, 30)
+    assert s.accept_audio(m.Audio(stream="s", seq=talk.seq, data=tone(CHUNK // 2, 16000, start=talk.seq * CHUNK)))
+    s.wind_down(time.monotonic() + 60)
+    s.step()
+    s.step()
+    [closed] = [msg for msg in s.outbox if isinstance(msg, m.Closed)]
+    classified = 30 * CHUNK  # the rest, half a chunk, was taken to go on as the stream did: quiet
+    assert closed.reason == "shutdown" and s.in_frames == classified + CHUNK // 2
+    assert closed.durable <= classified - CFG.vad.pad_ms * 16
+
+
 def test_a_client_s_end_while_its_stream_winds_down_ends_it_as_asked(long_pool: RingPool) -> None:
     s = session(long_pool)
     Talker(s).say(0.9, 20)
