@@ -849,7 +849,12 @@ def started_settings(args: argparse.Namespace, counts: list[int]) -> dict[str, A
         overrides["ingest"] |= {"admit_max_load_s": 0, "admit_max_busy": 0, "admit_max_realtime_streams": 0}
     overrides = settings.merge({"model": {"name": model, "backend": "null" if model == "null" else "onnxruntime"},
                                 "workers": {"processes": args.workers}}, overrides)
-    return settings.merge(base, overrides)
+    merged = settings.merge(base, overrides)
+    held = settings.load(None, merged)
+    per_ingest = -(-max(counts) // held.ingest.processes)
+    if per_ingest > held.shm.streams_per_ingest:  # rings for every stream: the run measures N, not a refusal
+        merged = settings.merge(merged, {"shm": {"streams_per_ingest": per_ingest}})
+    return merged
 
 
 def _terminate(signum: int, _frame: Any) -> None:

@@ -264,6 +264,24 @@ def test_the_started_services_config_takes_relative_paths_from_the_files_directo
     assert Path(started.model.cache_dir).resolve() == Path(settings.load(tmp_path / "conf" / "bench.toml").model.cache_dir).resolve()
 
 
+@pytest.mark.parametrize("argv, counts, per_ingest", [
+    (["--streams", "300"], [300], 300),
+    (["--sweep", "100,600"], [100, 600], 600),
+    (["--streams", "300", "--config", "TWO_INGESTS"], [300], 256),  # 2 × 256 hold them already
+    (["--streams", "10"], [10], 256),  # never fewer than the config's
+])
+def test_the_started_service_has_a_ring_for_every_stream(tmp_path: Path, argv: list[str], counts: list[int],
+                                                         per_ingest: int) -> None:
+    """The service the bench starts admits every stream: with more than its rings (256 per
+    ingest) the run measured `too_many_streams` refusals instead of N streams."""
+    config = tmp_path / "two.toml"
+    config.write_text("[ingest]\nprocesses = 2\n")
+    args = streamasr_bench.parse([str(config) if a == "TWO_INGESTS" else a for a in argv] + ["--model", "null"])
+    started = settings.load(None, streamasr_bench.started_settings(args, counts))
+    assert started.shm.streams_per_ingest == per_ingest
+    assert started.ingest.processes * started.shm.streams_per_ingest >= max(counts)
+
+
 def test_throughput_of_a_run_that_ended_nothing_counts_the_audio_sent_not_the_drain() -> None:
     """A stream that never closed and had no final (a service that stopped answering) must not
     have its throughput divided by the time the bench then waited for a drain."""
