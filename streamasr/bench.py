@@ -47,9 +47,10 @@ from metrics import allocwatch
 from metrics.collector import Histogram
 from metrics.registry import PUBLISH_INTERVAL_S
 from protocol import messages as m
+from protocol.auth import Curve
 from streamasr.allocmarks import AllocationMarks
 from streamasr.loadgen import Clip, Plan, RecordReader
-from streamasr.service import LocalService, Refused, launch
+from streamasr.service import LocalService, Refused, launch, ops_curve
 
 ROOT = Path(__file__).resolve().parents[1]
 GAP_S = 0.8  # silence after each clip: more than the VAD's minimum silence, so each clip ends a segment
@@ -76,12 +77,13 @@ class Target:
 
     address: str
     local: LocalService | None = None
+    curve: Curve | None = None  # the keys its clients use, when it has CURVE on
 
     def status(self) -> m.StatusReply | None:
         from streamasr.service import front_door
 
         try:
-            reply = front_door(self.address, m.Status(), timeout=5.0)
+            reply = front_door(self.address, m.Status(), timeout=5.0, curve=self.curve)
         except (TimeoutError, m.ProtocolError):
             return None
         return reply if isinstance(reply, m.StatusReply) else None
@@ -531,7 +533,7 @@ def client_processes(streams: int, requested: int | None, per_client: int) -> in
 def run_load(target: Target, spec: RunSpec, clips: list[Clip]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Open every stream, start them together (or, with a ramp, open them one by one during the run),
     collect the clients' samples and summarize."""
-    welcome = handshake(zmq.Context.instance(), target.address, 30.0)
+    welcome = handshake(zmq.Context.instance(), target.address, 30.0, target.curve)
     procs_n = client_processes(spec.streams, spec.clients, int(welcome.limits.get("max_streams_per_client", 64)))
     tag = uuid.uuid4().hex[:8]
     procs: list[subprocess.Popen] = []
@@ -543,7 +545,8 @@ def run_load(target: Target, spec: RunSpec, clips: list[Clip]) -> tuple[dict[str
             count = share + (1 if k < extra else 0)
             plan = Plan(address=target.address, tag=tag, first=first, count=count, clips=clips,
                         duration_s=spec.duration_s, frame_ms=spec.frame_ms, offline=spec.offline, gap_s=GAP_S,
-                        drain_s=spec.drain_s, ramp_s=spec.ramp_s, total=spec.streams, rate=spec.rate)
+                        drain_s=spec.drain_s, ramp_s=spec.ramp_s, total=spec.streams, rate=spec.rate,
+                        curve=[key.decode() for key in target.curve] if target.curve else None)
             first += count
             proc = subprocess.Popen([sys.executable, "-m", "streamasr.loadgen"], cwd=ROOT, stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE)
@@ -832,6 +835,15 @@ def served(target: Target, asked: str | None, asked_batch: int | None = None) ->
     return model, len(reply.workers) or None, max_batch
 
 
+def client_curve(cfg: settings.Config) -> Curve | None:
+    """The keys the bench's clients talk to a CURVE service with (see service.ops_curve); a key
+    missing or unreadable is the config's error."""
+    try:
+        return ops_curve(cfg)
+    except (ValueError, OSError) as exc:
+        raise settings.ConfigError(str(exc)) from None
+
+
 def started_settings(args: argparse.Namespace, counts: list[int]) -> dict[str, Any]:
     """The settings of the service the bench starts: --config's (its relative paths from its own
     directory, as `serve` takes them), under the bench's options; the model is --model, else
@@ -873,11 +885,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         clips = corpus(workdir)
         if args.server:
-            target = Target(args.server)
+            # a service with CURVE on answers only the keys of the config's ingest.curve_client_key
+            target = Target(args.server, curve=client_curve(settings.load(args.config)))
             model, workers, served_batch = served(target, args.model, args.max_batch)
         else:
             overrides = started_settings(args, counts)
-            model, workers = overrides["model"]["name"], settings.load(None, overrides).worker_count  # 0: one per core
+            started = settings.load(None, overrides)
+            curve = client_curve(started)
+            model, workers = overrides["model"]["name"], started.worker_count  # 0: one per core
             served_batch = None
             print(f"starting the service: model {model}, {workers} workers ...", file=sys.stderr, flush=True)
             if args.tracemalloc:
@@ -888,7 +903,7 @@ def main(argv: list[str] | None = None) -> int:
                 local = launch(workdir, overrides)
             finally:
                 os.environ.pop(allocwatch.ENV, None)
-            target = Target(local.address, local)
+            target = Target(local.address, local, curve)
         runs: list[tuple[dict[str, Any], dict[str, np.ndarray]]] = []
         best: int | None = None
         cfg = target.local.cfg if target.local else None  # settings are known only for a service we started

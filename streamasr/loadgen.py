@@ -28,6 +28,7 @@ import zmq
 
 from client.client import handshake
 from client.core import StreamCore, ingest_endpoint, limits_from
+from protocol.auth import apply_client_curve
 from protocol.messages import (
     Ack,
     Audio,
@@ -74,6 +75,7 @@ class Plan:
     ramp_s: float = 0.0  # stream i of `total` opens at t0 + i * ramp_s / total; 0: all open before t0
     total: int = 1  # streams over all client processes
     rate: int = 16000  # what the streams send: other rates make the ingest resample
+    curve: list[str] | None = None  # a CURVE service's public key and the client's secret key, z85
 
     def to_wire(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -150,9 +152,12 @@ class LoadClient:
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self.ctx = zmq.Context()
-        welcome = handshake(self.ctx, plan.address, OPEN_TIMEOUT_S)
+        curve = (plan.curve[0].encode(), plan.curve[1].encode()) if plan.curve else None
+        welcome = handshake(self.ctx, plan.address, OPEN_TIMEOUT_S, curve)
         limits = limits_from(welcome)
         self.sock = self.ctx.socket(zmq.DEALER)
+        if curve is not None:
+            apply_client_curve(self.sock, *curve)
         self.sock.linger = 0
         self.sock.sndhwm = 0  # never drop or block on our own queue: lateness must show as send lag
         self.sock.rcvhwm = 0

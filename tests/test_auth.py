@@ -139,6 +139,23 @@ def test_transcribe_streams_with_the_config_s_client_key(secured: Service, tmp_p
     assert done.returncode == 2 and "curve_client_key" in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
+def test_bench_streams_to_a_service_with_curve_on_with_the_config_s_client_key(secured: Service, tmp_path: Path) -> None:
+    """docs/OPERATIONS.md has operators bench their own config: with CURVE on, the bench's clients
+    spoke without keys, were answered by no one and waited out their timeouts. They use
+    `ingest.curve_client_key`, as `status` and `transcribe` do."""
+    out = tmp_path / "bench.json"
+    done = secured.cli("bench", "--server", secured.address, "--streams", "2", "--duration", "2", "--json", str(out),
+                       timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    streams = json.loads(out.read_text())["streams"]
+    assert streams["opened"] == streams["closed"] == 2 and not streams["refused"], streams
+    config_file = tmp_path / "nokey.toml"
+    cfg = secured.cfg
+    config_file.write_text(settings.dump(dataclasses.replace(cfg, ingest=dataclasses.replace(cfg.ingest, curve_client_key=""))))
+    done = secured.cli("bench", "--server", secured.address, "--config", str(config_file), "--duration", "2")
+    assert done.returncode == 2 and "curve_client_key" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
 def test_local_permissions(secured: Service) -> None:
     run = secured.cfg.run_path
     assert stat.S_IMODE(run.stat().st_mode) == 0o700
