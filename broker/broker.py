@@ -182,6 +182,8 @@ class Broker:
             sock.setsockopt(zmq.LINGER, 0)
         self._front.setsockopt(zmq.LINGER, 0)
         self._front.setsockopt(zmq.MAXMSGSIZE, cfg.ingest.max_message_bytes)
+        self._front.setsockopt(zmq.HEARTBEAT_IVL, m.CLIENT_HEARTBEAT_MS)  # a client gone without a FIN is let go
+        self._front.setsockopt(zmq.HEARTBEAT_TIMEOUT, m.CLIENT_HEARTBEAT_TIMEOUT_MS)
         # Replies to clients that left are dropped: one vanished client must not stall the loop.
         self._front.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self._limits = m.Limits(max_frame_bytes=cfg.ingest.max_frame_bytes, max_message_bytes=cfg.ingest.max_message_bytes)

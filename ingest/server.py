@@ -86,6 +86,8 @@ class IngestServer:
         self.clients.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished client is an error we log, not a silent drop
         self.clients.setsockopt(zmq.SNDHWM, CLIENT_QUEUE)
         self.clients.setsockopt(zmq.LINGER, 0)
+        self.clients.setsockopt(zmq.HEARTBEAT_IVL, m.CLIENT_HEARTBEAT_MS)  # a client gone without a FIN is let go
+        self.clients.setsockopt(zmq.HEARTBEAT_TIMEOUT, m.CLIENT_HEARTBEAT_TIMEOUT_MS)
         cfg.run_path.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.results = self.ctx.socket(zmq.PULL)
         self.results.setsockopt(zmq.LINGER, 0)

@@ -24,6 +24,13 @@ MAX_OFFSET = 2**48  # input frames: years of audio at 48 kHz
 # mix-down and resampler, which a merely finite check does not (two samples near float32's
 # max sum to infinity).
 MAX_F32_SAMPLE = 16.0
+# ZMTP heartbeats the server's client-facing sockets (front door, ingest) send: a client whose
+# host vanished (powered off, its network cut, a NAT that forgot the connection) sends no FIN,
+# and a connection the server has nothing to send on would otherwise be held for ever, its file
+# descriptor with it. One that answers a ping with nothing for the timeout is closed. ZeroMQ
+# answers pings on its own thread, so a busy client is not taken for gone.
+CLIENT_HEARTBEAT_MS = 5_000
+CLIENT_HEARTBEAT_TIMEOUT_MS = 30_000
 
 # error codes (ErrorMsg.code)
 BAD_MESSAGE = "bad_message"  # not msgpack, not a map, unknown type, wrong field types

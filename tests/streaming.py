@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import psutil
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -265,3 +266,9 @@ def wait_for(check: Callable[[], Any], timeout: float = 10.0, what: str = "condi
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+def connections_from(port: int) -> int:
+    """Open TCP connections this process holds to a peer's `port` (a client's, seen from the server under test)."""
+    return sum(bool(c.raddr) and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
+               for c in psutil.Process().net_connections("tcp"))

@@ -33,13 +33,15 @@ import zmq
 from structlog.testing import capture_logs
 
 from broker import jobs as wire
-from broker.broker import SHARE_WINDOW_S
+from broker.broker import SHARE_WINDOW_S, Broker
 from broker.jobs import OK, REALTIME, Job, JobResult
 from config import settings
 from config.settings import Config
 from metrics.registry import ProcessMetrics
+from protocol import messages as m
 from shm import RingPool, reclaim
 from streamasr.service import free_ports
+from streaming import connections_from
 
 ROOT = Path(__file__).resolve().parents[1]
 HEARTBEAT_MS = 100
@@ -336,6 +338,53 @@ def test_front_door(running: Cluster) -> None:
     assert all(e["process"] == "broker" and e["pid"] == running.procs["broker"].pid and "timestamp" in e and "level" in e
                for e in events)
     assert running.procs["broker"].poll() is None
+
+
+# A client that says hello, reads the answer, and keeps its connection: stopped, it answers nothing.
+_WAITING_CLIENT = """
+import sys, time, zmq
+from protocol import messages as m
+sock = zmq.Context().socket(zmq.DEALER)
+sock.connect(sys.argv[1])
+sock.send_multipart(m.encode(m.Hello()))
+sock.recv_multipart()
+print("answered", flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_front_door_closes_the_connection_of_a_client_that_stops_answering(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client whose host vanished sends no FIN, and the front door has nothing more to send on
+    a connection it answered: held for ever, such connections would gather over weeks of clients
+    coming and going, a file descriptor each, until the broker could accept none. The broker
+    (here in this process, its front door answered by hand) pings its clients and closes a
+    connection that answers nothing, as a stopped (SIGSTOP) client does. Intervals shortened."""
+    monkeypatch.setattr(m, "CLIENT_HEARTBEAT_MS", 100)
+    monkeypatch.setattr(m, "CLIENT_HEARTBEAT_TIMEOUT_MS", 1000)
+    cfg = settings.load(None, {"run_dir": str(tmp_path / "run"), "ingest": {"address": f"tcp://127.0.0.1:{free_ports(1)}"}})
+    broker = Broker(cfg)
+    broker._front.bind(cfg.ingest.address)
+    frozen = subprocess.Popen([sys.executable, "-c", _WAITING_CLIENT, cfg.ingest.address], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    def answered() -> bool:
+        if not broker._front.poll(100):
+            return False
+        broker._on_client(broker._front.recv_multipart(), time.monotonic())
+        return True
+
+    try:
+        wait_for(answered, 10, "the client's hello")
+        assert frozen.stdout is not None and frozen.stdout.readline() == "answered\n"
+        port = next(c.laddr.port for c in psutil.Process(frozen.pid).net_connections("tcp") if c.raddr)
+        assert connections_from(port) == 1
+        frozen.send_signal(signal.SIGSTOP)
+        wait_for(lambda: connections_from(port) == 0, 10, "the connection of the client that answers nothing closed")
+    finally:
+        frozen.kill()
+        frozen.send_signal(signal.SIGCONT)
+        frozen.wait()
+        broker.close()
 
 
 def test_not_ready_without_ingest_or_worker(cluster: Cluster) -> None:

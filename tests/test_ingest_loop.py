@@ -19,6 +19,7 @@ from pathlib import Path
 
 import msgpack
 import numpy as np
+import psutil
 import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -34,7 +35,7 @@ from ingest.session import Session
 from protocol import messages as m
 from shm import pool
 from streamasr.service import free_ports
-from streaming import read_wav, speech_files, wait_for
+from streaming import connections_from, read_wav, speech_files, wait_for
 
 FRAME = 1600  # 100 ms at 16 kHz
 
@@ -333,6 +334,54 @@ def test_a_client_that_stops_reading_is_taken_as_gone_and_its_streams_dropped(tm
             got = serve_until(server, other, lambda got: any(isinstance(a, m.Ack) for a in got))
             assert [type(a) for a in got] == [m.Ack], got  # the other connection is untouched
     finally:
+        next(made, None)  # the fixture's end: closed, and its shm checked
+
+
+# A client that opens a stream, reads its `ready`, and then waits: stopped, it answers nothing.
+_WAITING_CLIENT = """
+import sys, time, zmq
+from protocol import messages as m
+sock = zmq.Context().socket(zmq.DEALER)
+sock.connect(sys.argv[1])
+sock.send_multipart(m.encode(m.Open(stream="a")))
+sock.recv_multipart()
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_client_that_stops_answering_has_its_connection_closed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client whose host vanished (powered off, its network cut, a NAT that forgot the
+    connection) sends no FIN. On a connection the ingest has nothing to send on (its streams
+    closed, or the client quiet between them) nothing tells it so: it would hold the connection,
+    a file descriptor and ZeroMQ's state for it, for ever, and a service up for weeks, its clients
+    coming and going, would gather them until it could accept no more. A client process stopped
+    (SIGSTOP) answers nothing either. The ingest pings its clients and closes a connection that
+    answers nothing; one that answers keeps its own. The intervals are shortened here."""
+    monkeypatch.setattr(m, "CLIENT_HEARTBEAT_MS", 100)
+    monkeypatch.setattr(m, "CLIENT_HEARTBEAT_TIMEOUT_MS", 1000)
+    made = _server(tmp_path)
+    server = next(made)
+    frozen = subprocess.Popen([sys.executable, "-c", _WAITING_CLIENT, server.endpoint], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        with client_socket(server) as alive:
+            alive.send_multipart(m.encode(m.Open(stream="b")))
+            serve_until(server, alive, lambda got: any(isinstance(a, m.Ready) for a in got))
+            wait_for(lambda: (_drain(server.clients, server._on_client, copy=False), server._flush(), len(server.sessions) == 2)[-1],
+                     what="the waiting client's stream open")
+            assert frozen.stdout is not None and frozen.stdout.readline() == "ready\n"
+            port = next(c.laddr.port for c in psutil.Process(frozen.pid).net_connections("tcp") if c.raddr)
+            assert connections_from(port) == 1
+            frozen.send_signal(signal.SIGSTOP)
+            wait_for(lambda: connections_from(port) == 0, 10, "the connection of the client that answers nothing closed")
+            alive.send_multipart(m.encode(m.Audio(stream="b", seq=0, data=bytes(2 * FRAME))))
+            got = serve_until(server, alive, lambda got: any(isinstance(a, m.Ack) for a in got))
+            assert [type(a) for a in got] == [m.Ack], got  # the client that answers is still served
+    finally:
+        frozen.kill()
+        frozen.send_signal(signal.SIGCONT)
+        frozen.wait()
         next(made, None)  # the fixture's end: closed, and its shm checked
 
 
