@@ -331,7 +331,7 @@ class IngestServer:
                          priority=msg.priority, language=msg.language, partials=msg.partials, offset=msg.offset)
         self._send(ident, m.Ready(stream=msg.stream, window=session.window()))
         session.acked_window = session.window()
-        if msg.priority == "realtime" and not msg.offset:
+        if msg.priority == "realtime":  # a resuming one too: its demand here is not in the figures yet
             self.admitted.append(time.monotonic())
 
     def _recent_admissions(self, now: float) -> int:

@@ -4,6 +4,7 @@ admitted ones finish, batch streams are still taken and slowed by credits; strea
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -255,6 +256,36 @@ def test_realtime_stream_cap(service_factory: Any) -> None:
         assert isinstance(_open(sock, "three"), m.Ready)
     finally:
         sock.close()
+
+
+def test_a_burst_of_resuming_streams_is_cut_at_twice_the_busy_limit(service_factory: Any) -> None:
+    """Streams resuming at an offset, all at once on idle workers (the herd of a lost ingest):
+    each counts as admitted within the figures' window, as a new stream does, so the burst is
+    cut where twice `admit_max_busy` says at the share the last run measured, not admitted whole."""
+    service = service_factory(model="null", workers=1, ingest={"admit_max_load_s": 0})
+    cfg = service.cfg
+    share = 0.25  # of the worker's time per speaking stream: 0.8 / share = 3.2 streams, twice that 6.4
+    (cfg.run_path / figures.FILE).write_text(json.dumps({
+        "model": json.loads(json.dumps(dataclasses.asdict(cfg.model))),
+        "pool": {"workers": cfg.worker_count, "partial_interval_ms": cfg.ingest.partial_interval_ms},
+        "share": [0.2, 0.05], "decode_cost": [0.01, 0.01], "loaded_cost": [0.0, 0.0], "saved": time.time()}))
+    [broker] = [p["pid"] for p in svc.processes(cfg) if p["name"] == "broker"]
+    os.kill(broker, signal.SIGKILL)  # the restarted broker takes the saved share
+
+    def restored() -> dict[str, Any] | None:
+        status = svc.status(cfg)
+        return status if status.get("ready") and status.get("workers") and status.get("stream_share") == share else None
+
+    wait_for(restored, 60, "the broker restarted with the saved share")
+    sock = _dealer(hello(service.address).ingest)
+    try:
+        answers = [_open(sock, f"resumed-{i}", offset=16_000) for i in range(12)]
+    finally:
+        sock.close()
+    admitted = sum(isinstance(a, m.Ready) for a in answers)
+    assert 0.8 / share < admitted <= 2 * 0.8 / share, answers  # past the limit a new stream has, within twice it
+    refused = answers[admitted]
+    assert isinstance(refused, m.ErrorMsg) and refused.code == m.OVERLOADED and "% busy" in refused.message, refused
 
 
 def test_realtime_stream_cap_counts_the_streams_of_every_ingest(service_factory: Any) -> None:
