@@ -786,6 +786,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         p.error("--duration, --frame-ms, --ramp and --drain must be finite numbers")
     if args.streams < 1 or args.duration <= 0 or args.frame_ms <= 0:
         p.error("--streams, --duration and --frame-ms must be positive")
+    if any(n is not None and n < 1 for n in (args.max_batch, args.clients)):  # 0 read as "the default" before
+        p.error("--max-batch and --clients must be 1 or more")
     if args.tracemalloc and (args.offline or args.ramp or args.server):
         p.error("--tracemalloc needs a service the bench starts, real-time streams and no ramp (all streams steady between the marks)")
     if args.ramp < 0 or (args.ramp and args.offline):

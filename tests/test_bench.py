@@ -372,3 +372,12 @@ def test_a_time_that_is_not_a_finite_number_is_refused_with_the_usage(flag: str,
     with pytest.raises(SystemExit) as refused:
         streamasr_bench.parse([flag, value])
     assert refused.value.code == 2 and "must be finite numbers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value", [("--max-batch", "0"), ("--max-batch", "-2"), ("--clients", "0")])
+def test_a_count_below_one_is_refused_with_the_usage(flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--max-batch 0` ran with the config's batch and `--clients 0` with the default number of
+    client processes, without a word: refused before anything starts."""
+    with pytest.raises(SystemExit) as refused:
+        streamasr_bench.parse([flag, value])
+    assert refused.value.code == 2 and "--max-batch and --clients must be 1 or more" in capsys.readouterr().err
