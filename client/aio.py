@@ -159,7 +159,7 @@ class AsyncClient:
         Raises ValueError at once for what the protocol does not allow, as `Client.open` does.
         """
         self._check()
-        msg = Open(stream=stream or uuid.uuid4().hex, rate=rate, encoding=encoding, channels=channels, language=language,
+        msg = Open(stream=uuid.uuid4().hex if stream is None else stream, rate=rate, encoding=encoding, channels=channels, language=language,
                    model=model, partials=partials, priority=priority, prompt=prompt)
         check_open(msg)
         if msg.stream in self._streams:

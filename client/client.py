@@ -232,7 +232,7 @@ class Client:
         Raises ValueError at once for what the protocol does not allow (an id over 64 characters,
         a prompt over 1000, a language code over 16, ...).
         """
-        msg = Open(stream=stream or uuid.uuid4().hex, rate=rate, encoding=encoding, channels=channels, language=language,
+        msg = Open(stream=uuid.uuid4().hex if stream is None else stream, rate=rate, encoding=encoding, channels=channels, language=language,
                    model=model, partials=partials, priority=priority, prompt=prompt)
         check_open(msg)
         width = SAMPLE_BYTES.get(encoding, 1) * (channels if isinstance(channels, int) and channels > 0 else 1)

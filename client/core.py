@@ -162,7 +162,11 @@ def check_open(msg: Open) -> None:
     if isinstance(msg.prompt, str) and len(msg.prompt) > MAX_PROMPT_CHARS:
         raise ValueError(f"open {msg.stream!r}: a prompt of {len(msg.prompt)} characters; at most {MAX_PROMPT_CHARS} are allowed")
     try:
-        decode_client(encode(msg))
+        frames = encode(msg)
+    except (TypeError, ValueError) as exc:  # a value msgpack cannot carry: a numpy integer for `rate`, say
+        raise ValueError(f"open {msg.stream!r}: {exc} (give plain str, int and bool values)") from None
+    try:
+        decode_client(frames)
     except ProtocolError as exc:
         if exc.code != BAD_FORMAT:
             raise ValueError(f"open {msg.stream!r} would be refused: {exc.message}") from None

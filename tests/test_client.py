@@ -829,7 +829,9 @@ def test_a_batch_send_times_out_while_other_streams_move() -> None:
 def test_opens_the_protocol_does_not_allow_are_refused_at_once(null_service) -> None:
     """A bad id or a header too large to decode gets an error naming no stream: the client must not
     send it and wait for an answer it cannot recognise, nor show that error to its other streams."""
-    bad = [{"stream": "x" * 65}, {"stream": "p", "prompt": "word " * 1000}, {"stream": "l", "language": "x" * 17}]
+    bad = [{"stream": "x" * 65}, {"stream": "p", "prompt": "word " * 1000}, {"stream": "l", "language": "x" * 17},
+           {"stream": ""},  # an empty id is no id: not a random one in its place
+           {"stream": "r", "rate": np.int64(16000)}]  # msgpack's own TypeError before
     with Client(null_service.address, timeout=60.0) as client:
         other = client.open("other")
         for kwargs in bad:

@@ -634,7 +634,7 @@ def test_an_error_naming_no_stream_goes_to_no_stream() -> None:
 
 @pytest.mark.parametrize("bad", [{"stream": "x" * 65}, {"stream": 7}, {"prompt": "word " * 1000},
                                  {"prompt": "w" * (MAX_PROMPT_CHARS + 1)}, {"language": "x" * 17},
-                                 {"priority": "urgent"}])
+                                 {"priority": "urgent"}, {"rate": np.int64(16000)}])
 def test_opens_the_server_would_refuse_as_malformed_are_refused_before_sending(bad: dict) -> None:
     with pytest.raises(ValueError):
         check_open(Open(**{"stream": "s", **bad}))
