@@ -14,6 +14,7 @@ import msgpack
 
 VERSION = 1
 RATES = (8000, 16000, 22050, 44100, 48000)
+MAX_CHANNELS = 8
 ENCODINGS = ("pcm_s16le", "f32le")
 PRIORITIES = ("realtime", "batch")
 MAX_STREAM_ID = 64
@@ -318,7 +319,8 @@ def decode_client(frames: Sequence[bytes | memoryview], limits: Limits = Limits(
     if isinstance(msg, Open):
         _check(_is_int(msg.rate) and msg.rate in RATES, BAD_FORMAT, f"sample rate {_quote(msg.rate)} not supported; use one of {list(RATES)}", sid)
         _check(msg.encoding in ENCODINGS, BAD_FORMAT, f"encoding {_quote(msg.encoding)} not supported; use one of {list(ENCODINGS)}", sid)
-        _check(_is_int(msg.channels) and 1 <= msg.channels <= 8, BAD_FORMAT, f"channels {_quote(msg.channels)} not supported (1..8)", sid)
+        _check(_is_int(msg.channels) and 1 <= msg.channels <= MAX_CHANNELS, BAD_FORMAT,
+               f"channels {_quote(msg.channels)} not supported (1..{MAX_CHANNELS})", sid)
         _check(msg.priority in PRIORITIES, BAD_MESSAGE, f"priority must be one of {list(PRIORITIES)}", sid)
         _check(isinstance(msg.partials, bool), BAD_MESSAGE, "partials must be a boolean", sid)
         _check(_optional_str(msg.language, 16), BAD_MESSAGE, "language must be a language code or nil", sid)

@@ -20,6 +20,14 @@ class AudioError(ValueError):
     """The file cannot be read as audio (missing, empty, corrupt or unsupported)."""
 
 
+def not_a_file(path: Path) -> str | None:
+    """Why there is no file at `path` to open, said before libsndfile says it less clearly ("System
+    error." for a missing file, "Format not recognised." for a directory); None when there is one."""
+    if path.is_dir():
+        return "a directory, not a file"
+    return None if path.exists() else "no such file"
+
+
 def resample(audio: np.ndarray, rate: int, target: int = SAMPLE_RATE) -> np.ndarray:
     if rate == target:
         return np.ascontiguousarray(audio, dtype=np.float32)
@@ -41,8 +49,10 @@ def load_audio(path: str | Path, raw_rate: int = SAMPLE_RATE) -> np.ndarray:
     import soundfile as sf
 
     path = Path(path)
-    if not path.is_file():
-        raise AudioError(f"{path}: no such file")
+    if why := not_a_file(path):
+        raise AudioError(f"{path}: {why}")
+    if not path.is_file():  # a pipe, a device: its size below says nothing
+        raise AudioError(f"{path}: not a regular file")
     size = path.stat().st_size
     if size == 0:
         raise AudioError(f"{path}: empty file")

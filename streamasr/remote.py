@@ -23,8 +23,8 @@ import zmq
 from client.client import Client, Stream
 from client.core import ServerError
 from protocol.auth import Curve
-from protocol.messages import OVERLOADED, RATES, Closed, ErrorMsg, Final, Partial, ProtocolError
-from speech.audio import RAW_SUFFIXES
+from protocol.messages import MAX_CHANNELS, OVERLOADED, RATES, Closed, ErrorMsg, Final, Partial, ProtocolError
+from speech.audio import RAW_SUFFIXES, not_a_file
 
 RAW_RATE = 16000  # headerless files (RAW_SUFFIXES): 16 kHz s16le mono
 EVENT_TIMEOUT_S = 120.0  # longest silence from the server before a stream is given up
@@ -42,8 +42,11 @@ class Audio:
 
 
 def load(path: str) -> Audio:
-    """A file at its native rate and channels if the protocol takes that rate, else at 16 kHz.
-    Headerless files and a file without samples are taken as `transcribe --local` takes them."""
+    """A file at its native rate and channels if the protocol takes that rate, else at 16 kHz;
+    mixed to mono past the channels a stream carries. Headerless files and a file without
+    samples are taken as `transcribe --local` takes them."""
+    if why := not_a_file(Path(path)):
+        raise ValueError(why)
     if Path(path).suffix.lower() in RAW_SUFFIXES:
         audio = Audio(np.fromfile(path, dtype="<i2").reshape(-1, 1), RAW_RATE)
     elif (info := soundfile.info(path)).samplerate in RATES:
@@ -53,6 +56,9 @@ def load(path: str) -> Audio:
         audio = Audio(soxr.resample(data, rate, 16000).astype(np.float32), 16000)
     if not len(audio.samples):
         raise ValueError("the file holds no audio samples")
+    if audio.samples.shape[1] > MAX_CHANNELS:
+        full_scale = np.float32(32768.0 if audio.samples.dtype == np.int16 else 1.0)
+        audio.samples = audio.samples.mean(axis=1, dtype=np.float32, keepdims=True) / full_scale
     return audio
 
 

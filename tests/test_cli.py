@@ -104,6 +104,18 @@ def test_transcribe_local_refuses_a_language_the_model_does_not_transcribe() -> 
     assert _streamasr("transcribe", "--local", "--language", "EN", audio).returncode == 0
 
 
+@pytest.mark.parametrize("where", [["--local", "--model", "null"], ["--server", "tcp://127.0.0.1:1"]])
+def test_transcribe_says_a_file_is_missing_or_a_directory(tmp_path: Path, where: list[str]) -> None:
+    """A typo in a path, or a directory given for a file, is said as such with or without a
+    service, not as a file that exists and is missing or one libsndfile cannot recognise."""
+    (tmp_path / "calls.wav").mkdir()
+    done = _streamasr("transcribe", *where, str(tmp_path / "missing.wav"), str(tmp_path / "calls.wav"), timeout=60)
+    assert done.returncode == 1 and done.stdout == "", done.stdout
+    lines = done.stderr.splitlines()
+    assert len(lines) == 2 and "missing.wav" in lines[0] and lines[0].endswith("no such file"), done.stderr
+    assert "calls.wav" in lines[1] and lines[1].endswith("a directory, not a file"), done.stderr
+
+
 @pytest.mark.parametrize(("args", "said"), [
     (["status", "--wait", "nan"], "seconds must be 0 to 86400, not nan"),  # waited for ever
     (["status", "--wait", "-1"], "seconds must be 0 to 86400, not -1"),
@@ -309,26 +321,38 @@ def _serving(config: Path, instance: str, *args: str) -> Iterator[None]:
     assert not pool.segments(instance)
 
 
-def test_a_killed_supervisord_takes_its_programs_with_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("when", ["serving", "starting"])
+def test_a_killed_supervisord_takes_its_programs_with_it(tmp_path: Path, when: str) -> None:
     """Killed outright (SIGKILL, the OOM killer), supervisord cannot stop its programs; left
     serving, no `status` or `stop` would find them and a new `serve` could not bind. Each stops
-    as on `stop`: the ingest drains and unlinks its shm."""
+    as on `stop`: the ingest drains and unlinks its shm. Killed while its programs are still
+    importing, before each asks the kernel for a signal on its death (or while one restarts after
+    a crash), a program would find no parent and serve on, unmanaged, and join the next run."""
     instance = f"orphan{uuid.uuid4().hex[:8]}"
     config = tmp_path / "streamasr.toml"
     _one_worker_config(config, instance, tmp_path / "run")
     serve = _started("serve", "--config", str(config), "--model", "null")
     programs: list[int] = []
     try:
-        done = _streamasr("status", "--config", str(config), "--wait", "120", "--json", timeout=180)
-        programs = [p["pid"] for p in json.loads(done.stdout)["processes"]]
-        assert done.returncode == 0 and len(programs) == 4 and all(programs), done.stdout
+        if when == "serving":
+            done = _streamasr("status", "--config", str(config), "--wait", "120", "--json", timeout=180)
+            programs = [p["pid"] for p in json.loads(done.stdout)["processes"]]
+            assert done.returncode == 0 and len(programs) == 4 and all(programs), done.stdout
+        else:
+            supervisord = psutil.Process(serve.pid)  # `serve` becomes supervisord, under the same pid
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and len(programs) < 4:
+                programs = [p.pid for p in supervisord.children()]
+                time.sleep(0.01)
+            assert len(programs) == 4, programs
         serve.kill()  # `serve` became supervisord
         serve.wait()
         deadline = time.monotonic() + service.stop_timeout()
         while time.monotonic() < deadline and not all(map(_gone, programs)):
             time.sleep(0.2)
-        assert all(map(_gone, programs)), [p for p in programs if not _gone(p)]
-        assert not pool.segments(instance)
+        assert all(map(_gone, programs)), [" ".join(psutil.Process(p).cmdline()) for p in programs if not _gone(p)]
+        if when == "serving":
+            assert not pool.segments(instance)
     finally:
         if serve.poll() is None:
             serve.kill()
@@ -336,6 +360,7 @@ def test_a_killed_supervisord_takes_its_programs_with_it(tmp_path: Path) -> None
         for pid in programs:
             if not _gone(pid):
                 os.kill(pid, signal.SIGKILL)
+        pool.reclaim(instance)  # one killed as it started cannot unlink its own
 
 
 def test_stop_sees_supervisord_exit_before_its_parent_reaps_it(tmp_path: Path) -> None:

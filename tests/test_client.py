@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 import pytest
+import soundfile
 import zmq
 
 from client import AsyncClient, Client, StreamError, status
@@ -336,6 +337,19 @@ def test_transcribe_takes_files_as_local_transcription_does(null_service, tmp_pa
     summaries = {line["file"]: line for line in map(json.loads, out.getvalue().splitlines()) if line["type"] == "summary"}
     assert set(summaries) == {str(pcm), str(s16)} and all(s["audio_s"] == pytest.approx(len(raw) / 32000, abs=0.001) for s in summaries.values())
     assert "empty.raw: cannot read audio: the file holds no audio samples" in capsys.readouterr().err
+
+
+def test_transcribe_takes_a_file_of_more_channels_than_a_stream_carries(null_service, tmp_path, capsys) -> None:
+    """A stream carries at most 8 channels; a microphone array's recording of more is mixed to
+    mono, as `transcribe --local` mixes it, rather than refused `bad_format`."""
+    voice, rate = goforward(), 16000
+    many = tmp_path / "array.wav"
+    soundfile.write(many, np.repeat(voice[:, None], 10, axis=1), rate, subtype="PCM_16")
+    out = io.StringIO()
+    code = remote.run([str(many)], null_service.address, offline=True, as_json=True, language=None, out=out)
+    assert (code, capsys.readouterr().err) == (0, "")
+    summary = json.loads(out.getvalue().splitlines()[-1])
+    assert summary["type"] == "summary" and summary["text"] and summary["audio_s"] == pytest.approx(len(voice) / rate, abs=0.001)
 
 
 def test_transcribe_takes_more_files_than_one_connection_may_stream_at_once(service_factory, capsys) -> None:
