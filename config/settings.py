@@ -40,6 +40,9 @@ MODEL_NAMES = ("whisper-tiny.en", "whisper-base", "null")  # registered names: n
 # takes no more than ~292 years in nanoseconds and fails at start beyond; a day is far past any decode.
 MAX_WATCH_S = 86_400.0
 MAX_THREADS = 1024  # ONNX Runtime takes an int32; far more than any machine's cores
+# Worker or ingest processes: each worker holds a model in memory, each ingest its rings, so a
+# typo of a few more zeros would fork until the machine runs out of memory.
+MAX_PROCESSES = 256
 MAX_DEADLINE_MS = 86_400_000
 # What Whisper hears at once. A final longer than that has its audio past the window decoded only
 # when the model stops with a segment left open; one ending its text at a pause just before
@@ -131,7 +134,7 @@ class IngestConfig:
     # that clients reach from elsewhere is reachable on its ingest ports there too
     host: str = ""
     port_base: int = setting(7701, lo=1, hi=65535)  # ingest process N binds port_base + N
-    processes: int = setting(1, lo=1)
+    processes: int = setting(1, lo=1, hi=MAX_PROCESSES)
     partial_interval_ms: int = setting(500, lo=1)  # a partial decode per this much new speech
     max_frame_bytes: int = setting(262_144, lo=32)  # at least one frame of 8 channels of f32
     max_message_bytes: int = setting(1_048_576, lo=16_384)  # an open with its longest strings fits
@@ -182,7 +185,7 @@ class BrokerConfig:
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    processes: int = 0  # 0 = one per CPU core
+    processes: int = setting(0, hi=MAX_PROCESSES)  # 0 = one per CPU core
     # A backend call running this long is taken as hung (a native deadlock, a GPU hang): the
     # worker logs `worker.stuck` and exits, so its jobs go to another worker and supervisord
     # starts a new one. Far above any real batch (a tiny.en final takes ~0.35 s on CPU); 0 = never.

@@ -44,6 +44,9 @@ def test_the_embedded_default_and_its_file_agree() -> None:
     ({"vad": {"max_segment_s": 1e305}}, "vad.max_segment_s must be between 1 and 30.0, not 1e+305"),
     # Whisper hears 30 s at once: a longer final could lose its end
     ({"vad": {"max_segment_s": 30.5}}, "vad.max_segment_s must be between 1 and 30.0, not 30.5"),
+    # a few zeros too many forked workers until the machine ran out of memory
+    ({"workers": {"processes": 100_000}}, "workers.processes must be between 0 and 256, not 100000"),
+    ({"ingest": {"processes": 1000}}, "ingest.processes must be between 1 and 256, not 1000"),
     ({"shm": {"ring_seconds": 1e305}}, "shm.ring_seconds must be between 1 and 86400.0, not 1e+305"),
     ({"shm": 60}, "shm must be a table ([shm])"),
     # pyzmq takes a poll's timeout as a C int of milliseconds: the worker could not wait half of this
