@@ -44,7 +44,8 @@ def main(cfg: Config, once: bool = False, url: str | None = None) -> int:
     try:
         collector.start()
     except RuntimeError as exc:
-        console.print(f"[red]{exc}[/red]: is the dashboard running on another port? pass its address")
+        hint = f"and no dashboard answers at {url}" if given else "is the dashboard running on another port? pass its address"
+        console.print(Text(f"{exc}: ", style="red") + Text(hint))
         return 1
     try:
         time.sleep(FIRST_FRAME_WAIT_S)

@@ -201,7 +201,9 @@ def test_top_prints_one_frame_from_the_dashboard_or_its_own_collector(fake_insta
         frame = capsys.readouterr().out
         assert "via dashboard" in frame and all(name in frame for name in names)
         assert top.main(cfg, once=True, url="http://127.0.0.1:9/") == 1  # the dashboard holds the endpoint
-        assert "already bound" in capsys.readouterr().out
+        said = " ".join(capsys.readouterr().out.split())
+        # the address it was given, not to give one
+        assert "already bound" in said and "no dashboard answers at http://127.0.0.1:9/" in said, said
         snap = json.loads(get(url + "api/snapshot")[1])
     # the widest figures a busy host shows still leave every row's name, state and pid whole in the 80
     # columns a pipe or a small terminal gets
