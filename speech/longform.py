@@ -101,7 +101,9 @@ def _transcribe_tokens(backend, audio, language, prompt) -> DecodeResult:
             used = toks
         # Whisper's rule: text sampled hot is no context to condition the next window on
         history = [] if res.temperature > FRESH_PROMPT_ABOVE else (history + used)[-223:]
-        seek += max(advance, SAMPLE_RATE // 2) if advance < len(chunk) else len(chunk)
+        # Whisper's seek, however early in the window the last segment closed; only a window whose
+        # text closed nothing before 0.00 (never seen) moves half a second, so as not to decode it again
+        seek += (advance or SAMPLE_RATE // 2) if advance < len(chunk) else len(chunk)
     return _finish(tk.decode(text_tokens).strip(), segments, language, logprobs, no_speech, n_tokens)
 
 

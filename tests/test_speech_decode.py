@@ -519,6 +519,35 @@ def test_beam_search_ranks_finished_hypotheses_as_whisper_does():
     assert _ranking_score(_Row(req=0, tokens=forced, n_forced=1, sum_logprob=-0.5, done=True)) == -0.5
 
 
+def test_long_form_seeks_to_a_segment_closed_early_in_a_window_as_whisper_does():
+    """Whisper starts the next window at the last timestamp that closed a segment, however early.
+    A floor of half a second skipped the start of the unfinished segment's speech when a short one
+    closed sooner ("Yes." in 0.3 s): its first 0.2 s were never decoded. The model's tokens are
+    given: which audio makes it close a segment that early cannot be chosen."""
+    tk = WhisperTokenizer(resolve_model(ModelConfig(name="whisper-tiny.en")).dir)
+
+    def ts(seconds: float) -> int:
+        return tk.timestamp_begin + round(seconds / 0.02)
+
+    class Scripted:
+        tokenizer = tk
+
+        def __init__(self) -> None:
+            self.windows: list[int] = []
+
+        def transcribe_tokens(self, requests, prompts):
+            [req] = requests
+            toks = ([ts(0.0), *tk.encode(" Yes."), ts(0.3), ts(0.3), *tk.encode(" And then")] if not self.windows
+                    else [ts(0.0), *tk.encode(" And then we left."), ts(1.5), tk.eot])
+            self.windows.append(len(req.audio))
+            return [(DecodeResult(text=tk.decode(toks).strip(), language="en"), toks)]
+
+    backend = Scripted()
+    res = longform.transcribe(backend, np.zeros(2 * SAMPLE_RATE, np.float32))
+    assert backend.windows == [2 * SAMPLE_RATE, 2 * SAMPLE_RATE - int(0.3 * SAMPLE_RATE)]
+    assert [(s.start, s.end, s.text) for s in res.segments] == [(0.0, 0.3, "Yes."), (0.3, 1.8, "And then we left.")]
+
+
 def test_long_form_ten_minutes(tiny, dev):
     gap = np.zeros(SAMPLE_RATE, np.float32)
     pieces, refs, total = [], [], 0
