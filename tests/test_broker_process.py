@@ -745,10 +745,12 @@ def test_a_job_sent_to_workers_already_gone_is_not_given_up_on(cluster: Cluster)
         worker.close(linger=0)
 
 
-@pytest.mark.parametrize(("name", "value"), [("started", "soon"), ("finished", math.inf), ("finished", 1e300), ("row", "more")])
+@pytest.mark.parametrize(("name", "value"), [("started", "soon"), ("finished", math.inf), ("finished", 1e300), ("status", 9),
+                                           ("row", "more"), ("row", "fewer")])
 def test_a_malformed_done_row_returns_its_credit_and_spoils_no_figure(cluster: Cluster, name: str, value: Any) -> None:
-    """A worker's DONE row whose times are wrongly typed, infinite or absurd, or that has a
-    field too many (a worker of another version), still frees the worker's credit for its job
+    """A worker's DONE row whose times are wrongly typed, infinite or absurd, whose status is
+    none the broker knows, or that has a field too many or too few (a worker of another
+    version), still frees the worker's credit for its job
     and lets the rows after it be counted; its times are not measured (an infinite decode would
     price every stream at infinity for good, an absurd one for a long time), and it is logged
     naming the worker, the job and the field."""
@@ -771,9 +773,9 @@ def test_a_malformed_done_row_returns_its_credit_and_spoils_no_figure(cluster: C
             now = time.monotonic()
             bad = [jobs[0].job_id, 0, OK, 1, now - 0.2, now]
             if name == "row":
-                bad.append(value)
+                bad = bad + [value] if value == "more" else bad[:-1]
             else:
-                bad[{"started": 4, "finished": 5}[name]] = value
+                bad[{"status": 2, "started": 4, "finished": 5}[name]] = value
             good = [jobs[1].job_id, 0, OK, 1, now - 0.1, now]
             sock.send_multipart([wire.DONE, wire.pack([bad, good])])
             wait_for(lambda: cluster.status()["jobs_done"] == 2 * (round_ + 1), 5, f"round {round_}: both rows counted")
@@ -848,13 +850,15 @@ def test_sigterm_stops_cleanly(running: Cluster) -> None:
 
 
 @pytest.mark.parametrize(("name", "value"), [("priority", "0"), ("created", -math.inf), ("deadline", math.inf),
-                                           ("created", -1e300), ("deadline", 1e300)])
+                                           ("created", -1e300), ("deadline", 1e300), ("ingest", 1)])
 def test_a_malformed_job_is_refused_and_the_broker_keeps_serving(running: Cluster, name: str, value: Any) -> None:
-    """A job with a wrongly typed field (a priority sent as a string) or a time that is no time
+    """A job with a wrongly typed field (a priority sent as a string), a time that is no time
     (infinite, or absurdly far from the broker's clock: a job created at -inf would have waited
     forever, and the admission load would read infinite for good; at -1e300, for a thousand
-    ticks) is refused on its own, logged naming the ingest and the field and answered FAILED;
-    the jobs around it and after it are served as ever, and the broker lives on."""
+    ticks) or another ingest's index (its answer would go there, its id could clash with that
+    ingest's own) is refused on its own, logged naming the ingest and the field and answered
+    FAILED to the ingest that sent it; the jobs around it and after it are served as ever, and
+    the broker lives on."""
     [bad] = running.jobs(1, **{name: value})
     first = running.jobs(3)
     running.ingest.submit([*first, bad])

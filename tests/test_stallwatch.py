@@ -5,7 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
+
+import pytest
+
+from shm import reclaim
+from streamasr.service import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,3 +79,53 @@ def test_an_idle_loop_is_never_ended_however_small_the_limit() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "still here" in done.stdout and "Timeout" not in done.stderr
+
+
+_STUCK_LOOP = """
+import ctypes, tempfile, time
+from broker.broker import Broker
+from broker.signals import StopSignal
+from config import settings
+from ingest.server import IngestServer
+cfg = settings.load(None, {{'run_dir': tempfile.mkdtemp(prefix='sasr-'), 'instance': '{instance}',
+                           'ingest': {{'address': 'tcp://127.0.0.1:{port}', 'port_base': {port} + 1, 'stall_after_s': 0.5}},
+                           'broker': {{'heartbeat_ms': 100, 'stall_after_s': 0.5}},
+                           'shm': {{'streams_per_ingest': 4, 'ring_seconds': 26.0}}}})
+started = time.monotonic()
+
+def hangs_after_a_while(turn):
+    def call(now):
+        if now - started > 2.0:
+            print('stuck now', flush=True)
+            ctypes.PyDLL(None).sleep(60)
+            print('the call returned', flush=True)
+        return turn(now)
+    return call
+
+if '{program}' == 'broker':
+    broker = Broker(cfg)
+    broker._dispatch = hangs_after_a_while(broker._dispatch)
+    broker.run()
+else:
+    with StopSignal() as stop:
+        ingest = IngestServer(cfg, 0)
+        ingest._heartbeat = hangs_after_a_while(ingest._heartbeat)
+        ingest.run(stop)
+"""
+
+
+@pytest.mark.parametrize(("program", "timer"), [("broker", "0:00:01.700000"), ("ingest", "0:00:01.600000")])
+def test_the_broker_s_and_the_ingest_s_own_loops_are_ended_when_they_stop_turning(program: str, timer: str) -> None:
+    """The real loops push the watch back as they turn: serving for longer than the limit keeps
+    the process, and a call on the loop that then holds the GIL for good ends it with status 1
+    and every thread's stack, after the limit, the push interval and two of that loop's idle
+    wake-ups (the broker's a heartbeat, the ingest's half of one)."""
+    instance = f"t{uuid.uuid4().hex[:8]}"
+    try:
+        done = run(_STUCK_LOOP.format(instance=instance, port=free_ports(2), program=program))
+    finally:
+        reclaim(instance)  # the ingest's segment: a process ended so cannot unlink it
+    assert done.returncode == 1, (done.stdout, done.stderr[-2000:])
+    assert "stuck now" in done.stdout and "the call returned" not in done.stdout
+    assert f"Timeout ({timer})!" in done.stderr, done.stderr[-2000:]
+    assert 'File "<string>", line 17 in call' in done.stderr  # the loop's stack, at the stuck call
