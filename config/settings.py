@@ -94,8 +94,9 @@ class ModelConfig:
     arena: bool = True  # ONNX Runtime CPU memory arena (one per process, shared by its sessions)
     cache_dir: str = path_setting()  # exported graphs; "" = $XDG_CACHE_HOME/streamasr
     beam_size: int = setting(1, lo=1)
-    # Whisper's temperature fallback: a final that loops (and a long-form window that loops, or
-    # reads unsure) is decoded again by sampling at this step, twice it, … up to 1.0 (0: never)
+    # Whisper's temperature fallback: a long-form window that loops, or reads unsure, is decoded
+    # again by sampling at this step, twice it, … up to 1.0; a final that loops at the first
+    # speech.decoding.FALLBACK_ROUNDS of those temperatures only (0: never)
     temperature_increment: float = setting(0.2, hi=1)
     best_of: int = setting(5, lo=1)  # samples at each fallback temperature
     max_batch: int = setting(1, lo=1)  # dynamic batching: most requests per backend call (1: measured best for Whisper on CPU)
