@@ -138,6 +138,10 @@ def test_worker_killed_mid_job(asr: Service, corpus: dict[str, bytes], baseline:
     # the broker gave the killed worker up and queued its job again for the other
     lost = [e for e in asr.events("broker")[killed["logged"]:] if e["event"] == "broker.worker_lost" and e["worker"] == killed["id"]]
     assert len(lost) == 1 and lost[0]["requeued"] >= 1, lost
+    # and the worker supervisord started in its place registered with the broker (a new pid, the same index)
+    index = killed["id"].split("-")[1]
+    wait_for(lambda: any(e["event"] == "broker.worker_ready" and e["worker"].split("-")[1] == index and e["worker"] != killed["id"]
+                         for e in asr.events("broker")[killed["logged"]:]), 60, "the restarted worker's READY")
 
 
 def test_broker_killed(asr: Service, corpus: dict[str, bytes], baseline: dict[str, list[tuple[float, float, str]]]) -> None:
