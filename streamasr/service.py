@@ -34,6 +34,7 @@ from protocol import auth
 from protocol.auth import Curve
 from protocol import messages as m
 from shm import pool
+from streamasr import supervised
 
 HOME = Path(__file__).resolve().parents[1]
 SUPERVISORD_CONF = HOME / "supervisord.conf"
@@ -258,6 +259,7 @@ def serve(cfg: Config) -> None:
           f"{cfg.model.name} ({cfg.model.backend}), clients connect to {cfg.ingest.address}", file=sys.stderr, flush=True)
     os.dup2(held.fileno(), CLAIM_FD)
     os.set_inheritable(CLAIM_FD, True)
+    env[supervised.SUPERVISORD_PID] = str(os.getpid())  # supervisord's pid once this process becomes it
     supervisord = Path(sys.executable).with_name("supervisord")
     os.execve(str(supervisord), [str(supervisord), "-n", "-c", str(SUPERVISORD_CONF)], env)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-from pathlib import Path
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+SUPERVISORD_PID = "STREAMASR_SUPERVISORD_PID"  # set by `serve` for the programs of the supervisord it becomes
 
 
 def end_with_parent() -> None:
@@ -19,16 +19,8 @@ def end_with_parent() -> None:
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     # Asked too late to be told: a supervisord killed while this program started (its imports
-    # take seconds) is gone already, and the program is another's child now. SUPERVISOR_ENABLED
-    # is what supervisord sets for its programs; one run by hand has no supervisord to lose.
-    if os.environ.get("SUPERVISOR_ENABLED") and not _supervisord(os.getppid()):
+    # take seconds) is gone already, and the program is another's child now. `serve` names the
+    # supervisord it becomes; a program started otherwise (by hand) has only the kernel's word.
+    parent = os.environ.get(SUPERVISORD_PID)
+    if parent and os.getppid() != int(parent):
         os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _supervisord(pid: int) -> bool:
-    """The process is a supervisord: the program, or the script its interpreter runs."""
-    try:
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:2]
-    except OSError:  # gone as well
-        return False
-    return any(Path(os.fsdecode(arg)).name == "supervisord" for arg in args)
