@@ -48,9 +48,10 @@ CLOSE_LINGER_MS = 1000
 # gathered over 10 ms they are ~60 chunks each. A chunk that could start or end a segment does
 # not wait for the gathering: a segment's first partial, or its final, is due on its verdict.
 VAD_ROUND_S = 0.010
-# Restarted after a crash, the ingest makes its segment while the workers still map the dead
-# one's (they let go within a second of its name going, or of their batch): /dev/shm sized for
-# one segment per ingest, as `streamasr serve` checks, has its room back by then.
+# Restarted (after a crash, or by a restart that drained it), the ingest makes its segment while
+# the workers still map its predecessor's (they let go within a second of its name going, or of
+# their batch): /dev/shm sized for one segment per ingest, as `streamasr serve` checks, has its
+# room back by then.
 SHM_WAIT_S = 5.0
 GONE_KEEP_S = 60.0  # how long messages of a closed connection, still queued, are dropped unread
 # Messages queued for one client connection: a client that leaves this many unread has stopped

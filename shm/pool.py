@@ -74,15 +74,16 @@ def free_bytes() -> int:
 
 def make_room(name: str, size: int, wait_s: float) -> None:
     """Before a segment of `size` bytes is made under `name`: unlink a leftover of that name (a
-    crashed predecessor's) and, if there was one, wait up to `wait_s` for /dev/shm to have the
-    room. The leftover's pages come back only once every process that maps it lets go, which
-    the workers do within a second of the name going. With no leftover nothing is waited for: a
-    /dev/shm that something else filled is `create`'s error at once."""
+    crashed predecessor's) and wait up to `wait_s` for /dev/shm to have the room. A
+    predecessor's pages come back only once every process that maps it lets go, which the
+    workers do within a second of the name going: a crashed one's leftover, unlinked here, and
+    equally one that unlinked its own at a clean exit (a restart) just before. A /dev/shm that
+    something else filled is `create`'s error once the wait is over."""
     try:
         _path(name).unlink()
+        log.warning("shm.leftover_unlinked", segment=name)
     except FileNotFoundError:
-        return
-    log.warning("shm.leftover_unlinked", segment=name)
+        pass
     if free_bytes() >= size:
         return
     log.warning("shm.no_room_yet", segment=name, free=free_bytes(), needs=size, wait_s=wait_s)
@@ -249,6 +250,17 @@ def segments(instance: str) -> list[str]:
     """Names of this instance's segments currently present."""
     prefix = _prefix(instance)
     return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
+
+
+def owners(instance: str) -> dict[str, int]:
+    """Owner uid of each of this instance's segments present now."""
+    found: dict[str, int] = {}
+    for name in segments(instance):
+        try:
+            found[name] = (SHM_DIR / name).stat().st_uid
+        except FileNotFoundError:  # unlinked meanwhile
+            continue
+    return found
 
 
 def users(instance: str) -> list[int]:

@@ -248,6 +248,12 @@ def refuse_running(cfg: Config) -> None:
         raise SystemExit(f"instance {cfg.instance!r} is running from another run directory, or its processes outlived "
                          f"their supervisord: pid(s) {', '.join(map(str, users))} map its shm segments. Stop it, or give "
                          "this one another instance name (--instance)")
+    # Another user's processes are not in `users` (their maps are private to them), and /dev/shm
+    # is sticky: `reclaim` could not unlink their segments. Root sees and may do both.
+    if os.geteuid() != 0 and (theirs := {n: uid for n, uid in pool.owners(cfg.instance).items() if uid != os.geteuid()}):
+        raise SystemExit(f"instance {cfg.instance!r} has shm segments of another user (uid "
+                         f"{', '.join(sorted({str(uid) for uid in theirs.values()}))}): {', '.join(theirs)}. That user runs "
+                         "it or left them behind: give this one another instance name (--instance)")
 
 
 def serve(cfg: Config) -> None:

@@ -6,9 +6,11 @@ import argparse
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -23,7 +25,7 @@ import zmq.auth
 from conftest import ROOT
 
 from config import settings
-from shm import pool
+from shm import RingPool, pool
 from speech import loader
 from streamasr import cli, service, testdata
 from streamasr.service import free_ports
@@ -280,6 +282,33 @@ def test_ops_commands_follow_the_running_instance_from_anywhere(tmp_path: Path) 
             serve.send_signal(signal.SIGTERM)
             serve.wait(60)
     assert not pool.segments(instance)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root to run `serve` as another user")
+def test_serve_of_an_instance_whose_segments_are_another_users_says_so() -> None:
+    """Two users on one host, both with the instance name "default": the second `serve` cannot
+    see the first's processes (their maps are private) nor unlink its segments (/dev/shm is
+    sticky). It must say whose they are, not end in a traceback, and leave them in place."""
+    instance = f"owned{uuid.uuid4().hex[:8]}"
+    theirs = RingPool.create(f"streamasr.{instance}.ingest0", slots=1, capacity=16)  # mapped by this process, root's
+    with tempfile.TemporaryDirectory() as shared:
+        os.chmod(shared, 0o777)
+        config = Path(shared) / "streamasr.toml"
+        _one_worker_config(config, instance, Path(shared) / "run")
+        try:
+            def as_nobody(*args: str) -> subprocess.CompletedProcess:
+                return subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", sys.executable, *args],
+                                      cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+            if as_nobody("-c", "import streamasr.cli").returncode != 0:
+                pytest.skip("the source tree or its interpreter is not readable by other users here")
+            done = as_nobody("-m", "streamasr.cli", "serve", "--config", str(config), "--model", "null")
+            assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+            assert f"instance {instance!r} has shm segments of another user (uid 0)" in done.stderr, done.stderr
+            assert theirs.is_current()
+        finally:
+            theirs.close()
+            theirs.unlink()
 
 
 def test_an_ingest_shutting_down_does_not_count_as_registered() -> None:

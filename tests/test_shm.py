@@ -343,6 +343,26 @@ def test_a_segment_made_while_its_predecessor_is_still_mapped_waits_for_the_room
     restarted.unlink()
 
 
+def test_a_segment_made_after_a_clean_exit_waits_for_the_room_its_predecessor_still_holds(instance: str, small_shm: Path) -> None:
+    """`restart ingest:ingest-0`: the draining ingest unlinks its segment as it exits, but a worker
+    still maps it until its batch in progress ends and its next check (within a second), and
+    tmpfs gives the pages back only then. The restarted ingest, finding no leftover, must still
+    wait for that room rather than fail its start."""
+    capacity = 40 * 2**20 // 4  # two do not fit in 64 MiB
+    stopped = RingPool.create(seg(instance), slots=1, capacity=capacity)
+    worker = RingPool.attach(seg(instance))
+    stopped.close()
+    stopped.unlink()  # a clean exit
+    letting_go = threading.Timer(0.5, worker.close)
+    letting_go.start()
+    shm_pool.make_room(seg(instance), shm_pool.segment_size(1, capacity), wait_s=10.0)
+    restarted = RingPool.create(seg(instance), slots=1, capacity=capacity)
+    letting_go.join()
+    restarted.acquire().write(signal(capacity))
+    restarted.close()
+    restarted.unlink()
+
+
 def test_reclaim_and_replace_leftover_segments(instance: str) -> None:
     crashed = [RingPool.create(seg(instance, i), slots=2, capacity=32) for i in range(2)]
     for pool in crashed:
