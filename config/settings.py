@@ -406,6 +406,10 @@ def _check_together(cfg: Config) -> None:
         raise ConfigError(f"vad.pad_ms ({cfg.vad.pad_ms}) and vad.min_speech_ms ({cfg.vad.min_speech_ms}) must add up to "
                           f"less than vad.max_segment_s ({cfg.vad.max_segment_s:g} s): a segment opens with them and "
                           "would be cut as it opens")
+    if cfg.model.max_wait_ms >= cfg.broker.partial_deadline_ms:
+        raise ConfigError(f"model.max_wait_ms ({cfg.model.max_wait_ms:g}) must be less than broker.partial_deadline_ms "
+                          f"({cfg.broker.partial_deadline_ms}): a partial waiting that long for a batch to fill is "
+                          "past its deadline, and a batch that never fills would never leave")
     if cfg.ingest.drain_pause_s and cfg.ingest.drain_pause_s >= cfg.ingest.drain_timeout_s:
         raise ConfigError(f"ingest.drain_pause_s ({cfg.ingest.drain_pause_s:g}) must be less than ingest.drain_timeout_s "
                           f"({cfg.ingest.drain_timeout_s:g}): a stream that waits for a pause that long has no time "

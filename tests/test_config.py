@@ -47,6 +47,8 @@ def test_the_embedded_default_and_its_file_agree() -> None:
     # a few zeros too many forked workers until the machine ran out of memory
     ({"workers": {"processes": 100_000}}, "workers.processes must be between 0 and 256, not 100000"),
     ({"ingest": {"processes": 1000}}, "ingest.processes must be between 1 and 256, not 1000"),
+    # a batch that waits for ever to fill never leaves: its jobs unanswered while the worker looks alive
+    ({"model": {"max_wait_ms": 1e9}}, "model.max_wait_ms (1e+09) must be less than broker.partial_deadline_ms (2000)"),
     ({"shm": {"ring_seconds": 1e305}}, "shm.ring_seconds must be between 1 and 86400.0, not 1e+305"),
     ({"shm": 60}, "shm must be a table ([shm])"),
     # pyzmq takes a poll's timeout as a C int of milliseconds: the worker could not wait half of this
