@@ -1,6 +1,7 @@
 """`python -m ingest --index N`: one ingest process (supervisord runs `numprocs` of them)."""
 
 import argparse
+import sys
 
 from config import settings
 from ingest.server import main
@@ -13,5 +14,9 @@ parser.add_argument("--index", type=int, default=0, help="this process's index: 
 args = parser.parse_args()
 end_with_parent()
 cfg = settings.load(args.config)
-configure(f"ingest-{args.index}", cfg.log_level, ingest=args.index)
-main(cfg, args.index)
+log = configure(f"ingest-{args.index}", cfg.log_level, ingest=args.index)
+try:
+    main(cfg, args.index)
+except Exception:
+    log.exception("ingest.crashed")  # one JSON line with the traceback, as the broker's and workers' crashes
+    sys.exit(1)

@@ -43,14 +43,17 @@ def _labels(items: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, str], ...]:
 class _ThreadStore:
     """One thread's counters and histograms: only that thread writes them. A counter is one
     store; a histogram's count and sum are two, taken under `lock` with the publisher's copy, or
-    a snapshot could hold an observation's count without its value."""
+    a snapshot could hold an observation's count without its value. The lock is reentrant: a
+    collection can start while the publisher copies its own store, and gcwatch's callback then
+    observes into it on that thread; a plain lock would hang the publisher inside the collector,
+    and with it every later automatic collection of the process."""
 
     __slots__ = ("counters", "hists", "lock")
 
     def __init__(self) -> None:
         self.counters: dict[Key, float] = {}
         self.hists: dict[Key, list[Any]] = {}  # [bounds, counts (one per bound, then +Inf), sum]
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
 
 
 class ProcessMetrics:
@@ -122,8 +125,8 @@ class ProcessMetrics:
             for (name, items), value in dict(store.counters).items():
                 key = (name, _labels(items))
                 counters[key] = counters.get(key, 0) + value
-            with store.lock:
-                copied = [(key, bounds, list(counts), total) for key, (bounds, counts, total) in dict(store.hists).items()]
+            with store.lock:  # the sum read after the counts: copying them may run a collection that observes
+                copied = [(key, hist[0], list(hist[1]), hist[2]) for key, hist in dict(store.hists).items()]
             for (name, items), bounds, counts, total in copied:
                 key = (name, _labels(items))
                 if key in hists:

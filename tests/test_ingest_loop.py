@@ -6,6 +6,7 @@ sockets on loopback and real shm, and no broker or workers: their absence is the
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -489,3 +490,30 @@ def test_a_client_that_never_reads_its_refusals_cannot_fill_the_ingest_s_memory(
         assert "and 27 more" in refusal.message and len(refusal.message) < 400, refusal.message
     finally:
         sock.close()
+
+
+def test_an_ingest_that_crashes_says_so_in_one_json_line_with_its_traceback(tmp_path: Path) -> None:
+    """Its log is read as JSON lines (`jq` over the run directory's logs): a crash must be one
+    more such line, `ingest.crashed` with the traceback, as the broker's and workers' are, not a
+    bare Python traceback that stops `jq` at its first line."""
+    base = free_ports(2)
+    instance = f"test{uuid.uuid4().hex[:8]}"
+    config = tmp_path / "ingest.toml"
+    config.write_text(settings.dump(settings.load(None, {
+        "instance": instance, "run_dir": str(tmp_path / instance),
+        "ingest": {"address": f"tcp://127.0.0.1:{base}", "port_base": base + 1},
+    })))
+    taken = zmq.Context.instance().socket(zmq.ROUTER)  # another program took the ingest's port
+    taken.linger = 0
+    taken.bind(f"tcp://127.0.0.1:{base + 1}")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "ingest", "--config", str(config)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        taken.close()
+        pool.reclaim(instance)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    events = [json.loads(line) for line in proc.stderr.splitlines()]  # every line is JSON
+    [crash] = [e for e in events if e["event"] == "ingest.crashed"]
+    assert crash["level"] == "error" and crash["ingest"] == 0
+    assert "Traceback" in crash["exception"] and "Address already in use" in crash["exception"]
