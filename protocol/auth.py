@@ -8,28 +8,61 @@ of the same ZeroMQ context, so every refusal is logged where the process logs ev
 
 from __future__ import annotations
 
+import glob
 import os
 
 import structlog
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.z85 import Z85CHARS
 
 log = structlog.get_logger()
 
 
+def _load_certificate(path: str | os.PathLike[str]) -> tuple[bytes, bytes | None]:
+    """zmq.auth.load_certificate, with a key line that has no `=` a ValueError (pyzmq raises IndexError)."""
+    try:
+        return zmq.auth.load_certificate(path)
+    except IndexError:
+        raise ValueError(f"{path} has a key line without '='") from None
+
+
+def _is_key(key: bytes) -> bool:
+    """A CURVE key in z85: a value cut short or mistyped would never match, or stop the socket taking it."""
+    return len(key) == 40 and all(c in Z85CHARS for c in key)
+
+
 def read_public_key(path: str | os.PathLike[str]) -> bytes:
     """The z85 public key of a certificate file (public or secret)."""
-    public, _ = zmq.auth.load_certificate(path)
+    public, _ = _load_certificate(path)
+    if not _is_key(public):
+        raise ValueError(f"{path}: its public key is not a 40-character z85 CURVE key")
     return public
 
 
 def read_key_pair(path: str | os.PathLike[str]) -> tuple[bytes, bytes]:
-    """(public, secret) z85 keys of a secret certificate file."""
-    public, secret = zmq.auth.load_certificate(path)
+    """(public, secret) z85 keys of a secret certificate file; the public key must be the secret one's."""
+    public, secret = _load_certificate(path)
     if secret is None:
         raise ValueError(f"{path} holds no secret key")
+    try:
+        derived = zmq.curve_public(secret) if _is_key(secret) else None
+    except zmq.ZMQError:  # z85 characters, but not a value libzmq decodes
+        derived = None
+    if derived is None:
+        raise ValueError(f"{path}: its secret key is not a 40-character z85 CURVE key")
+    if derived != public:
+        raise ValueError(f"{path}: its public key is not the one of its secret key")
     return public, secret
+
+
+def authorized_keys(directory: str) -> set[bytes]:
+    """The public keys of the `*.key` files in `directory`; ValueError naming a file whose key is
+    not a CURVE key: it would match no client, and that client would be refused."""
+    if not os.path.isdir(directory):
+        raise OSError(f"Invalid certificate directory: {directory}")
+    return {read_public_key(path) for path in sorted(glob.glob(os.path.join(directory, "*.key")))}
 
 
 Curve = tuple[bytes, bytes]  # what a client needs: (the server's public key, its own secret key), z85
@@ -57,7 +90,7 @@ class _AuthorizedKeys:
     """ZAP credentials callback: a key is in the directory, or the handshake is refused and logged."""
 
     def __init__(self, directory: str, process: str) -> None:
-        self.keys = set(zmq.auth.load_certificates(directory))
+        self.keys = authorized_keys(directory)
         self.process = process
         if not self.keys:
             log.warning("auth.no_authorized_keys", directory=directory)
@@ -98,6 +131,6 @@ def check_server_keys(secret_key_file: str, authorized_dir: str) -> None:
     if not os.path.isdir(authorized_dir):
         raise ValueError(f"ingest.curve_authorized_keys: {authorized_dir} is not a directory")
     try:  # every process loads each key file there at start: one it cannot read stops it
-        zmq.auth.load_certificates(authorized_dir)
+        authorized_keys(authorized_dir)
     except (OSError, ValueError) as exc:
         raise ValueError(f"ingest.curve_authorized_keys: {exc}") from None

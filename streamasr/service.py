@@ -277,14 +277,21 @@ def ops_curve(cfg: Config) -> Curve | None:
 
     Raises ValueError when CURVE is on but `ingest.curve_client_key` is not set: a plain query
     would only go unanswered, which reads as a dead service. The server's public key comes from
-    its key file, so the service's own config file is all an operator needs.
+    its key file, so the service's own config file is all an operator needs. A key file that
+    cannot be read raises ValueError naming the setting to fix.
     """
     if not auth.curve_settings(cfg.ingest.curve_secret_key, cfg.ingest.curve_authorized_keys):
         return None
     if not cfg.ingest.curve_client_key:
         raise ValueError("CURVE is on and ingest.curve_client_key (an authorized client key pair) is not set")
-    _, secret = auth.read_key_pair(cfg.ingest.curve_client_key)
-    return auth.read_public_key(cfg.ingest.curve_secret_key), secret
+    try:
+        _, secret = auth.read_key_pair(cfg.ingest.curve_client_key)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"ingest.curve_client_key: {exc}") from None
+    try:
+        return auth.read_public_key(cfg.ingest.curve_secret_key), secret
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"ingest.curve_secret_key: {exc}") from None
 
 
 def front_door(address: str, msg: m.ClientMessage, timeout: float = 2.0, curve: Curve | None = None) -> m.ServerMessage:

@@ -123,6 +123,16 @@ def test_status_without_an_authorized_key_is_refused(secured: Service, keys: Pat
     assert code == 1 and report["ready"] is False and "curve_client_key" in report["broker_error"], report
 
 
+def test_a_client_key_setting_that_is_not_a_key_pair_is_named_by_status_and_transcribe(secured: Service, keys: Path,
+                                                                                        tmp_path: Path) -> None:
+    """`ingest.curve_client_key` naming the public half (`ops.key`) or no file at all: the
+    operator is told which setting to fix, not only a file name or a bare errno."""
+    for wrong in (keys / "ops.key", keys / "missing.key_secret"):
+        code, report = status_with(secured, tmp_path, str(wrong))
+        assert code == 1 and report["broker_error"].startswith("ingest.curve_client_key: "), report
+        done = secured.cli("transcribe", str(speech_files()[0]), "--config", str(tmp_path / "ops.toml"))
+        assert done.returncode == 2 and "ingest.curve_client_key: " in done.stderr and "Traceback" not in done.stderr, done.stderr
+
 
 def test_transcribe_streams_with_the_config_s_client_key(secured: Service, tmp_path: Path) -> None:
     """`streamasr transcribe` to a service with CURVE on uses `ingest.curve_client_key`, as

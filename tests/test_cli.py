@@ -719,6 +719,10 @@ def test_rings_that_do_not_fit_in_shared_memory_are_refused_before_anything_star
     ("server.key_secret", "no-such-dir", "is not a directory"),
     ("server.key_secret", "", "must be set together"),
     ("server.key_secret", "half-written", "ingest.curve_authorized_keys: No public key found in"),
+    ("cut-short.key_secret", "clients", "ingest.curve_secret_key: "),  # the secret key's last character lost
+    ("mismatched.key_secret", "clients", "ingest.curve_secret_key: "),  # another pair's public key
+    ("server.key_secret", "cut-short", "ingest.curve_authorized_keys: "),  # would match no client
+    ("server.key_secret", "no-equals", "ingest.curve_authorized_keys: "),
 ])
 def test_curve_keys_that_cannot_be_used_are_refused_before_anything_starts(tmp_path: Path, secret: str, authorized: str,
                                                                             named: str) -> None:
@@ -729,6 +733,16 @@ def test_curve_keys_that_cannot_be_used_are_refused_before_anything_starts(tmp_p
     (tmp_path / "half-written").mkdir()
     (tmp_path / "half-written" / "client.key").write_text("#   ZeroMQ CURVE Public Certificate\n")
     zmq.auth.create_certificates(str(tmp_path), "server")
+    zmq.auth.create_certificates(str(tmp_path), "other")
+    server = (tmp_path / "server.key_secret").read_text()
+    server_public, server_secret = (line.split('"')[1] for line in server.splitlines() if "-key" in line)
+    (tmp_path / "cut-short.key_secret").write_text(server.replace(server_secret, server_secret[:-1]))
+    other_public = next(line.split('"')[1] for line in (tmp_path / "other.key").read_text().splitlines() if "-key" in line)
+    (tmp_path / "mismatched.key_secret").write_text(server.replace(server_public, other_public))
+    for directory, text in (("cut-short", (tmp_path / "other.key").read_text().replace(other_public, other_public[:-1])),
+                            ("no-equals", "curve\n    public-key\n")):
+        (tmp_path / directory).mkdir()
+        (tmp_path / directory / "client.key").write_text(text)
     base = free_ports(3)
     config = tmp_path / "streamasr.toml"
     config.write_text(f'run_dir = "{tmp_path / "run"}"\ninstance = "badkeys"\n[ingest]\naddress = "tcp://127.0.0.1:{base}"\n'
