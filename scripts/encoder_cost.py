@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -19,6 +18,7 @@ import numpy as np
 from config import settings
 from speech.loader import ensure_exported, resolve_model
 from speech.ort_backend import OrtWhisperBackend
+from streamasr.bench_model import size_mb
 
 FRAMES_PER_S = 100  # log-mel frames per second of audio
 
@@ -32,11 +32,6 @@ def best_ms(run: Callable[[], object], repeat: int) -> float:
         run()
         times.append(time.perf_counter() - t0)
     return 1000 * min(times)
-
-
-def size_mb(path: Path) -> float:
-    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
-    return sum(p.stat().st_size for p in files) / 1e6
 
 
 def main() -> None:
@@ -71,9 +66,9 @@ def main() -> None:
                 theirs = f"{best_ms(lambda: ct2.encode(features, to_cpu=True), args.repeat):.0f}"
             print(f"{precision:<10} {window:>8g} {ours:>8.0f} {theirs:>8}")
         backend.close()
-    print(f"\nfiles on disk (MB): CTranslate2 model.bin {size_mb(files.model_bin):.1f}; ONNX (encoder + decoder) "
-          + ", ".join(f"{prec} {size_mb(ensure_exported(dataclasses.replace(base, precision=prec), quiet=True)):.1f}"
-                      for prec in ("fp32", "int8")))
+    graphs = {prec: ensure_exported(dataclasses.replace(base, precision=prec), quiet=True) for prec in ("fp32", "int8")}
+    print(f"\nfiles on disk (MB): CTranslate2 model.bin {size_mb([files.model_bin]):.1f}; ONNX (encoder + decoder) "
+          + ", ".join(f"{prec} {size_mb([d / 'encoder.onnx', d / 'decoder.onnx']):.1f}" for prec, d in graphs.items()))
 
 
 if __name__ == "__main__":

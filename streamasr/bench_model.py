@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 
 
-def _size_mb(paths: list[Path]) -> float:
+def size_mb(paths: list[Path]) -> float:
+    """Megabytes on disk of `paths` together, to a tenth."""
     return round(sum(p.stat().st_size for p in paths) / 1e6, 1)
 
 
@@ -109,7 +110,7 @@ def _run(args: argparse.Namespace) -> int:
 
     engines: dict = {}
     loads: dict[str, float] = {}
-    sizes = {"ctranslate2_model_bin_mb": _size_mb([files.model_bin])}
+    sizes = {"ctranslate2_model_bin_mb": size_mb([files.model_bin])}
     for engine in args.engines:
         kind, prec = engine.split("-", 1)
         if kind == "ours":
@@ -118,7 +119,7 @@ def _run(args: argparse.Namespace) -> int:
             cfg = ModelConfig(name=args.model, precision=prec, partial_precision="", threads=args.threads,
                               cache_dir=args.cache_dir)
             gdir = ensure_exported(cfg)
-            sizes[f"onnx_{prec}_mb"] = _size_mb([gdir / "encoder.onnx", gdir / "decoder.onnx"])
+            sizes[f"onnx_{prec}_mb"] = size_mb([gdir / "encoder.onnx", gdir / "decoder.onnx"])
             t0 = time.perf_counter()
             backend = OrtWhisperBackend(cfg)
             loads[engine] = time.perf_counter() - t0

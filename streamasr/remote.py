@@ -24,7 +24,7 @@ from client.client import Client, Stream
 from client.core import ServerError
 from protocol.auth import Curve
 from protocol.messages import MAX_CHANNELS, OVERLOADED, RATES, Closed, ErrorMsg, Final, Partial, ProtocolError
-from speech.audio import RAW_SUFFIXES, not_a_file
+from speech.audio import RAW_SUFFIXES, not_a_file, to_mono
 
 RAW_RATE = 16000  # headerless files (RAW_SUFFIXES): 16 kHz s16le mono
 EVENT_TIMEOUT_S = 120.0  # longest silence from the server before a stream is given up
@@ -58,7 +58,7 @@ def load(path: str) -> Audio:
         raise ValueError("the file holds no audio samples")
     if audio.samples.shape[1] > MAX_CHANNELS:
         full_scale = np.float32(32768.0 if audio.samples.dtype == np.int16 else 1.0)
-        audio.samples = audio.samples.mean(axis=1, dtype=np.float32, keepdims=True) / full_scale
+        audio.samples = (to_mono(audio.samples) / full_scale)[:, None]
     return audio
 
 
