@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
@@ -249,12 +249,7 @@ class Broker:
                 stop.drain()
                 for sock, handle in handlers.items():
                     if sock in events:
-                        for _ in range(DRAIN_MAX):
-                            try:
-                                frames = sock.recv_multipart(zmq.NOBLOCK)
-                            except zmq.Again:
-                                break
-                            handle(frames, time.monotonic())
+                        self._drain(sock, handle)
                 now = time.monotonic()
                 if now >= tick:
                     self._check_peers(now)
@@ -264,6 +259,17 @@ class Broker:
                 stall.turned(now)
         finally:
             stall.stop()
+
+    @staticmethod
+    def _drain(sock: zmq.Socket, handle: Callable[[list[bytes], float], None]) -> None:
+        """Handle what `sock` holds, at most DRAIN_MAX messages: one busy peer must not keep the
+        loop from the others and from its ticks."""
+        for _ in range(DRAIN_MAX):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            handle(frames, time.monotonic())
 
     # -- workers -----------------------------------------------------------------------------
 
@@ -500,11 +506,17 @@ class Broker:
         for ident in [p for p, asked in self._register_asked.items() if now - asked > self._patience_s]:
             del self._register_asked[ident]  # not heard from since: gone
         for ident, link in list(self.worker_links.items()):
+            if self.worker_links.get(ident) is not link:
+                continue  # forgotten, or registered again, by a message read below
             if now - link.seen > self._patience_s:
                 self._lose_worker(ident, "silent", now)
             elif not self._send(self._worker_sock, wire.heartbeat_identity(ident), [wire.HEARTBEAT]) \
                     and ident in self._heartbeat_heard:
-                self._unreachable(ident, now)
+                # A worker that stops says LEAVING, then closes both sockets: its goodbye may be
+                # waiting unread on the job socket, and it has then left, not been lost.
+                self._drain(self._worker_sock, self._on_worker)
+                if ident in self.worker_links:
+                    self._unreachable(ident, now)
         for index, state in list(self.ingests.items()):
             if now - state.link.seen > self._patience_s:
                 self._drop_ingest(state, "silent")

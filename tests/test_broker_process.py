@@ -1028,3 +1028,46 @@ def test_an_ingest_identity_whose_index_packs_in_no_message_does_not_end_the_bro
         assert_exactly_once(running.wait_answers(jobs), jobs)
     finally:
         sock.close(linger=0)
+
+
+def test_a_worker_that_said_goodbye_before_its_connection_closed_has_left_not_been_lost(tmp_path: Path) -> None:
+    """A worker that stops sends LEAVING on its job socket, then closes both sockets. When the
+    broker's heartbeat finds the closed heartbeat socket before its loop has read the goodbye
+    (still queued on the job socket), the worker has left all the same: logging it lost would
+    count a loss against every job it handed back, and put a worker stop in the operators' alerts.
+    The broker runs in this process, so the check comes exactly between the two."""
+    cfg = settings.load(None, {"run_dir": str(tmp_path / "run")})
+    cfg.run_path.mkdir(parents=True)
+    broker = Broker(cfg)
+    broker._worker_sock.bind(cfg.broker_worker_endpoint)
+    ident = b"worker-3-1"
+    socks = []
+    for identity in (ident, wire.heartbeat_identity(ident)):
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, identity)
+        sock.connect(cfg.broker_worker_endpoint)
+        socks.append(sock)
+    job_sock, hb_sock = socks
+
+    def read(count: int) -> None:
+        for _ in range(count):
+            assert broker._worker_sock.poll(5000), "the broker heard nothing"
+            broker._on_worker(broker._worker_sock.recv_multipart(), time.monotonic())
+
+    try:
+        job_sock.send_multipart([wire.READY, wire.pack({"capacity": 1, "pid": 1, "model": "null"})])
+        read(1)
+        hb_sock.send_multipart([wire.HEARTBEAT])
+        read(1)
+        assert ident in broker.worker_links
+        with capture_logs() as logs:
+            job_sock.send_multipart([wire.LEAVING])
+            job_sock.close(linger=1000)
+            hb_sock.close(linger=1000)
+            time.sleep(0.5)  # the goodbye queued at the broker, the connections seen closed
+            broker._check_peers(time.monotonic())
+        events = [e["event"] for e in logs if e["event"].startswith("broker.worker_")]
+        assert events == ["broker.worker_left"], events
+        assert ident not in broker.worker_links
+    finally:
+        broker.close()
