@@ -1,27 +1,37 @@
 """HTTP side of the dashboard: the page, its JSON snapshot, server-sent events and Prometheus text.
 
 The standard library's threading server is enough: a handful of browsers and one scraper, each
-request answered from the collector's prebuilt view. Every event-stream client holds one thread.
+request answered from the collector's prebuilt view. Every event-stream client holds one thread,
+so there are at most `MAX_EVENT_STREAMS` of them.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import structlog
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from metrics.collector import Collector
+from streamasr.logs import Throttle
+
+log = structlog.get_logger()
 
 EVENT_INTERVAL_S = 1.0
 # A connection that sends no request, or a page that stops reading its events, for this long is
 # closed: each holds a thread.
 REQUEST_TIMEOUT_S = 10.0
+# A page that stops reading its events is found out only when the socket buffers are full (an hour
+# of events and more): past this many streams open at once, a new one is answered 503, so such
+# pages (or a script that opens streams and never closes them) cannot pile up threads for ever.
+MAX_EVENT_STREAMS = 32
 STATIC = Path(__file__).with_name("static")
 CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
                  ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml"}
@@ -33,8 +43,9 @@ class Dashboard:
     def __init__(self, collector: Collector, port: int, host: str = "127.0.0.1") -> None:
         self.collector = collector
         self.closing = threading.Event()
-        self.httpd = ThreadingHTTPServer((host, port), _handler(self))
-        self.httpd.daemon_threads = True  # event streams never end by themselves
+        self.event_streams = threading.BoundedSemaphore(MAX_EVENT_STREAMS)
+        self.refusal_lines = Throttle()  # `dashboard.events_refused`: a refused page asks again every few seconds
+        self.httpd = _Server((host, port), _handler(self))
 
     @property
     def url(self) -> str:
@@ -49,6 +60,18 @@ class Dashboard:
         self.closing.set()
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True  # event streams never end by themselves
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client gone mid-answer (a scraper past its timeout, a tab closed while loading) is no
+        fault of the dashboard's and is not logged; anything else is, as one JSON line (the
+        standard library prints a bare traceback amid the log's JSON)."""
+        if isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            return
+        log.error("dashboard.request_failed", client=f"{client_address[0]}:{client_address[1]}", exc_info=True)
 
 
 def _handler(dashboard: Dashboard) -> type[BaseHTTPRequestHandler]:
@@ -92,9 +115,11 @@ def _handler(dashboard: Dashboard) -> type[BaseHTTPRequestHandler]:
         def _file(self, path: Path) -> None:
             self._send(HTTPStatus.OK, CONTENT_TYPES[path.suffix], path.read_bytes())
 
-        def _send(self, status: HTTPStatus, content_type: str, body: bytes) -> None:
+        def _send(self, status: HTTPStatus, content_type: str, body: bytes, headers: tuple[tuple[str, str], ...] = ()) -> None:
             self.send_response(status)
             self.send_header("Content-Type", content_type)
+            for name, value in headers:
+                self.send_header(name, value)
             self.send_header("Content-Length", str(len(body)))
             self.send_header("Cache-Control", "no-store")
             self.end_headers()
@@ -103,6 +128,20 @@ def _handler(dashboard: Dashboard) -> type[BaseHTTPRequestHandler]:
 
         def _events(self) -> None:
             """Push the snapshot every second until the browser goes away or the server stops."""
+            if not dashboard.event_streams.acquire(blocking=False):
+                if (suppressed := dashboard.refusal_lines("events")) is not None:
+                    log.warning("dashboard.events_refused", open=MAX_EVENT_STREAMS, suppressed=suppressed)
+                self._send(HTTPStatus.SERVICE_UNAVAILABLE, "text/plain; charset=utf-8",
+                           f"{MAX_EVENT_STREAMS} event streams are open already: close a page, or poll /api/snapshot\n".encode(),
+                           (("Retry-After", "5"),))
+                return
+            try:
+                self._stream()
+            finally:
+                dashboard.event_streams.release()
+
+        def _stream(self) -> None:
+            """The stream itself, once it holds one of the slots."""
             self.send_response(HTTPStatus.OK)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-store")

@@ -7,6 +7,7 @@ instance's run directory: an instance without one has never started, and `top` l
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -72,7 +73,9 @@ def _fetch(url: str) -> dict[str, Any] | None:
     try:
         with urllib.request.urlopen(url.rstrip("/") + "/api/snapshot", timeout=1.0) as reply:
             snap = json.loads(reply.read())
-    except (OSError, urllib.error.URLError, ValueError):
+    # HTTPException: what answers is no HTTP server (another program on the port), or the dashboard
+    # closed the connection mid-answer (restarted): as if nothing answered, not a traceback
+    except (OSError, urllib.error.URLError, ValueError, http.client.HTTPException):
         return None
     return snap if isinstance(snap, dict) else None
 

@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -30,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 from config import settings
-from dashboard.server import REQUEST_TIMEOUT_S
+from dashboard.server import MAX_EVENT_STREAMS, REQUEST_TIMEOUT_S
 from metrics.collector import SILENT_AFTER_S, STALE_AFTER_S
 from streamasr import top
 from streaming import wait_for
@@ -42,15 +43,17 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 
 
 @contextmanager
-def running_dashboard(config_file: Path) -> Iterator[str]:
-    """`python -m dashboard` for the instance on a free port; yields its URL, stops it with SIGTERM."""
-    proc = subprocess.Popen([sys.executable, "-m", "dashboard", "--config", str(config_file), "--port", "0"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def running_dashboard(config_file: Path, log: Path | None = None) -> Iterator[str]:
+    """`python -m dashboard` for the instance on a free port (its log lines in `log`, if given);
+    yields its URL, stops it with SIGTERM."""
+    with open(log, "w") if log is not None else open(os.devnull, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "dashboard", "--config", str(config_file), "--port", "0"],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line.startswith("dashboard http://"):
         proc.kill()
-        raise AssertionError(f"dashboard did not start: {line!r} {proc.communicate()[1]}")
+        raise AssertionError(f"dashboard did not start: {line!r} {log.read_text() if log else ''}")
     try:
         yield line.split()[1]
     finally:
@@ -188,6 +191,79 @@ def test_http_endpoints(fake_instance) -> None:
             assert idle.recv(1) == b"" and time.monotonic() - started >= REQUEST_TIMEOUT_S - 1
 
 
+def http_request(url: str, method: str, path: str) -> socket.socket:
+    """A connection to the dashboard at `url` that has sent `method path` and nothing more."""
+    host, port = url.removeprefix("http://").rstrip("/").split(":")
+    conn = socket.create_connection((host, int(port)), timeout=REQUEST_TIMEOUT_S + 10)
+    conn.sendall(f"{method} {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n".encode())
+    return conn
+
+
+def open_events(url: str) -> tuple[socket.socket, bytes]:
+    """An /events stream, read up to its first event when it is served, else to the server's
+    close: (connection, what was read)."""
+    conn = http_request(url, "GET", "/events")
+    answer = b""
+    while b"\ndata: " not in answer:
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        answer += chunk
+    return conn, answer
+
+
+def test_event_streams_past_the_cap_are_refused_and_a_page_that_goes_frees_its_place(fake_instance, tmp_path: Path) -> None:
+    """Each event stream holds a thread, and a page that stops reading is found out only when the
+    socket buffers are full: past MAX_EVENT_STREAMS at once a new one is answered 503 (which the
+    page retries), the rest of the dashboard still answers, and a stream that ends gives its place."""
+    config_file, _ = fake_instance
+    log = tmp_path / "dashboard.log"
+    streams: list[tuple[socket.socket, bytes]] = []
+
+    def served() -> bool:
+        conn, answer = open_events(url)
+        if answer.startswith(b"HTTP/1.0 200"):
+            streams.append((conn, answer))
+            return True
+        conn.close()
+        return False
+
+    with running_dashboard(config_file, log) as url:
+        streams += [open_events(url) for _ in range(MAX_EVENT_STREAMS)]
+        try:
+            assert all(answer.startswith(b"HTTP/1.0 200") for _, answer in streams)
+            extra, answer = open_events(url)
+            extra.close()
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.0 503") and b"Retry-After: 5" in head, answer[:300]
+            assert f"{MAX_EVENT_STREAMS} event streams are open".encode() in body
+            assert json.loads(get(url + "api/snapshot")[1])["instance"] == settings.load(config_file).instance
+            assert get(url + "metrics")[0].startswith("text/plain")
+            streams.pop()[0].close()  # a page closed: its place is free once the server finds it gone
+            wait_for(served, what="a stream served after another one ended")
+        finally:
+            for conn, _ in streams:
+                conn.close()
+    refused = [e for e in map(json.loads, log.read_text().splitlines()) if e["event"] == "dashboard.events_refused"]
+    assert refused and refused[0]["open"] == MAX_EVENT_STREAMS and refused[0]["level"] == "warning", refused
+
+
+def test_a_client_gone_mid_answer_leaves_no_traceback_in_the_log(fake_instance, tmp_path: Path) -> None:
+    """A scraper past its timeout, a tab closed while the page loads: the connection is reset before
+    the answer is written. The log must stay JSON lines, not a traceback per request."""
+    config_file, _ = fake_instance
+    log = tmp_path / "dashboard.log"
+    with running_dashboard(config_file, log) as url:
+        for path in ("/metrics", "/api/snapshot", "/", "/static/dashboard.js") * 5:
+            conn = http_request(url, "GET", path)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close by reset
+            conn.close()
+        assert get(url + "metrics")[0].startswith("text/plain")  # and it serves on
+    lines = log.read_text().splitlines()
+    assert "Traceback" not in "\n".join(lines), "\n".join(lines)[:3000]
+    assert [json.loads(line)["event"] for line in lines] == ["dashboard.started", "dashboard.stopped"], lines
+
+
 def test_top_prints_one_frame_from_the_dashboard_or_its_own_collector(fake_instance, capsys) -> None:
     config_file, names = fake_instance
     cfg = settings.load(config_file)
@@ -256,6 +332,27 @@ def test_top_says_when_a_dashboard_s_snapshot_is_not_one_it_can_read(tmp_path: P
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_top_takes_a_port_that_answers_no_http_or_closes_mid_answer_for_no_dashboard(tmp_path: Path, capsys) -> None:
+    """Another program on the dashboard's port, or a dashboard restarted while it answers: `top`
+    shows the instance through a collector of its own, as when nothing answers, not a traceback."""
+    import threading
+
+    cfg = instance_config(tmp_path)[0]
+    cfg.run_path.mkdir(mode=0o700)
+    for answer in (b"SSH-2.0-OpenSSH_9.6\r\n",  # no HTTP at all
+                   b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"time\": "):  # cut short
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            def answer_one(answer: bytes = answer) -> None:
+                conn, _ = server.accept()
+                with conn:
+                    conn.recv(65536)
+                    conn.sendall(answer)
+            threading.Thread(target=answer_one, daemon=True).start()
+            assert top.main(cfg, once=True, url=f"http://127.0.0.1:{server.getsockname()[1]}/") == 0
+        frame = capsys.readouterr().out
+        assert "via collector" in frame and cfg.instance in frame, frame
 
 
 def test_top_does_not_take_another_instances_dashboard_for_its_own(fake_instance, tmp_path: Path, capsys) -> None:
