@@ -169,7 +169,7 @@ class Broker:
         self._front = self._ctx.socket(zmq.ROUTER)
         self._auth = None
         if auth.curve_settings(cfg.ingest.curve_secret_key, cfg.ingest.curve_authorized_keys):
-            self._auth = auth.start_authenticator(self._ctx, cfg.ingest.curve_authorized_keys, "broker")
+            self._auth = auth.start_authenticator(self._ctx, cfg.ingest.curve_authorized_keys, "broker", self.metrics)
             auth.apply_server_curve(self._front, cfg.ingest.curve_secret_key)
         for sock in (self._ingest_sock, self._worker_sock):
             # Sending to a peer that is gone raises EHOSTUNREACH instead of vanishing silently:

@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 from types import FrameType
+from typing import Any
 
 from config import settings
 from dashboard.server import Dashboard
@@ -23,6 +24,15 @@ def main(argv: list[str] | None = None) -> int:
     end_with_parent()
     cfg = settings.load(args.config)
     log = logs.configure("dashboard", cfg.log_level)
+    try:
+        return serve(cfg, args.port, log)
+    except Exception:
+        log.exception("dashboard.crashed")  # one JSON line with the traceback, as the broker's, workers' and ingests'
+        return 1
+
+
+def serve(cfg: settings.Config, port_flag: int | None, log: Any) -> int:
+    """Collect and serve until SIGTERM or SIGINT; 1 when the collector or the port is refused."""
     collector = Collector(cfg, state_file=cfg.metrics_state_path)
     try:
         collector.start()
@@ -31,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if collector.state_unreadable:  # counters that restarted processes carried start again from their live values
         log.warning("dashboard.state_ignored", path=str(cfg.metrics_state_path), reason=collector.state_unreadable)
-    port = cfg.metrics.dashboard_port if args.port is None else args.port
+    port = cfg.metrics.dashboard_port if port_flag is None else port_flag
     try:
         dashboard = Dashboard(collector, port=port)
     except OSError as exc:  # the port taken since `serve` checked it: said, not a traceback

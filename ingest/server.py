@@ -79,7 +79,8 @@ class IngestServer:
         self.vad = VadRunner(self.ctx, threads=1, on_failure=lambda: self.metrics.inc("errors_total", code=m.INTERNAL))
         self.auth = None
         if auth.curve_settings(cfg.ingest.curve_secret_key, cfg.ingest.curve_authorized_keys):
-            self.auth = auth.start_authenticator(self.ctx, cfg.ingest.curve_authorized_keys, f"ingest-{index}")
+            self.auth = auth.start_authenticator(self.ctx, cfg.ingest.curve_authorized_keys, f"ingest-{index}",
+                                                 self.metrics)
         self.clients = self.ctx.socket(zmq.ROUTER)
         if self.auth is not None:
             auth.apply_server_curve(self.clients, cfg.ingest.curve_secret_key)

@@ -3,19 +3,25 @@
 Keys are pyzmq certificate files (`zmq.auth.create_certificates`): the server holds its secret
 key file, and a directory with one public key file per authorized client. A client needs the
 server's public key and its own key pair. The server side authenticates through ZAP in a thread
-of the same ZeroMQ context, so every refusal is logged where the process logs everything else.
+of the same ZeroMQ context, so refusals are counted and logged where the process logs everything else.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+from typing import TYPE_CHECKING
 
 import structlog
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.z85 import Z85CHARS
+
+from streamasr.logs import Throttle
+
+if TYPE_CHECKING:  # the clients import this module, and need none of the service's metrics
+    from metrics.registry import ProcessMetrics
 
 log = structlog.get_logger()
 
@@ -86,28 +92,58 @@ def apply_server_curve(sock: zmq.Socket, secret_key_file: str) -> None:
     sock.curve_server = True
 
 
-class _AuthorizedKeys:
-    """ZAP credentials callback: a key is in the directory, or the handshake is refused and logged."""
+# A key refused is refused on every try until the process restarts with another list, and a
+# client retries each reconnect interval (0.1 s by default): a line a minute per key tells the
+# operator as much as ten a second would, and the first refusal of each key is written at once.
+REFUSED_LOG_INTERVAL_S = 60.0
 
-    def __init__(self, directory: str, process: str) -> None:
+
+class _AuthorizedKeys:
+    """ZAP credentials callback: a key is in the directory, or the handshake is refused, counted
+    and logged (at most a line a minute per key). Runs on the authenticator's thread only."""
+
+    def __init__(self, directory: str, process: str, metrics: ProcessMetrics) -> None:
         self.keys = authorized_keys(directory)
         self.process = process
+        self.metrics = metrics
+        self.throttle = Throttle(REFUSED_LOG_INTERVAL_S)
         if not self.keys:
             log.warning("auth.no_authorized_keys", directory=directory)
 
     def callback(self, domain: str, key: bytes) -> bool:
         if key in self.keys:
             return True
-        log.warning("auth.refused", process=self.process, client_key=key.decode(errors="replace"), domain=domain,
-                    reason="client public key not authorized")
+        self.metrics.inc("auth_refusals_total")
+        if (suppressed := self.throttle(key)) is not None:
+            log.warning("auth.refused", process=self.process, client_key=key.decode(errors="replace"), domain=domain,
+                        reason="client public key not authorized", suppressed=suppressed)
         return False
 
+    def log_suppressed(self) -> None:
+        """The refusals no line has told yet, one line per key: else a flood's last minute goes untold."""
+        for key, suppressed in self.throttle.take_suppressed().items():
+            log.warning("auth.refused_untold", process=self.process, client_key=key.decode(errors="replace"),
+                        suppressed=suppressed)
 
-def start_authenticator(ctx: zmq.Context, authorized_dir: str, process: str) -> ThreadAuthenticator:
+
+class Authenticator(ThreadAuthenticator):
+    """The ZAP handler's thread, which on stop tells the refusals its throttled lines have not."""
+
+    def __init__(self, ctx: zmq.Context, keys: _AuthorizedKeys) -> None:
+        super().__init__(ctx)
+        self.authorized = keys
+
+    def stop(self) -> None:
+        super().stop()  # the thread is joined: the callback no longer runs
+        self.authorized.log_suppressed()
+
+
+def start_authenticator(ctx: zmq.Context, authorized_dir: str, process: str, metrics: ProcessMetrics) -> Authenticator:
     """ZAP handler for every CURVE server socket of `ctx`; start it before binding them."""
-    auth = ThreadAuthenticator(ctx)
+    keys = _AuthorizedKeys(authorized_dir, process, metrics)
+    auth = Authenticator(ctx, keys)
     auth.start()
-    auth.configure_curve_callback(domain="*", credentials_provider=_AuthorizedKeys(authorized_dir, process))
+    auth.configure_curve_callback(domain="*", credentials_provider=keys)
     log.info("auth.curve_enabled", process=process, authorized=authorized_dir)
     return auth
 

@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any
 
@@ -50,11 +51,13 @@ class Throttle:
     the ingest's loop serves every stream. Every refusal is still answered and counted in the
     metrics; a line written says how many like it were not (`suppressed`)."""
 
-    MAX_KEYS = 10_000  # past this, keys quiet for a whole interval are forgotten
+    MAX_KEYS = 10_000  # past this, the key whose line is oldest is forgotten: a flood of new keys costs no memory
 
-    def __init__(self, interval_s: float = 1.0) -> None:
+    def __init__(self, interval_s: float = 1.0, max_keys: int = MAX_KEYS) -> None:
         self.interval_s = interval_s
-        self._keys: dict[Hashable, list[float]] = {}  # key -> [when last written, lines suppressed since]
+        self.max_keys = max_keys
+        # key -> [when last written, lines suppressed since], oldest line first
+        self._keys: OrderedDict[Hashable, list[float]] = OrderedDict()
 
     def __call__(self, key: Hashable) -> int | None:
         """None when this line is not to be written; else how many were suppressed before it."""
@@ -63,10 +66,21 @@ class Throttle:
         if entry is not None and now - entry[0] < self.interval_s:
             entry[1] += 1
             return None
-        if entry is None and len(self._keys) >= self.MAX_KEYS:
-            self._keys = {k: e for k, e in self._keys.items() if now - e[0] < self.interval_s}
+        if entry is not None:
+            self._keys.move_to_end(key)
+        elif len(self._keys) >= self.max_keys:
+            self._keys.popitem(last=False)
         self._keys[key] = [now, 0]
         return int(entry[1]) if entry is not None else 0
+
+    def take_suppressed(self) -> dict[Hashable, int]:
+        """The keys with lines suppressed since their last one written, and how many, counted as
+        told from now on: for a last word as the process stops, since a count is otherwise told
+        only by the key's next line."""
+        told = {key: int(entry[1]) for key, entry in self._keys.items() if entry[1]}
+        for key in told:
+            self._keys[key][1] = 0
+        return told
 
 
 def configure(process: str, level: str = "info", **tags: Any) -> Any:

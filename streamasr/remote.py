@@ -1,19 +1,22 @@
 """`streamasr transcribe --server`: stream audio files to a running service, all at once.
 
-Each file is one stream on one shared Client: a sender thread paces its audio at wall-clock
-rate (as a microphone would deliver it) or, offline, pushes it as fast as the server's credit
-allows; a reader thread turns its events into output lines with client-side latencies.
+Each file is one stream on one shared Client: a sender thread reads its audio block by block
+and paces it at wall-clock rate (as a microphone would deliver it) or, offline, pushes it as
+fast as the server's credit allows; a reader thread turns its events into output lines with
+client-side latencies. A file is opened when its stream starts, and only the blocks on their
+way are held, so a day of recordings streams in the memory of the streams open at once.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import BinaryIO, Iterator, TextIO
 
 import numpy as np
 import soundfile
@@ -27,39 +30,74 @@ from protocol.messages import MAX_CHANNELS, OVERLOADED, RATES, Closed, ErrorMsg,
 from speech.audio import RAW_SUFFIXES, not_a_file, to_mono
 
 RAW_RATE = 16000  # headerless files (RAW_SUFFIXES): 16 kHz s16le mono
+RESAMPLED_RATE = 16000  # what a file at a rate the protocol does not take is streamed at
+OFFLINE_BLOCK_MS = 1000  # audio an offline stream reads and queues at a time: far below a window (about 60 s)
 EVENT_TIMEOUT_S = 120.0  # longest silence from the server before a stream is given up
 CREDIT_TIMEOUT_S = 120.0  # longest an offline stream waits for the window to move
 
 
-@dataclass
-class Audio:
-    samples: np.ndarray  # (frames, channels), int16 or float32
-    rate: int
+class Reader:
+    """One file's samples as its stream carries them, read block by block as they are sent, so
+    memory holds what is being streamed rather than whole files: at the file's rate and channels
+    if the protocol takes that rate (else resampled to 16 kHz as they are read), mixed to mono
+    past the channels a stream carries. Headerless files and a file without samples are taken as
+    `transcribe --local` takes them. Opening reads the header alone."""
+
+    def __init__(self, path: str) -> None:
+        if why := not_a_file(Path(path)):
+            raise ValueError(why)
+        self._raw: BinaryIO | None = None
+        self._file: soundfile.SoundFile | None = None
+        if Path(path).suffix.lower() in RAW_SUFFIXES:
+            self._raw = open(path, "rb")
+            self.file_rate, channels, self.frames = RAW_RATE, 1, os.fstat(self._raw.fileno()).st_size // 2
+        else:
+            self._file = soundfile.SoundFile(path)
+            self.file_rate, channels, self.frames = self._file.samplerate, self._file.channels, self._file.frames
+        if not self.frames:
+            self.close()
+            raise ValueError("the file holds no audio samples")
+        self.mix = channels > MAX_CHANNELS
+        self.channels = 1 if self.mix else channels
+        self.rate = self.file_rate if self.file_rate in RATES else RESAMPLED_RATE
 
     @property
     def seconds(self) -> float:
-        return len(self.samples) / self.rate
+        return self.frames / self.file_rate
 
+    def blocks(self, ms: int) -> Iterator[np.ndarray]:
+        """The samples, (frames, channels) int16 or float32, `ms` of the file at a time (a
+        resampled block's length varies by a frame, the first and last more)."""
+        resampler = None
+        if self.rate != self.file_rate:  # one resampler over the whole file: blocks join with no seam
+            resampler = soxr.ResampleStream(self.file_rate, self.rate, self.channels, dtype="float32")
+        step = max(self.file_rate * ms // 1000, 1)
+        while len(block := self._read(step, "int16" if resampler is None else "float32")):
+            if self.mix:
+                full_scale = np.float32(32768.0 if block.dtype == np.int16 else 1.0)
+                block = (to_mono(block) / full_scale)[:, None]
+            yield block if resampler is None else resampler.resample_chunk(block)
+        if resampler is not None:
+            yield resampler.resample_chunk(np.zeros((0, self.channels), np.float32), last=True)
 
-def load(path: str) -> Audio:
-    """A file at its native rate and channels if the protocol takes that rate, else at 16 kHz;
-    mixed to mono past the channels a stream carries. Headerless files and a file without
-    samples are taken as `transcribe --local` takes them."""
-    if why := not_a_file(Path(path)):
-        raise ValueError(why)
-    if Path(path).suffix.lower() in RAW_SUFFIXES:
-        audio = Audio(np.fromfile(path, dtype="<i2").reshape(-1, 1), RAW_RATE)
-    elif (info := soundfile.info(path)).samplerate in RATES:
-        audio = Audio(soundfile.read(path, dtype="int16", always_2d=True)[0], info.samplerate)
-    else:
-        data, rate = soundfile.read(path, dtype="float32", always_2d=True)
-        audio = Audio(soxr.resample(data, rate, 16000).astype(np.float32), 16000)
-    if not len(audio.samples):
-        raise ValueError("the file holds no audio samples")
-    if audio.samples.shape[1] > MAX_CHANNELS:
-        full_scale = np.float32(32768.0 if audio.samples.dtype == np.int16 else 1.0)
-        audio.samples = (to_mono(audio.samples) / full_scale)[:, None]
-    return audio
+    def _read(self, frames: int, dtype: str) -> np.ndarray:
+        """Up to `frames` frames from where the last read ended; none at the end of the file."""
+        if self._raw is not None:
+            data = self._raw.read(frames * 2)
+            return np.frombuffer(data[: len(data) // 2 * 2], "<i2").reshape(-1, 1)  # an odd last byte is no sample
+        assert self._file is not None
+        return self._file.read(frames, dtype=dtype, always_2d=True)
+
+    def close(self) -> None:
+        for f in (self._raw, self._file):
+            if f is not None:
+                f.close()
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @dataclass
@@ -67,8 +105,9 @@ class Job:
     """One file's stream and what came back on it."""
 
     file: str
-    audio: Audio
+    seconds: float  # the file's length, as its header (or size) says
     stream: Stream | None = None
+    sent_all: bool = False  # every sample went out: a transcript is the whole file's
     finals: list[str] = field(default_factory=list)
     closed: Closed | None = None
     error: str | None = None
@@ -106,8 +145,9 @@ def run(
     jobs: list[Job] = []
     failed = False
     for path in files:
-        try:
-            jobs.append(Job(path, load(path)))
+        try:  # the header alone: a file that cannot be streamed is said at once, before any is
+            with Reader(path) as reader:
+                jobs.append(Job(path, reader.seconds))
         except (OSError, RuntimeError, ValueError) as exc:  # soundfile raises RuntimeError subclasses
             print(f"{path}: cannot read audio: {exc}", file=sys.stderr)
             failed = True
@@ -133,13 +173,13 @@ def run(
         if job.error is not None:
             print(f"{job.file}: {job.error}", file=sys.stderr)
             failed = True
-            if job.closed is None or job.closed.reason != "end":
+            if not job.sent_all or job.closed is None or job.closed.reason != "end":
                 continue  # cut short: its transcript would pass for the whole file's
             # a segment the service could not transcribe still had its final (what its partials agreed
             # on) and the stream went on: the transcript is the file's, with that error said
         text = " ".join(job.finals)
         if as_json:
-            audio_s = job.closed.audio_s if job.closed is not None else job.audio.seconds
+            audio_s = job.closed.audio_s if job.closed is not None else job.seconds
             output.json({"type": "summary", "file": job.file, "text": text, "segments": len(job.finals),
                          "audio_s": round(audio_s, 3), "wall_s": round(job.wall_s, 3)})
         else:
@@ -157,45 +197,59 @@ def _transcribe(client: Client, job: Job, offline: bool, language: str | None, p
 
 def _stream(client: Client, job: Job, offline: bool, language: str | None, partials: bool, frame_ms: int,
             output: Output) -> None:
-    """Open, then send on a helper thread while this one reads events until `closed`."""
+    """Open the file, then its stream; send on a helper thread while this one reads events until `closed`."""
     try:
-        job.stream = client.open(rate=job.audio.rate, channels=job.audio.samples.shape[1], language=language,
-                                 partials=partials, priority="batch" if offline else "realtime")
-    except (ServerError, TimeoutError, ValueError) as exc:  # ValueError: an open the protocol does not allow (--language)
-        job.error = f"cannot open a stream: {exc}"
+        reader = Reader(job.file)
+    except (OSError, RuntimeError, ValueError) as exc:  # changed since it was checked: gone, cut to nothing
+        job.error = f"cannot read audio: {exc}"
         return
-    job.started = time.monotonic()
-    sender = threading.Thread(target=_send, args=(job, offline, frame_ms), name=f"{threading.current_thread().name}-send")
-    sender.start()
-    try:
-        _read(job, output)
-    except (ServerError, TimeoutError) as exc:
-        job.error = job.error or str(exc)
-    finally:
-        sender.join()
+    with reader:
+        try:
+            job.stream = client.open(rate=reader.rate, channels=reader.channels, language=language,
+                                     partials=partials, priority="batch" if offline else "realtime")
+        except (ServerError, TimeoutError, ValueError) as exc:  # ValueError: an open the protocol does not allow (--language)
+            job.error = f"cannot open a stream: {exc}"
+            return
+        job.started = time.monotonic()
+        sender = threading.Thread(target=_send, args=(job, reader, offline, frame_ms),
+                                  name=f"{threading.current_thread().name}-send")
+        sender.start()
+        try:
+            _read(job, output)
+        except (ServerError, TimeoutError) as exc:
+            job.error = job.error or str(exc)
+        finally:
+            sender.join()
     job.wall_s = time.monotonic() - job.started
 
 
-def _send(job: Job, offline: bool, frame_ms: int) -> None:
+def _send(job: Job, reader: Reader, offline: bool, frame_ms: int) -> None:
+    """Read and send the file block by block, then `end`. A file that fails part-way (cut short,
+    corrupt) or whose audio cannot be sent fails this file alone: what was sent is ended, and its
+    transcript, a part's, is not given as the file's."""
     stream = job.stream
     assert stream is not None
-    samples = job.audio.samples
+    sent = 0  # frames, at the stream's rate
     try:
-        if offline:
-            stream.send(samples, timeout=CREDIT_TIMEOUT_S)
-        else:
-            step = max(job.audio.rate * frame_ms // 1000, 1)
-            for i, start in enumerate(range(0, len(samples), step)):
-                chunk = samples[start : start + step]
-                # a frame exists once its last sample has been "recorded": send at the end of its span
-                delay = job.started + (start + len(chunk)) / job.audio.rate - time.monotonic()
-                if delay > 0:
-                    time.sleep(delay)
-                stream.send(chunk)
-        stream.end()
-    except (ServerError, TimeoutError) as exc:
+        for block in reader.blocks(OFFLINE_BLOCK_MS if offline else frame_ms):
+            if offline:
+                stream.send(block, timeout=CREDIT_TIMEOUT_S)
+                continue
+            sent += len(block)
+            # a frame exists once its last sample has been "recorded": send at the end of its span
+            delay = job.started + sent / reader.rate - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            stream.send(block)
+        job.sent_all = True
+    except (ServerError, TimeoutError) as exc:  # before OSError's clause: TimeoutError (no credit) is one
         job.error = job.error or f"sending audio failed: {exc}"
+    except (OSError, RuntimeError) as exc:  # the file failed part-way (soundfile raises RuntimeError subclasses)
+        job.error = job.error or f"cannot read audio: {exc}"
+    try:
         stream.end()
+    except ServerError as exc:  # the client failed: the reading thread hears it too
+        job.error = job.error or f"sending audio failed: {exc}"
 
 
 def _read(job: Job, output: Output) -> None:

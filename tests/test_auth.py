@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 import shutil
 import stat
 import time
+import urllib.request
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -24,11 +26,12 @@ import zmq.auth
 
 from client import AsyncClient, Client
 from config import settings
-from conftest import Service, start_service
+from conftest import Service, running, start_service
 from protocol import messages as m
-from protocol.auth import apply_client_curve, read_key_pair, read_public_key
+from protocol.auth import REFUSED_LOG_INTERVAL_S, apply_client_curve, read_key_pair, read_public_key
 from shm import pool
-from streaming import StreamClient, hello, read_wav, speech_files
+from streamasr.logs import Throttle
+from streaming import StreamClient, hello, read_wav, speech_files, wait_for
 
 Curve = Callable[[zmq.Socket], None]
 
@@ -206,3 +209,67 @@ def test_the_reference_clients_stream_with_the_client_s_keys(secured: Service, k
     assert isinstance(events[-1], m.Closed) and events[-1].reason == "end", events[-1]
     with pytest.raises(TimeoutError):
         Client(secured.address, timeout=2.0)
+
+
+def refused_handshake(endpoint: str, curve: Curve) -> None:
+    """One CURVE handshake with `curve`, waited for until the server refuses it."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RECONNECT_IVL, 60_000)  # no second try before the socket is closed
+    curve(sock)
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    try:
+        sock.connect(endpoint)
+        assert monitor.poll(30_000), "the handshake was neither refused nor taken"
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+        sock.close()
+
+
+def test_a_client_refused_in_a_loop_writes_few_lines_that_count_every_refusal(tmp_path: Path, keys: Path) -> None:
+    """A client with a key not listed retries its handshake every reconnect interval until it is
+    fixed: a line for each refusal would fill the broker's log and rotate out everything else. The
+    first refusal of a key is written at once, later ones at most a line a minute, each saying how
+    many were not written; `auth_refusals_total` counts every one, and those no line told yet are
+    written as the process stops."""
+    _, secret = zmq.curve_keypair()
+    looping = read_public_key(keys / "server.key"), secret
+    looping_key = zmq.curve_public(secret).decode()
+    tries = 200
+    with running(tmp_path, model="null", workers=1, ingest={
+        "curve_secret_key": str(keys / "server.key_secret"),
+        "curve_authorized_keys": str(keys / "authorized"),
+        "curve_client_key": str(keys / "ops.key_secret"),
+    }) as service:
+        for _ in range(tries):
+            refused_handshake(service.address, lambda sock: apply_client_curve(sock, *looping))
+        metrics = f"http://127.0.0.1:{service.cfg.metrics.dashboard_port}/metrics"
+
+        def counted() -> float | None:
+            try:
+                text = urllib.request.urlopen(metrics, timeout=10).read().decode()
+            except OSError:  # the dashboard not listening yet
+                return None
+            found = re.search(r"^streamasr_auth_refusals_total (\S+)$", text, re.MULTILINE)
+            return float(found[1]) if found and float(found[1]) >= tries else None
+
+        assert wait_for(counted, timeout=30, what="every refusal counted") == tries
+        written = [e for e in service.events("broker") if e["event"] == "auth.refused" and e["client_key"] == looping_key]
+        assert 1 <= len(written) <= 5 and written[0]["suppressed"] == 0, written  # a line a minute at most
+    told = [e for e in service.events("broker")
+            if e["event"] in ("auth.refused", "auth.refused_untold") and e["client_key"] == looping_key]
+    assert [e["event"] for e in told].count("auth.refused_untold") <= 1, told
+    assert len(written) + sum(e["suppressed"] for e in told) == tries, told
+
+
+def test_a_flood_of_new_keys_is_forgotten_oldest_first() -> None:
+    """Refusals of a new random key on every handshake must not grow the table of keys whose lines
+    are throttled without bound: past its size the key written longest ago is forgotten (its next
+    refusal is a first line again), the newest are still throttled."""
+    throttle = Throttle(REFUSED_LOG_INTERVAL_S, max_keys=100)
+    flood = [zmq.curve_keypair()[0] for _ in range(1000)]
+    assert [throttle(key) for key in flood] == [0] * len(flood)  # each a first refusal, written
+    assert throttle(flood[-1]) is None  # refused again within the minute: not written
+    assert throttle(flood[0]) == 0  # forgotten: written as a first refusal
+    assert len(throttle.take_suppressed()) == 1

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 import soundfile
+import soxr
 import zmq
 
 from client import AsyncClient, Client, StreamError, status
@@ -361,6 +362,64 @@ def test_transcribe_takes_more_files_than_one_connection_may_stream_at_once(serv
     assert capsys.readouterr().err == "" and code == 0
     summaries = [line for line in map(json.loads, out.getvalue().splitlines()) if line["type"] == "summary"]
     assert len(summaries) == 3 and all(s["text"] for s in summaries), summaries
+
+
+PEAK_RSS = ("import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]); "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(done.returncode)")
+
+
+def transcribe_measured(address: str, path: Path) -> tuple[dict[str, Any], list[dict[str, Any]], int]:
+    """`streamasr transcribe --offline --json` of one file in a process of its own: its summary,
+    its finals and its peak resident memory in bytes."""
+    done = subprocess.run([sys.executable, "-c", PEAK_RSS, sys.executable, "-m", "streamasr.cli", "transcribe",
+                           "--server", address, "--offline", "--json", str(path)],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    *said, peak_kb = done.stderr.splitlines()
+    assert done.returncode == 0 and said == [], done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    return lines[-1], [line for line in lines if line["type"] == "final"], int(peak_kb) * 1024
+
+
+def test_transcribe_holds_the_audio_being_streamed_not_whole_files(null_service, tmp_path) -> None:
+    """An operator transcribing a day of recordings: a 20-minute file, at a rate the protocol takes
+    and at one it does not (resampled as it is read), streams in about the memory a short file
+    takes, not in memory growing with the file (held whole, a 16 kHz file took 3 times its 16-bit
+    size more, an 11025 Hz one 6 times), and still comes out whole: a final for each utterance,
+    the last at the file's end, and all of its audio."""
+    repeats = 320
+    part = np.concatenate([goforward(), np.zeros(RATE, np.int16)])
+    long = np.tile(part, repeats)
+    seconds, size = len(long) / RATE, long.nbytes  # 1212 s, 39 MB
+    soundfile.write(tmp_path / "short.wav", part, RATE, subtype="PCM_16")
+    soundfile.write(tmp_path / "long.wav", long, RATE, subtype="PCM_16")
+    soundfile.write(tmp_path / "long-11025.wav", soxr.resample(long, RATE, 11025), 11025, subtype="PCM_16")
+    _, _, baseline = transcribe_measured(null_service.address, tmp_path / "short.wav")
+    for name in ("long.wav", "long-11025.wav"):
+        summary, finals, peak = transcribe_measured(null_service.address, tmp_path / name)
+        assert peak - baseline < size / 4, f"{name}: {(peak - baseline) / 1e6:.1f} MB more than a short file's"
+        assert summary["audio_s"] == pytest.approx(seconds, abs=0.001), summary
+        assert summary["segments"] == len(finals) == repeats, summary
+        assert finals[-1]["end"] == pytest.approx(seconds - 1, abs=0.5), finals[-1]
+
+
+def test_a_file_that_fails_part_way_through_fails_alone(null_service, tmp_path, capsys) -> None:
+    """A file whose header reads but whose audio breaks off (a FLAC cut short in a copy) is read as
+    it streams: what came before the break is transcribed and shown as it comes, but the file is
+    said to have failed and given no transcript, which would pass for the whole file's; the other
+    files are transcribed."""
+    whole = tmp_path / "whole.flac"
+    soundfile.write(whole, speech_with_pauses(8), RATE)
+    cut = tmp_path / "cut.flac"
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size * 2 // 3])
+    out = io.StringIO()
+    code = remote.run([str(cut), utterance("goforward").path], null_service.address, offline=True, as_json=True,
+                      language=None, out=out)
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert code == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"{cut}: cannot read audio: "), err
+    assert [line["file"] for line in lines if line["type"] == "summary"] == [utterance("goforward").path]
+    assert [line for line in lines if line["type"] == "final" and line["file"] == str(cut)]  # streamed until the break
 
 
 # ---------------------------------------------------------------- against a fake ingest, no service

@@ -20,6 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 import xmlrpc.client
 from contextlib import contextmanager
 from pathlib import Path
@@ -394,6 +395,23 @@ def test_a_dashboard_whose_port_is_taken_says_so_and_exits(tmp_path: Path) -> No
     assert "Traceback" not in done.stderr, done.stderr
     event = json.loads(done.stderr.strip().splitlines()[-1])
     assert event["event"] == "dashboard.refused" and f"127.0.0.1:{port}" in event["reason"], event
+
+
+def test_a_dashboard_that_crashes_says_so_in_one_json_line_with_its_traceback(tmp_path: Path) -> None:
+    """Its log is read as JSON lines (`jq` over the run directory's logs): an error the dashboard
+    does not handle must end it as one more such line, `dashboard.crashed` with the traceback, as
+    the other programs' crashes do, not a bare Python traceback. Here its run directory is a file."""
+    cfg = settings.load(None, {"instance": f"m{uuid.uuid4().hex[:8]}", "run_dir": str(tmp_path / "run")})
+    cfg.run_path.write_text("")
+    config_file = tmp_path / "dashboard.toml"
+    config_file.write_text(settings.dump(cfg))
+    done = subprocess.run([sys.executable, "-m", "dashboard", "--config", str(config_file), "--port", "0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr[-2000:]
+    events = [json.loads(line) for line in done.stderr.splitlines()]  # every line is JSON
+    [crash] = [e for e in events if e["event"] == "dashboard.crashed"]
+    assert crash["level"] == "error" and crash["process"] == "dashboard"
+    assert "Traceback" in crash["exception"] and "File exists" in crash["exception"], crash
 
 
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium (apt-get install chromium)")

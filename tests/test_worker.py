@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
+import msgpack
 import numpy as np
 import pytest
 import zmq
@@ -24,10 +25,12 @@ from structlog.testing import capture_logs
 from broker import jobs as wire
 from broker.jobs import FAILED, OK, REALTIME, Job, JobResult
 from config import settings
+from metrics.registry import endpoint as metrics_endpoint
 from shm import RingPool, reclaim
 from shm.ring import Ring
 from speech.backend import Backend, DecodeRequest, DecodeResult
 from speech.null_backend import NullBackend
+from streaming import wait_for
 from workers.worker import _PIPE, REGISTER, STOP, STUCK_EXIT_STATUS, Heartbeats, Watchdog, Worker, _ResultLinks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -413,6 +416,35 @@ def test_a_malformed_job_row_from_the_broker_is_refused_alone_and_the_worker_goe
         assert broker.proc.poll() is None, "the worker ended"
     finally:
         ingest.close(linger=0)
+        broker.close()
+
+
+def test_a_jobs_message_that_is_no_list_of_rows_counts_as_an_error() -> None:
+    """A JOBS body the worker cannot read at all (a broker of another version) loses every job in
+    it: the worker drops it and lives on, and says so where an operator alerts, in `errors_total`,
+    as it does for a single row it refuses."""
+    broker = FakeBroker()
+    snapshots = broker.ctx.socket(zmq.SUB)  # the collector's end of the worker's metrics
+    snapshots.setsockopt(zmq.SUBSCRIBE, b"")
+    snapshots.bind(metrics_endpoint(broker.cfg))
+    try:
+        ready = broker.receive(wire.READY, 30)
+        assert ready, "the worker never registered"
+        broker.sock.send_multipart([ready[0], wire.JOBS, wire.pack({"jobs": "soon"})])
+
+        def errors() -> float | None:
+            broker.receive(None, 0.1)  # heartbeats answered, or the worker would take the broker for gone
+            while snapshots.poll(0):
+                counters = msgpack.unpackb(snapshots.recv())["counters"]
+                found = [value for name, labels, value in counters if name == "errors_total" and labels == {"code": "internal"}]
+                if found:
+                    return found[0]
+            return None
+
+        assert wait_for(errors, timeout=30, what="the worker's errors_total") == 1
+        assert broker.proc.poll() is None, "the worker ended"
+    finally:
+        snapshots.close(linger=0)
         broker.close()
 
 

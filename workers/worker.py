@@ -458,7 +458,8 @@ class Worker:
             for body in link.receive():
                 try:
                     jobs, bad = wire.unpack_jobs_checked(body, now)
-                except Exception:
+                except Exception:  # a broker of another version: its jobs are lost, and that is an error
+                    self.metrics.inc("errors_total", code=INTERNAL)
                     log.exception("worker.bad_jobs")
                     continue
                 refused += self._refuse(bad)
