@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Hashable
@@ -58,28 +59,31 @@ class Throttle:
         self.max_keys = max_keys
         # key -> [when last written, lines suppressed since], oldest line first
         self._keys: OrderedDict[Hashable, list[float]] = OrderedDict()
+        self._lock = threading.Lock()  # the dashboard's handler threads share one
 
     def __call__(self, key: Hashable) -> int | None:
         """None when this line is not to be written; else how many were suppressed before it."""
         now = time.monotonic()
-        entry = self._keys.get(key)
-        if entry is not None and now - entry[0] < self.interval_s:
-            entry[1] += 1
-            return None
-        if entry is not None:
-            self._keys.move_to_end(key)
-        elif len(self._keys) >= self.max_keys:
-            self._keys.popitem(last=False)
-        self._keys[key] = [now, 0]
-        return int(entry[1]) if entry is not None else 0
+        with self._lock:
+            entry = self._keys.get(key)
+            if entry is not None and now - entry[0] < self.interval_s:
+                entry[1] += 1
+                return None
+            if entry is not None:
+                self._keys.move_to_end(key)
+            elif len(self._keys) >= self.max_keys:
+                self._keys.popitem(last=False)
+            self._keys[key] = [now, 0]
+            return int(entry[1]) if entry is not None else 0
 
     def take_suppressed(self) -> dict[Hashable, int]:
         """The keys with lines suppressed since their last one written, and how many, counted as
         told from now on: for a last word as the process stops, since a count is otherwise told
         only by the key's next line."""
-        told = {key: int(entry[1]) for key, entry in self._keys.items() if entry[1]}
-        for key in told:
-            self._keys[key][1] = 0
+        with self._lock:
+            told = {key: int(entry[1]) for key, entry in self._keys.items() if entry[1]}
+            for key in told:
+                self._keys[key][1] = 0
         return told
 
 
