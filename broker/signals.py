@@ -1,4 +1,8 @@
-"""Stop a poll loop promptly on SIGTERM/SIGINT.
+"""Stop a poll loop promptly on SIGTERM/SIGINT, and on SIGHUP.
+
+SIGHUP is taken as a stop too: its default action ends a process on the spot, and an operator's
+`kill -HUP` (a reload, to many daemons) would then cut an ingest's streams without a drain and
+leave its shm segment behind. Stopped cleanly, the program is started again by supervisord.
 
 A flag alone is not enough: a loop blocked in `zmq.Poller.poll` would notice it only at its next
 timeout. The signal module's wakeup fd makes the signal itself readable on a socketpair that
@@ -15,7 +19,7 @@ from typing import Any
 
 
 class StopSignal:
-    """While entered, SIGTERM and SIGINT set `stopping` and make `fileno()` readable."""
+    """While entered, SIGTERM, SIGINT and SIGHUP set `stopping` and make `fileno()` readable."""
 
     def __init__(self) -> None:
         self.stopping = False
@@ -37,7 +41,7 @@ class StopSignal:
 
     def __enter__(self) -> "StopSignal":
         self._saved_fd = signal.set_wakeup_fd(self._write.fileno())
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             self._saved.append((signum, signal.signal(signum, self._on_signal)))
         return self
 

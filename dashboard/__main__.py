@@ -53,8 +53,8 @@ def serve(cfg: settings.Config, port_flag: int | None, log: Any) -> int:
         # shutdown() waits for serve_forever, which runs on this (the signalled) thread
         threading.Thread(target=dashboard.shutdown, daemon=True).start()
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP too, as the other programs (broker.signals)
+        signal.signal(signum, stop)
     print(f"dashboard {dashboard.url}", flush=True)  # the first stdout line: where to point a browser
     log.info("dashboard.started", url=dashboard.url, endpoint=collector.endpoint)
     try:

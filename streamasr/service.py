@@ -13,6 +13,7 @@ import configparser
 import contextlib
 import errno
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -42,6 +43,8 @@ DRAIN_EXIT_S = 2.0  # an ingest's time to close its sockets and unlink its rings
 STOP_SLACK_S = 5.0  # supervisord's own shutdown, beyond its programs' stop times
 STARTING_WAIT_S = 600.0  # `stop` of an instance still starting: how long a model export may take before it is up
 SUPERVISOR_TIMEOUT_S = 2.0  # supervisord answers its process list at once; longer is a supervisord that will not
+FDS_CEILING = 1 << 20  # the most `serve` raises the soft limit on open files to
+FDS_SPARE = 64  # an ingest's descriptors besides its clients' and workers' connections: sockets, shm, logs, threads (about 30 idle)
 CLAIM_FD = 3  # where supervisord keeps the instance's claim: it closes 5 and up when SIGHUP reloads it, and 3 and up in its programs
 
 
@@ -206,6 +209,27 @@ def prepare(cfg: Config) -> dict[str, str]:
     return env
 
 
+def raise_open_files_limit(cfg: Config) -> None:
+    """Raise the soft limit on open files to the hard one (at most FDS_CEILING), for supervisord and every program it
+    starts; SystemExit when even the hard limit leaves an ingest process too few for its streams.
+
+    Every client connection is a descriptor. At the limit libzmq cannot accept a connection, and
+    its IO thread retries at once, for ever: the process spins a core while new clients hang
+    unanswered. The usual soft limit (1024) guards programs that still use select(), which none
+    here does (libzmq polls with epoll and poll); servers raise it to the hard limit themselves."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = cfg.shm.streams_per_ingest + cfg.worker_count + FDS_SPARE
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise SystemExit(f"the limit on open files (ulimit -Hn) is {hard}; an ingest process of shm.streams_per_ingest "
+                         f"({cfg.shm.streams_per_ingest}) streams and {cfg.worker_count} workers needs {need}: raise it "
+                         "(LimitNOFILE= in a systemd unit, nofile in limits.conf, docker run --ulimit nofile=) "
+                         "or lower shm.streams_per_ingest")
+    # no higher than Linux's default ceiling (fs.nr_open): some libraries size tables by the limit
+    target = FDS_CEILING if hard == resource.RLIM_INFINITY else min(hard, FDS_CEILING)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
 def _claim_name(cfg: Config) -> str:
     return f"streamasr-serve.{cfg.instance}"
 
@@ -260,6 +284,7 @@ def serve(cfg: Config) -> None:
     """Replace this process with supervisord in the foreground (signals go straight to it), which
     holds the instance's `claim` for as long as it runs."""
     held = claim(cfg)
+    raise_open_files_limit(cfg)
     env = prepare(cfg)
     print(f"streamasr {cfg.instance}: {cfg.worker_count} workers, {cfg.ingest.processes} ingest, model "
           f"{cfg.model.name} ({cfg.model.backend}), clients connect to {cfg.ingest.address}", file=sys.stderr, flush=True)

@@ -6,6 +6,7 @@ import argparse
 import errno
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -711,6 +712,23 @@ def test_rings_that_do_not_fit_in_shared_memory_are_refused_before_anything_star
     assert done.returncode == 1
     assert "shm.streams_per_ingest" in done.stderr and f"need {need / 2**20:,.0f} MiB" in done.stderr, done.stderr
     assert not (tmp_path / "run").exists() and not pool.segments("shmfull")
+
+
+def test_a_hard_limit_on_open_files_too_low_for_the_streams_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """Each client connection is a descriptor of an ingest's: at the limit libzmq spins on accept
+    and new clients hang unanswered. A hard limit (a container's `--ulimit`, a unit's
+    `LimitNOFILE=`) below one ingest's streams is refused by name rather than met under load."""
+    base = free_ports(3)
+    config = tmp_path / "streamasr.toml"
+    config.write_text(f'run_dir = "{tmp_path / "run"}"\ninstance = "fewfds"\n[workers]\nprocesses = 2\n[ingest]\n'
+                      f'address = "tcp://127.0.0.1:{base}"\nport_base = {base + 1}\n[metrics]\ndashboard_port = {base + 2}\n')
+    done = subprocess.run([sys.executable, "-m", "streamasr.cli", "serve", "--config", str(config), "--model", "null"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200)))
+    assert done.returncode == 1
+    assert "the limit on open files (ulimit -Hn) is 200" in done.stderr and "shm.streams_per_ingest (256)" in done.stderr \
+        and "needs 322" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(("secret", "authorized", "named"), [

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import resource
 import signal
 import threading
 import time
@@ -18,11 +19,13 @@ from typing import Any, Iterator
 
 import numpy as np
 import pytest
+import zmq
 
-from conftest import Service, running
+from conftest import Service, running, start_service
 from shm import pool
 from streamasr import service as svc
-from streaming import CHUNK_FRAMES, RATE, StreamClient, StreamResult, read_wav, speech_files, stream_many, wait_for
+from streaming import (CHUNK_FRAMES, RATE, StreamClient, StreamResult, connections_from, read_wav, speech_files, stream_many,
+                       wait_for)
 
 GAP = np.zeros(12_000, np.int16).tobytes()  # 0.75 s of silence: a pause ends a segment
 FAULT_SPEED = 3.0  # three times real time: long enough to hit streams mid-flight
@@ -67,9 +70,11 @@ def finals(result: StreamResult) -> list[tuple[float, float, str]]:
 
 
 def pid_of(service: Service, program: str) -> int:
-    info = next(p for p in svc.processes(service.cfg) if p["name"] == program)
-    assert info["statename"] == "RUNNING", info
-    return int(info["pid"])
+    """`program`'s pid once supervisord counts it running: `startsecs` after a start it is STARTING."""
+    def check() -> int | None:
+        info = next(p for p in svc.processes(service.cfg) if p["name"] == program)
+        return int(info["pid"]) if info["statename"] == "RUNNING" else None
+    return wait_for(check, 30, f"{program} running")
 
 
 def restarted(service: Service, program: str, old_pid: int) -> int:
@@ -373,3 +378,65 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+CONNECTIONS = 1_100  # past the soft limit most systems give a login (1024), and supervisord's floor (minfds)
+
+
+def test_more_client_connections_than_the_usual_open_files_limit_are_all_served(tmp_path: Path) -> None:
+    """Every client connection is a descriptor of the ingest's (and, for a hello, of the broker's).
+    At the limit libzmq cannot accept, and retries at once for ever: the process spins a core
+    while a new client hangs unanswered. `serve` started from a shell with the usual soft limit
+    (1024; supervisord raises a lower one to that) must run its programs at the hard limit, so
+    that connections past 1024 are served."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 5 * CONNECTIONS:
+        pytest.skip(f"the hard limit on open files here ({hard}) is below what the test opens")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # a login shell's soft limit, or lower
+    try:
+        service = start_service(tmp_path, model="null", workers=1)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    ctx = zmq.Context()
+    ctx.max_sockets = 2 * CONNECTIONS + 16
+    idle: list[zmq.Socket] = []
+    try:
+        pids = {name: pid_of(service, name) for name in ("broker", "ingest-0")}
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # this process holds them all, and a socket each
+        for port in (int(service.address.rsplit(":", 1)[1]), service.cfg.ingest.port_base):
+            for _ in range(CONNECTIONS):
+                sock = ctx.socket(zmq.DEALER)
+                sock.linger = 0
+                sock.connect(f"tcp://127.0.0.1:{port}")  # ZMTP answered on its own: the connection stays up, idle
+                idle.append(sock)
+            # connect() returns at once: wait for more than a process at 1024 could hold
+            wait_for(lambda: connections_from(port) > 1024, 60, f"{CONNECTIONS} connections to port {port}")
+        result = StreamClient(service.address, read_wav(speech_files()[0]), speed=None, timeout=60).run()
+        assert result.errors == [] and result.closed is not None and result.closed.reason == "end", result
+        assert result.text
+        assert {name: pid_of(service, name) for name in pids} == pids
+    finally:
+        for sock in idle:
+            sock.close()
+        ctx.term()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        service.stop()
+    assert pool.segments(service.cfg.instance) == []
+
+
+def test_a_sighup_to_a_program_stops_it_cleanly_and_supervisord_starts_it_again(service_factory: Any) -> None:
+    """`kill -HUP` to a program (a reload, to many daemons) ended it on the spot, its default
+    action: an ingest's streams were cut undrained and its shm segment left for the next start to
+    reclaim, the dashboard's carried totals unsaved. It is a stop: each program stops as on
+    SIGTERM (the ingest drains and unlinks its segment), and supervisord starts it again."""
+    service = service_factory(model="null", workers=1)
+    for program, role in (("ingest-0", "ingest"), ("broker", "broker"), ("dashboard", "dashboard")):
+        old = pid_of(service, program)
+        os.kill(old, signal.SIGHUP)
+        restarted(service, program, old)
+        events = service.events(program)
+        assert any(e["event"] == f"{role}.stopped" and e["pid"] == old for e in events), (program, events)
+    assert not any(e["event"] == "shm.leftover_unlinked" for e in service.events("ingest-0"))
+    wait_for(lambda: svc.status(service.cfg).get("ready"), 60, "the service ready again")
+    result = StreamClient(service.address, read_wav(speech_files()[0]), speed=None, timeout=60).run()
+    assert result.errors == [] and result.closed is not None and result.closed.reason == "end" and result.text, result
