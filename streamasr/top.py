@@ -135,16 +135,16 @@ def _frame(snap: dict[str, Any], source: str) -> Group:
                     f"{_seconds(lat['final']['p50'])} / {_seconds(lat['final']['p95'])}")
     summary.add_row("audio rings", f"{_num(snap['rings']['used'])}/{_num(snap['rings']['total'])}", "in flight", _num(snap["inflight"]),
                     "batch mean", _num(snap["batch"]["mean"], 2), "restarts",
-                    Text(", ".join(f"{p} {n}" for p, n in snap["restarts"].items()) or "none"))
+                    Text(", ".join(f"{p} {n}" for p, n in snap["restarts"].items() if n) or "none"))  # the programs that did
     adm = snap["admission"]
     summary.add_row("realtime cap", _num(adm["realtime_cap"]) if adm["realtime_cap"] else "none",
                     "realtime wait", _seconds(adm["wait_s"]), "workers busy", f"{100 * adm['busy']:.0f} %",
                     "per stream", f"{100 * adm['stream_share']:.0f} %")
 
-    procs = _table("processes")  # what names a row (name, state, pid) is never cut; the figures wrap
+    procs = _table("processes")  # what names a row (name, state, pid) and its memory are never cut; the other figures wrap
     for name, justify in (("name", "left"), ("state", "left"), ("pid", "right"), ("CPU %", "right"), ("RSS", "right"),
                           ("threads", "right"), ("fds", "right"), ("restarts", "right"), ("heard", "right")):
-        procs.add_column(name, justify=justify, no_wrap=name in ("name", "state", "pid"))  # type: ignore[arg-type]
+        procs.add_column(name, justify=justify, no_wrap=name in ("name", "state", "pid", "RSS"))  # type: ignore[arg-type]
     for p in snap["processes"]:
         state_style = "green" if p["state"] == "RUNNING" else "yellow" if p["state"] in ("SILENT", "STARTING", "BACKOFF") else "red"
         procs.add_row(Text(p["name"]), Text(p["state"], style=state_style), _num(p["pid"]), _num(p["cpu_percent"], 1), _bytes(p["rss_bytes"]),

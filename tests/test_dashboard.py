@@ -294,6 +294,12 @@ def test_top_prints_one_frame_from_the_dashboard_or_its_own_collector(fake_insta
     frame = console.export_text()
     rows = [line.split()[:3] for line in frame.splitlines()]
     assert all([name, "STARTING", "4194304"] in rows for name in names), frame
+    # its memory whole on its line too, and the restarts said once, not a column of every program's
+    assert all(any(line.split()[:1] == [name] and "3.0 GiB" in line for line in frame.splitlines()) for name in names), frame
+    snap["restarts"] = {name: 0 for name in names}
+    console = Console(width=80, record=True, file=io.StringIO())
+    console.print(top.render(snap, f"dashboard {url}"))
+    assert any(line.split()[-2:] == ["restarts", "none"] for line in console.export_text().splitlines()), console.export_text()
     assert "[/]odd[b]" in frame, frame
 
 
