@@ -46,7 +46,7 @@ REFRESH_S = 1.0
 WINDOW_S = 10.0  # latency quantiles and rates are over this trailing window
 BUSY_WINDOW_S = 5.0  # the worker busy ratio is averaged over this long
 RECENT_ERRORS = 50
-RETIRED_KEPT = 64  # dead incarnations remembered, in case one was only stalled and speaks again
+RETIRED_KEPT = 64  # dead incarnations remembered beyond one per process, in case one was only stalled and speaks again
 MAX_MESSAGE_BYTES = 4 << 20
 STATE_VERSION = 2
 
@@ -92,11 +92,23 @@ class Histogram:
         return Histogram(self.bounds, list(self.counts), self.total)
 
     def add(self, other: Histogram, sign: int = 1) -> None:
-        if other.bounds != self.bounds:  # a publisher changed its buckets: keep the newer shape
-            self.bounds, self.counts, self.total = other.bounds, [sign * c for c in other.counts], sign * other.total
-            return
+        """Add (or take out) `other`'s observations. Two releases may bucket a metric differently (a
+        rolling upgrade, or a carried total from before one): both are then counted in the union
+        of their bounds, each bucket's count at its own upper bound, so no observation is dropped
+        (`_count` never goes down) and none reads as faster than it was."""
+        if other.bounds != self.bounds:
+            bounds = tuple(sorted(set(self.bounds) | set(other.bounds)))
+            self.counts, self.bounds = self._rebucketed(bounds), bounds
+            other = Histogram(bounds, other._rebucketed(bounds), other.total)
         self.counts = [a + sign * b for a, b in zip(self.counts, other.counts)]
         self.total += sign * other.total
+
+    def _rebucketed(self, bounds: tuple[float, ...]) -> list[float]:
+        """The counts in `bounds`, a superset of this histogram's own."""
+        counts = [0.0] * (len(bounds) + 1)
+        for i, c in enumerate(self.counts):
+            counts[bounds.index(self.bounds[i]) if i < len(self.bounds) else len(bounds)] += c
+        return counts
 
     @property
     def count(self) -> float:
@@ -138,13 +150,14 @@ class Incarnation:
     counters: dict[Key, float] = field(default_factory=dict)
     gauges: dict[Key, float] = field(default_factory=dict)
     hists: dict[Key, Histogram] = field(default_factory=dict)
-    # (publisher time, busy_seconds_total, jobs_total by kind) of its snapshots over the last window:
-    # rates are differences over the span the process itself measured, not over the collector's
-    # refreshes, which take in one snapshot more or fewer as the two clocks' phases drift
+    # (publisher's monotonic time, busy_seconds_total, jobs_total by kind) of its snapshots over the
+    # last window: rates are differences over the span the process itself measured, not over the
+    # collector's refreshes, which take in one snapshot more or fewer as the two clocks' phases
+    # drift; on its monotonic clock, as the wall clock steps when NTP sets it
     marks: deque[tuple[float, float, dict[str, float]]] = field(default_factory=deque)
     quiet: bool = False  # first sighting after the collector started: its history is not news
 
-    def mark(self, sent: float, counters: dict[Key, float], window: float) -> None:
+    def mark(self, stamped: float, counters: dict[Key, float], window: float) -> None:
         jobs: dict[str, float] = {}
         busy = 0.0
         for (name, labels), value in counters.items():
@@ -153,8 +166,8 @@ class Incarnation:
                 jobs[kind] = jobs.get(kind, 0.0) + value
             elif name == "busy_seconds_total":
                 busy += value
-        self.marks.append((sent, busy, jobs))
-        while len(self.marks) > 2 and self.marks[1][0] <= sent - window:
+        self.marks.append((stamped, busy, jobs))
+        while len(self.marks) > 2 and self.marks[1][0] <= stamped - window:
             self.marks.popleft()
 
     def _since(self, seconds: float) -> tuple[float, float, dict[str, float]]:
@@ -351,7 +364,9 @@ class Collector:
             hists = {(str(n), _labels(lb)): Histogram.read(b, cs, t)
                      for n, lb, b, cs, t in snap["histograms"] if _histogram_row(b, cs, t)}
             pid, started, sent = int(snap["pid"]), float(snap["started"]), float(snap["time"])
-            if not (math.isfinite(started) and math.isfinite(sent)):  # they reach the page as uptime and error times
+            # a publisher of a release before the monotonic stamp (a rolling upgrade): its arrival here
+            stamped = float(snap.get("monotonic", now))
+            if not all(map(math.isfinite, (started, sent, stamped))):  # uptime and error times on the page; rates
                 raise ValueError("a time that is not finite")
             if not 0 < pid < 2 ** 31:  # no process's: psutil refuses a negative one, the state file one past 64 bits
                 raise ValueError("not a pid")
@@ -367,7 +382,7 @@ class Collector:
         inc.quiet = False
         inc.seen, inc.pid = now, pid
         inc.counters, inc.gauges, inc.hists = counters, gauges, hists
-        inc.mark(sent, counters, max(self.window, BUSY_WINDOW_S))
+        inc.mark(stamped, counters, max(self.window, BUSY_WINDOW_S))
 
     def _incarnation(self, process: str, token: str, pid: int, started: float, now: float) -> Incarnation | None:
         """The incarnation a snapshot belongs to, handling restarts; None for a late packet of a replaced one."""
@@ -418,7 +433,13 @@ class Collector:
         del self._live[inc.process]
         self._carry(inc, 1)
         self._retired[inc.token] = inc
-        while len(self._retired) > RETIRED_KEPT:
+        self._trim_retired()
+
+    def _trim_retired(self) -> None:
+        """Forget the oldest dead incarnations, keeping RETIRED_KEPT and one per process name:
+        after this collector's restart every incarnation its predecessor saw live is here, carried,
+        until it speaks and takes its counts back; forgotten, it would be counted twice."""
+        while len(self._retired) > RETIRED_KEPT + len(self._births):
             self._retired.popitem(last=False)
 
     def _carry(self, inc: Incarnation, sign: int) -> None:
@@ -503,8 +524,7 @@ class Collector:
             for inc in live:
                 self._carry(inc, 1)
                 self._retired[inc.token] = inc
-            while len(self._retired) > RETIRED_KEPT:
-                self._retired.popitem(last=False)
+            self._trim_retired()
 
     # -- once a second ----------------------------------------------------------------------------
 

@@ -142,7 +142,8 @@ class ProcessMetrics:
             "pid": os.getpid(),
             "incarnation": self.incarnation,
             "started": self.started,
-            "time": time.time(),
+            "time": time.time(),  # wall clock: shown as when, never subtracted (NTP may step it)
+            "monotonic": time.monotonic(),  # what the collector takes rates over
             "seq": self._seq,
             "counters": [[name, dict(labels), value] for (name, labels), value in counters.items()],
             "gauges": [[name, dict(labels), value] for (name, labels), value in gauges.items()],

@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from config import settings
 from config.settings import Config
-from metrics.collector import Collector, Histogram
+from metrics.collector import RETIRED_KEPT, Collector, Histogram, endpoint_in_use
 from metrics.names import SPECS
 from metrics.registry import ProcessMetrics, endpoint
 from streaming import wait_for
@@ -217,6 +217,35 @@ def test_a_restarted_dashboard_goes_on_counting_where_its_predecessor_stopped(in
     assert "state_error" not in second.snapshot()
 
 
+def test_a_restarted_dashboard_counts_each_of_many_workers_once(instance) -> None:
+    """A machine of many cores runs more workers than the collector keeps dead incarnations for
+    (a worker per core by default). A restarted dashboard carries every incarnation its
+    predecessor saw live and takes its counts back out when it speaks again: none of them may be
+    forgotten in between, or its counts would be carried and live at once, doubled."""
+    cfg, _ = instance
+    key = "streamasr_worker_jobs_total"
+    workers = [ProcessMetrics(cfg, f"worker-{i}") for i in range(RETIRED_KEPT + 6)]
+    for w in workers:
+        w.inc("worker_jobs_total", 10, kind="partial")
+    sock = publisher_socket(cfg)
+    try:
+        for name in ("first", "second"):
+            collector = Collector(cfg, state_file=cfg.metrics_state_path).start()
+            try:
+                send_until_heard(sock, cfg, collector, f"{name} before")
+                for w in workers:
+                    sock.send(msgpack.packb(w.snapshot()))
+                send_until_heard(sock, cfg, collector, f"{name} after")  # every worker's snapshot is in
+                jobs = {s.labels["worker"]: s.value for f in text_string_to_metric_families(collector.prometheus().decode())
+                        if f.name == key.removesuffix("_total") for s in f.samples}
+                assert jobs == {w.process: 10 for w in workers}, (name, {p: n for p, n in jobs.items() if n != 10})
+            finally:
+                collector.close()
+            wait_for(lambda: not endpoint_in_use(endpoint(cfg)), what="the socket let go")  # closed by zmq's own thread
+    finally:
+        sock.close()
+
+
 def test_an_unreadable_state_file_is_said_and_replaced(instance, publishers) -> None:
     cfg, config_file = instance
     cfg.run_path.mkdir(mode=0o700, parents=True)
@@ -353,6 +382,40 @@ def test_job_rate_is_taken_over_the_span_the_process_measured(instance) -> None:
         stop.set()
         broker.close()
         collector.close()
+
+
+def test_rates_read_right_when_the_wall_clock_steps_back_or_forward(instance) -> None:
+    """NTP steps the wall clock an hour back, then an hour forward: the `time` a process stamps
+    its snapshots with jumps, while the jobs it finishes per second and its busy share do not.
+    Rates are taken on the process's monotonic clock, so the page reads them right through both
+    steps; on the wall clock it read no rate for the hour after a step back."""
+    cfg, _ = instance
+    collector = Collector(cfg, stale_after=60.0, window=3.0).start()
+    worker = ProcessMetrics(cfg, "worker-0")
+    sock = publisher_socket(cfg)
+    try:
+        send_until_heard(sock, cfg, collector, "before")  # the collector hears this socket
+        t0, done = time.monotonic(), 0.0
+        rates, busy = [], []
+        for step in (0.0, -3600.0, 3600.0):
+            for _ in range(12):  # 3 s of snapshots: a window's worth
+                due = 20 * (time.monotonic() - t0)  # 20 jobs a second, half of each second busy
+                worker.inc("jobs_total", due - done, kind="partial", status="done")
+                worker.inc("busy_seconds_total", (due - done) / 40)
+                done = due
+                snap = worker.snapshot()
+                snap["time"] += step
+                sock.send(msgpack.packb(snap))
+                time.sleep(0.25)
+                if step:  # from the first step on, a window of snapshots is in
+                    view = collector.snapshot()
+                    rates.append(view["throughput"]["jobs_per_s"])
+                    busy.extend(w["busy_ratio"] for w in view["workers"])
+    finally:
+        sock.close()
+        collector.close()
+    assert all(19 <= r <= 21 for r in rates), rates
+    assert all(b is not None and 0.45 <= b <= 0.55 for b in busy), busy
 
 
 def test_an_observation_that_is_not_a_number_does_not_spoil_its_histogram(tmp_path: Path) -> None:
@@ -516,6 +579,41 @@ def test_a_snapshot_with_an_impossible_pid_or_histogram_neither_stops_the_collec
     finally:
         sock.close()
         collector.close()
+
+
+def test_histograms_bucketed_differently_by_two_releases_add_up(instance, collector) -> None:
+    """A rolling upgrade that changes a histogram's buckets: ingest-0 on the old release, ingest-1
+    on the new one, then ingest-0 restarted on the new one too. Every observation of both shapes is
+    still counted, in the union of their bounds, so `_count` never goes down (a reset to
+    Prometheus); before, the sum kept one shape and dropped the other's counts."""
+    cfg, _ = instance
+    sock = publisher_socket(cfg)
+    heard = partial(send_until_heard, sock, cfg, collector)
+
+    def publish(process: str, bounds: list[float], counts: list[int], total: float) -> None:
+        snap = ProcessMetrics(cfg, process).snapshot()  # a new incarnation each time
+        snap["histograms"] = [["partial_latency_seconds", {}, bounds, counts, total]]
+        sock.send(msgpack.packb(snap))
+
+    def exported() -> dict[str, float]:
+        return {s.labels.get("le", s.name.rsplit("_", 1)[1]): s.value
+                for f in text_string_to_metric_families(collector.prometheus().decode())
+                if f.name == "streamasr_partial_latency_seconds" for s in f.samples}
+
+    try:
+        heard("before")
+        publish("ingest-0", [0.1, 1.0], [3, 0, 0], 0.15)  # the old release: 3 at most 0.1 s
+        publish("ingest-1", [0.1, 0.5, 1.0], [0, 2, 0, 0], 0.6)  # the new one: 2 in (0.1, 0.5]
+        heard("after")
+        assert exported() == pytest.approx({"0.1": 3, "0.5": 5, "1.0": 5, "+Inf": 5, "count": 5, "sum": 0.75})
+        publish("ingest-0", [0.1, 0.5, 1.0], [1, 0, 0, 0], 0.05)  # restarted on the new release
+        heard("again")
+        assert exported() == pytest.approx({"0.1": 4, "0.5": 6, "1.0": 6, "+Inf": 6, "count": 6, "sum": 0.8})
+        # the page's window holds the one observation made since the collector first heard them
+        latency = wait_for(lambda: (p := collector.snapshot()["latency"]["partial"])["count"] and p, what="the window")
+        assert latency["count"] == 1 and 0 < latency["p99"] <= 0.1, latency
+    finally:
+        sock.close()
 
 
 def read_request(conn: socket.socket) -> None:
