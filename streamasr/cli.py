@@ -76,7 +76,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 if report["stream_share"] and report["stream_share"] == report.get("stream_share_prior") else ""
             print(f"  admission: {report['realtime']} realtime streams{cap}, realtime wait {report['load']:.2f} s, "
                   f"workers {100 * report['busy']:.0f} % busy, {100 * report['stream_share']:.0f} % per speaking stream{prior}")
-        for key in ("supervisor_error", "broker_error"):
+        for key in ("supervisor_error", "run_dir_error", "broker_error"):
             if key in report:
                 print(f"  {key.replace('_', ' ')}: {report[key]}")
     return 0 if report.get("ready") else 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 import configparser
 import contextlib
 import errno
+import fcntl
 import os
 import resource
 import signal
@@ -46,6 +47,8 @@ SUPERVISOR_TIMEOUT_S = 2.0  # supervisord answers its process list at once; long
 FDS_CEILING = 1 << 20  # the most `serve` raises the soft limit on open files to
 FDS_SPARE = 64  # an ingest's descriptors besides its clients' and workers' connections: sockets, shm, logs, threads (about 30 idle)
 CLAIM_FD = 3  # where supervisord keeps the instance's claim: it closes 5 and up when SIGHUP reloads it, and 3 and up in its programs
+BIND_GRACE_S = 10.0  # a program running this long has bound its sockets (they bind within seconds of starting)
+RUN_DIR_LOCK_FD = 4  # where it keeps its lock on the run directory (`lock_run_dir`), which that reload keeps too
 
 
 def stop_waits() -> dict[str, float]:
@@ -69,22 +72,48 @@ def supervisord_pid(cfg: Config) -> int | None:
     name a pid the system has since given to another program, which `stop` would then signal
     and `serve` would take for this instance running. So the process must be a supervisord, and
     one for this run directory where its environment is readable (however it was started:
-    `serve` from any directory or release, or by hand with the STREAMASR_* variables)."""
+    `serve` from any directory or release, or by hand with the STREAMASR_* variables).
+
+    With no pid file (deleted from under the running instance: `rm -rf /tmp/*`, a tmp cleaner)
+    while the instance's claim is held, its supervisord is looked for among the processes, so
+    that `status` does not call a serving instance not running and `stop` still stops it."""
     try:
         pid = int((cfg.run_path / "supervisord.pid").read_text())
+    except (OSError, ValueError):
+        return _find_supervisord(cfg) if starting(cfg) else None
+    try:
         proc = psutil.Process(pid)
+    except psutil.Error:
+        return None
+    return pid if _supervisord_of(proc, cfg) else None
+
+
+def _supervisord_of(proc: psutil.Process, cfg: Config) -> bool:
+    """`proc` is a supervisord of this instance's run directory (one of another user, whose
+    environment cannot be read, is taken at its command line's word)."""
+    try:
         cmdline = proc.cmdline()
-    except (OSError, ValueError, psutil.Error):
-        return None
+    except psutil.Error:
+        return False
     if not any(Path(arg).name == "supervisord" for arg in cmdline[:2]):  # the program, or the script its interpreter runs
-        return None
+        return False
     try:
         run_dir = proc.environ().get("STREAMASR_RUN_DIR")
     except psutil.AccessDenied:  # another user's supervisord: its command line is all there is to go on
-        return pid
+        return True
     except psutil.Error:
-        return None
-    return pid if run_dir is not None and Path(run_dir).resolve() == cfg.run_path.resolve() else None
+        return False
+    return run_dir is not None and Path(run_dir).resolve() == cfg.run_path.resolve()
+
+
+def _find_supervisord(cfg: Config) -> int | None:
+    """The instance's supervisord among this user's processes (another user's are not taken at
+    their word here: any supervisord would pass)."""
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.uids().real == os.getuid() and _supervisord_of(proc, cfg):
+                return proc.pid
+    return None
 
 
 def unbindable_addresses(cfg: Config) -> list[str]:
@@ -280,9 +309,22 @@ def refuse_running(cfg: Config) -> None:
                          "it or left them behind: give this one another instance name (--instance)")
 
 
+def lock_run_dir(run: Path) -> int:
+    """A descriptor of the run directory holding a BSD lock on it. systemd-tmpfiles, which ages
+    out /tmp on most distributions (`q /tmp 1777 root root 10d`), skips a locked directory and
+    everything below it; unlocked, it removed the files the instance wrote once at start
+    (config.toml, supervisord.pid, supervisor.sock, a quiet program's log) while it served,
+    keeping only the sockets ZeroMQ listens on."""
+    fd = os.open(run, os.O_RDONLY | os.O_DIRECTORY)
+    # exclusive: tmpfiles.d(5) says the cleaner takes a shared lock (systemd 252 takes an exclusive
+    # one); either is refused while this is held, and the cleaner then skips the directory
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
 def serve(cfg: Config) -> None:
     """Replace this process with supervisord in the foreground (signals go straight to it), which
-    holds the instance's `claim` for as long as it runs."""
+    holds the instance's `claim` and the lock on its run directory for as long as it runs."""
     held = claim(cfg)
     raise_open_files_limit(cfg)
     env = prepare(cfg)
@@ -290,6 +332,8 @@ def serve(cfg: Config) -> None:
           f"{cfg.model.name} ({cfg.model.backend}), clients connect to {cfg.ingest.address}", file=sys.stderr, flush=True)
     os.dup2(held.fileno(), CLAIM_FD)
     os.set_inheritable(CLAIM_FD, True)
+    os.dup2(lock_run_dir(cfg.run_path), RUN_DIR_LOCK_FD)
+    os.set_inheritable(RUN_DIR_LOCK_FD, True)
     env[supervised.SUPERVISORD_PID] = str(os.getpid())  # supervisord's pid once this process becomes it
     supervisord = Path(sys.executable).with_name("supervisord")
     os.execve(str(supervisord), [str(supervisord), "-n", "-c", str(SUPERVISORD_CONF)], env)
@@ -364,6 +408,37 @@ def processes(cfg: Config) -> list[dict[str, Any]]:
         transport.close()
 
 
+def _age_s(pid: int | None) -> float:
+    """How long process `pid` has run; 0 when it cannot be said."""
+    try:
+        return time.time() - psutil.Process(pid).create_time() if pid is not None else 0.0
+    except psutil.Error:
+        return 0.0
+
+
+def socket_gone(cfg: Config) -> str:
+    """What to say when supervisord's socket is not there while it runs."""
+    return (f"its socket {cfg.run_path / 'supervisor.sock'} was deleted while it runs: its processes cannot be listed "
+            "nor restarted one by one; `streamasr stop` stops the instance all the same")
+
+
+def deleted_files(cfg: Config, uptimes: dict[str, float]) -> list[str]:
+    """What the running instance `cfg` describes needs in its run directory and no longer has
+    there: its config and logs directory, which a program supervisord starts again opens, and
+    the sockets, which a program starting connects to (ZeroMQ retries a socket file that is not
+    there, without a word, for ever). Removed by `rm -rf /tmp/*`, tmpreaper, or a tmp cleaner
+    while supervisord's lock on the directory was not held. A socket counts as deleted only once
+    the program that binds it has run BIND_GRACE_S (`uptimes`, by program): before, it is still
+    starting, not robbed."""
+    if not cfg.run_path.is_dir():
+        return [f"the run directory {cfg.run_path}"]
+    binders = {cfg.broker_ingest_endpoint: "broker", cfg.broker_worker_endpoint: "broker", cfg.metrics_endpoint: "dashboard",
+               **{cfg.ingest_results_endpoint(i): f"ingest-{i}" for i in range(cfg.ingest.processes)}}
+    bound = [Path(e.removeprefix("ipc://")) for e, program in binders.items() if uptimes.get(program, 0.0) >= BIND_GRACE_S]
+    needed = [cfg.run_path / "config.toml", cfg.run_path / "logs", cfg.run_path / "supervisor.sock", *bound]
+    return [path.name for path in needed if not path.exists()]
+
+
 def saved_config(cfg: Config) -> Config:
     """`cfg`, describing its running instance as that was started, from its run directory: its
     `[ingest]` (the front door `serve --address` sets, its ingest processes, the server's CURVE
@@ -402,8 +477,19 @@ def status(cfg: Config) -> dict[str, Any]:
                 {"name": p["name"], "group": p["group"], "state": p["statename"], "pid": p["pid"], "uptime_s": p["now"] - p["start"] if p["pid"] else 0}
                 for p in processes(cfg)
             ]
+        except FileNotFoundError:
+            report["supervisor_error"] = socket_gone(cfg)
         except (OSError, xmlrpc.client.Fault) as exc:
             report["supervisor_error"] = str(exc)
+        uptimes = {p["name"]: p["uptime_s"] for p in report["processes"] if p["state"] == "RUNNING"}
+        if "supervisor_error" in report:  # no list of programs: supervisord's own age stands for theirs
+            uptimes = dict.fromkeys(("broker", "dashboard", *(f"ingest-{i}" for i in range(cfg.ingest.processes))),
+                                    _age_s(supervisord_pid(cfg)))
+        if gone := deleted_files(cfg, uptimes):
+            report["run_dir_error"] = (
+                f"deleted from under the running instance: {', '.join(gone)}. A program supervisord starts again "
+                "cannot start without config.toml or logs/, nor reach the others without their sockets (it waits, "
+                "silently); `streamasr stop` stops the instance all the same, and `serve` makes them anew")
     try:
         reply = front_door(cfg.front_door, m.Status(), curve=ops_curve(cfg))
         report.update(m.as_dict(reply))

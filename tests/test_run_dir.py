@@ -1,0 +1,122 @@
+"""The run directory of a serving instance under what cleans /tmp: systemd-tmpfiles' aging, and
+files deleted from under it (`rm -rf /tmp/*`, tmpreaper). Real cleaners and real deletions."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from shm import pool
+from streamasr import service as svc
+from streaming import wait_for
+
+
+def _report(service: Any) -> dict[str, Any]:
+    return json.loads(service.cli("status", "--json").stdout)
+
+
+def _programs_of(instance: str) -> list[str]:
+    """Command lines of the processes serving `instance` (its run directory is in each)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        line = " ".join(proc.info["cmdline"] or [])
+        if instance in line and "pytest" not in line:
+            found.append(line)
+    return found
+
+
+@pytest.mark.skipif(shutil.which("systemd-tmpfiles") is None, reason="systemd-tmpfiles is not installed")
+def test_systemd_tmpfiles_ages_out_nothing_of_a_serving_instance(service_factory: Any, tmp_path: Path) -> None:
+    """Most distributions age /tmp out (`q /tmp 1777 root root 10d`). The files the instance
+    writes once at start were removed while it served (its config, supervisord's pid file and
+    socket, a quiet program's log): `status` could not list its processes and a program
+    restarted could not start. supervisord holds a lock on the run directory, which the cleaner
+    skips. Age 0 stands for ten days without a write: the cleaner takes everything as old."""
+    service = service_factory(model="null", workers=1)
+    run = service.cfg.run_path
+
+    def files() -> list[str]:  # the collector's state is rewritten every second through a .tmp
+        return sorted(str(p.relative_to(run)) for p in run.rglob("*") if not p.name.endswith(".tmp"))
+
+    before = files()
+    rules = tmp_path.parent / f"{service.cfg.instance}-tmpfiles.conf"  # outside the directory it cleans
+    rules.write_text(f"d {run.parent} - - - 0\nx {service.config_file}\n")
+    try:
+        subprocess.run(["systemd-tmpfiles", "--clean", str(rules)], check=True, capture_output=True, timeout=60)
+    finally:
+        rules.unlink()
+    assert files() == before
+    report = _report(service)
+    assert {p["name"] for p in report["processes"]} == {"broker", "dashboard", "ingest-0", "worker-0"}, report
+    assert "run_dir_error" not in report and "supervisor_error" not in report, report
+
+
+def test_an_instance_starting_has_nothing_deleted(service_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While its programs start, the sockets they will bind are not there yet: that is no file
+    deleted, in any report `status` gives from supervisord's start to the instance's readiness."""
+    reports: list[dict[str, Any]] = []
+
+    def recorded(cfg: Any) -> dict[str, Any]:
+        reports.append(report := real_status(cfg))
+        return report
+
+    real_status = svc.status
+    monkeypatch.setattr(svc, "status", recorded)  # what launch() polls, every 0.25 s, from the start
+    service_factory(model="null", workers=1)
+    running = [r for r in reports if r.get("running")]
+    assert running and not any("run_dir_error" in r for r in running), [r.get("run_dir_error") for r in running]
+
+
+def _bound(service: Any) -> None:
+    """Wait until every program has run long enough to have bound its sockets."""
+    wait_for(lambda: all(p["uptime_s"] >= svc.BIND_GRACE_S for p in _report(service)["processes"]),
+             3 * svc.BIND_GRACE_S, "the programs to have bound their sockets")
+
+
+def test_deleted_sockets_are_named_by_status(service_factory: Any) -> None:
+    """supervisord's socket and the broker's socket for workers deleted while the instance
+    serves: `status` said only `[Errno 2] No such file or directory`, and a worker started
+    again waited for the broker for ever without a word. It names what is gone and what still
+    stops the instance."""
+    service = service_factory(model="null", workers=1)
+    _bound(service)
+    run = service.cfg.run_path
+    (run / "supervisor.sock").unlink()
+    (run / "broker-workers.sock").unlink()
+    report = _report(service)
+    assert report["running"] is True and report["ready"] is True, report
+    assert "supervisor.sock was deleted" in report["supervisor_error"] and "streamasr stop" in report["supervisor_error"]
+    assert "supervisor.sock, broker-workers.sock" in report["run_dir_error"], report
+    text = service.cli("status").stdout
+    assert "run dir error: deleted from under the running instance: supervisor.sock, broker-workers.sock" in text, text
+
+    def dashboard_says() -> str | None:  # it showed an empty process table without a word
+        url = f"http://127.0.0.1:{service.cfg.metrics.dashboard_port}/api/snapshot"
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            return json.load(reply).get("supervisor_error")
+    assert "supervisor.sock was deleted" in wait_for(dashboard_says, 30, "the dashboard to name the deleted socket")
+
+
+def test_a_run_directory_deleted_under_a_serving_instance_is_reported_and_stop_stops_it(service_factory: Any) -> None:
+    """`rm -rf /tmp/*` while the instance serves took its pid file with it: `status` called the
+    serving instance not running, and `stop` waited ten minutes for it to start (its claim was
+    still held) and then left every program and shm segment behind. supervisord is found among
+    the processes; `status` says what is gone and `stop` stops the instance cleanly."""
+    service = service_factory(model="null", workers=1)
+    shutil.rmtree(service.cfg.run_path)
+    report = _report(service)
+    assert report["running"] is True and report["ready"] is True, report
+    assert f"the run directory {service.cfg.run_path}" in report["run_dir_error"], report
+    assert "was deleted" in report["supervisor_error"], report
+    done = service.cli("stop", timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert service.proc.wait(timeout=60) == 0  # supervisord
+    assert _programs_of(service.cfg.instance) == []
+    assert pool.segments(service.cfg.instance) == []
