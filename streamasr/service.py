@@ -48,6 +48,7 @@ FDS_CEILING = 1 << 20  # the most `serve` raises the soft limit on open files to
 FDS_SPARE = 64  # an ingest's descriptors besides its clients' and workers' connections: sockets, shm, logs, threads (about 30 idle)
 CLAIM_FD = 3  # where supervisord keeps the instance's claim: it closes 5 and up when SIGHUP reloads it, and 3 and up in its programs
 BIND_GRACE_S = 10.0  # a program running this long has bound its sockets (they bind within seconds of starting)
+RUN_DIR_LOCK_WAIT_S = 5.0  # a cleaner holds its lock for a moment; anything longer is said, not waited on
 RUN_DIR_LOCK_FD = 4  # where it keeps its lock on the run directory (`lock_run_dir`), which that reload keeps too
 
 
@@ -317,9 +318,21 @@ def lock_run_dir(run: Path) -> int:
     keeping only the sockets ZeroMQ listens on."""
     fd = os.open(run, os.O_RDONLY | os.O_DIRECTORY)
     # exclusive: tmpfiles.d(5) says the cleaner takes a shared lock (systemd 252 takes an exclusive
-    # one); either is refused while this is held, and the cleaner then skips the directory
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    return fd
+    # one); either is refused while this is held, and the cleaner then skips the directory. Not
+    # waited on for ever: a cleaner holds it for a moment, and a file system without locks has none.
+    deadline = time.monotonic() + RUN_DIR_LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the run directory {run} is locked by another process (lsof +D {run} names it)") from None
+            time.sleep(0.1)
+        except OSError as exc:  # ENOLCK: NFS without a lock manager, say
+            print(f"warning: cannot lock the run directory {run} ({exc.strerror}): a tmp cleaner may age out its files",
+                  file=sys.stderr, flush=True)
+            return fd
 
 
 def serve(cfg: Config) -> None:

@@ -3,9 +3,12 @@ files deleted from under it (`rm -rf /tmp/*`, tmpreaper). Real cleaners and real
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import shutil
 import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -15,7 +18,10 @@ import pytest
 
 from shm import pool
 from streamasr import service as svc
+from streamasr.service import free_ports
 from streaming import wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _report(service: Any) -> dict[str, Any]:
@@ -120,3 +126,24 @@ def test_a_run_directory_deleted_under_a_serving_instance_is_reported_and_stop_s
     assert service.proc.wait(timeout=60) == 0  # supervisord
     assert _programs_of(service.cfg.instance) == []
     assert pool.segments(service.cfg.instance) == []
+
+
+def test_a_run_directory_another_process_keeps_locked_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """supervisord locks the run directory against tmp cleaners. A lock someone else holds (a
+    backup or a cleaner that hangs) must not make `serve` hang without a word."""
+    base = free_ports(3)
+    run = tmp_path / "run"
+    config = tmp_path / "streamasr.toml"
+    config.write_text(f'run_dir = "{run}"\ninstance = "locked"\n[workers]\nprocesses = 1\n[ingest]\n'
+                      f'address = "tcp://127.0.0.1:{base}"\nport_base = {base + 1}\n[metrics]\ndashboard_port = {base + 2}\n')
+    run.mkdir(mode=0o700)
+    holder = os.open(run, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(holder, fcntl.LOCK_SH)
+    try:
+        done = subprocess.run([sys.executable, "-m", "streamasr.cli", "serve", "--config", str(config), "--model", "null"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    finally:
+        os.close(holder)
+    assert done.returncode == 1, done.stderr
+    assert f"the run directory {run} is locked by another process" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert _programs_of("locked") == [] and pool.segments("locked") == []
