@@ -42,6 +42,7 @@ from client.core import (
     expire,
     ingest_endpoint,
     limits_from,
+    no_credit,
     route,
 )
 from protocol.auth import Curve
@@ -396,27 +397,41 @@ class AsyncClient:
             self._retry = asyncio.get_running_loop().call_later(max(at - now, 0.0), self._flush)
 
     async def _wait_sent(self, entry: Entry, target: int, timeout: float | None) -> None:
-        """Wait until input frame `target` is on the wire; `timeout` bounds each wait for this stream's credit.
+        """Wait until the audio handed over up to `target` (input frames, counting withdrawn ones) is
+        on the wire; `timeout` bounds each wait for this stream's credit.
 
-        Any stream's progress wakes the wait, so only this stream's restarts the clock.
+        Any stream's progress wakes the wait, so only this stream's restarts the clock. Past the
+        timeout, or cancelled (the caller's own timeout), what is unsent is withdrawn, as in the
+        blocking client: left queued, it would hold the stream's `end` back.
         """
         core = entry.core
         last = core.cut
         deadline = None if timeout is None else time.monotonic() + timeout
-        while core.cut < target:
-            if entry.failure is not None:
-                raise entry.failure
-            if core.cut != last and timeout is not None:
-                last = core.cut
-                deadline = time.monotonic() + timeout
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise TimeoutError(f"stream {core.stream}: no send credit for {timeout:.1f}s (window {core.window})")
-            try:
-                async with asyncio.timeout(remaining):
-                    await self._moved.wait()
-            except TimeoutError:
-                pass  # the loop checks this stream's progress and the deadline
+        try:
+            while core.cut + core.withdrawn < target:
+                if entry.failure is not None:
+                    raise entry.failure
+                if core.cut != last and timeout is not None:
+                    last = core.cut
+                    deadline = time.monotonic() + timeout
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    assert timeout is not None
+                    self._withdraw(core)
+                    raise no_credit(core, timeout)
+                try:
+                    async with asyncio.timeout(remaining):
+                        await self._moved.wait()
+                except TimeoutError:
+                    pass  # the loop checks this stream's progress and the deadline
+        except asyncio.CancelledError:
+            self._withdraw(core)
+            raise
+
+    def _withdraw(self, core: StreamCore) -> None:
+        """Leave the audio a send gave up on out of the stream; an `end` asked for already goes out now."""
+        core.withdraw()
+        self._flush()
 
 
 class AsyncStream(StreamBase):
@@ -427,7 +442,10 @@ class AsyncStream(StreamBase):
         self._client = client
 
     async def send(self, pcm: bytes | np.ndarray, timeout: float | None = None) -> None:
-        """Queue audio; a batch stream waits until all of it is within the window and sent (as `Stream.send`)."""
+        """Queue audio; a batch stream waits until all of it is within the window and sent (as `Stream.send`).
+
+        Past `timeout`, or cancelled, the part of `pcm` not sent by then is left out of the stream.
+        """
         self._client._check()
         data = self._prepare(pcm)
         if not data:

@@ -44,6 +44,7 @@ from client.core import (
     expire,
     ingest_endpoint,
     limits_from,
+    no_credit,
     route,
 )
 from protocol.auth import Curve, apply_client_curve
@@ -288,21 +289,28 @@ class Client:
             pass  # the pipe is full of wake-ups already
 
     def _wait_sent(self, entry: Entry, target: int, timeout: float | None) -> None:
-        """Block until input frame `target` is on the wire; `timeout` bounds each wait for credit."""
+        """Block until the audio handed over up to `target` (input frames, counting withdrawn ones) is
+        on the wire; `timeout` bounds each wait for credit, and past it what is unsent is withdrawn."""
         core = entry.core
         with self._progress:
             last = core.cut
             deadline = None if timeout is None else time.monotonic() + timeout
-            while core.cut < target:
+            while core.cut + core.withdrawn < target:
                 if entry.failure is not None:
                     raise entry.failure
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise TimeoutError(f"stream {core.stream}: no send credit for {timeout:.1f}s (window {core.window})")
+                    break
                 self._progress.wait(remaining)
                 if core.cut != last and timeout is not None:
                     last = core.cut
                     deadline = time.monotonic() + timeout
+            else:
+                return
+        assert timeout is not None
+        # on the IO thread, before any later send's audio: what it cut meanwhile stays sent
+        self._submit(core.withdraw)
+        raise no_credit(core, timeout)
 
     # ------------------------------------------------------------ IO thread
 
@@ -492,8 +500,10 @@ class Stream(StreamBase):
         """Queue audio; a batch stream blocks until all of it is within the window and sent.
 
         `timeout` bounds how long a batch stream waits for the window to move (None: until the
-        stream or client closes). Raises ValueError for audio the server would refuse (see
-        `client.core.to_pcm`): sent, it would stop the stream taking any more.
+        stream or client closes); past it, TimeoutError, and the part of `pcm` not sent by then
+        is left out of the stream: a later `send` continues right after the audio that went
+        out, and `end` goes out at once. Raises ValueError for audio the server would refuse
+        (see `client.core.to_pcm`): sent, it would stop the stream taking any more.
         """
         data = self._prepare(pcm)
         if not data:

@@ -84,6 +84,12 @@ class IngestLost(Exception):
     """The ingest no longer knows a stream it had opened: it restarted, so the client must resume."""
 
 
+def no_credit(core: StreamCore, timeout: float) -> TimeoutError:
+    """What a batch send raises when the window did not move for `timeout`; its unsent audio is withdrawn."""
+    return TimeoutError(f"stream {core.stream}: no send credit for {timeout:.1f}s (window {core.window}); "
+                        f"the audio not sent by then is left out of the stream")
+
+
 def limits_from(welcome: Welcome) -> Limits:
     """The welcome's limits, ignoring keys a newer server may add."""
     known = {f.name for f in fields(Limits)}
@@ -278,7 +284,8 @@ class StreamCore:
     one ignores the window. An `overloaded` refusal rewinds `next_seq` and stalls the stream
     until an ack moves the window (or a retry timer fires), then everything from the refused
     seq is resent in order. The server refuses audio after `end`, so `end` goes out only when
-    nothing is waiting to be (re)sent, right after the last audio: a refusal that arrives after
+    nothing is waiting to be (re)sent, right after the last audio (audio a batch send gave up on
+    is withdrawn, not waited for: `withdraw`): a refusal that arrives after
     `end` is handled like any other, since the server refuses that `end` too and keeps the
     stream open, so the audio is resent and `end` sent again.
 
@@ -297,6 +304,8 @@ class StreamCore:
         self.window = 0
         self.accepted = 0  # input frames the server has acked
         self.cut = 0  # input frames put into messages (all of them sent at least once)
+        self.sent = 0  # the furthest `cut` has been, over all connections: a resume re-cuts audio before it
+        self.withdrawn = 0  # input frames handed over, then taken back unsent (`withdraw`)
         self.next_seq = 0
         self.pending: deque[memoryview] = deque()
         self.retained: deque[OutFrame] = deque()
@@ -335,6 +344,19 @@ class StreamCore:
 
     def end(self) -> None:
         self.end_requested = True
+
+    def withdraw(self) -> None:
+        """Drop the queued audio never sent: a batch send gave up on it (no credit in time), and
+        its caller was told so. Left queued, it would go out whenever credit came, and `end`,
+        which waits for the queue to empty, only after it: maybe never. Audio queued again by a
+        resume (`rewind`) was sent before, so it stays and is resent."""
+        unsent = sum(len(data) for data in self.pending) - (self.sent - self.cut) * self.frame_bytes
+        self.withdrawn += unsent // self.frame_bytes
+        while unsent > 0:
+            tail = self.pending.pop()
+            if len(tail) > unsent:
+                self.pending.append(tail[: len(tail) - unsent])
+            unsent -= len(tail)
 
     def set_limits(self, limits: Limits) -> None:
         """Cut messages to an ingest's limits: a resume's welcome may bring other ones than the first."""
@@ -488,6 +510,7 @@ class StreamCore:
             else:
                 self.pending[0] = head[size:]
             self.cut += size // self.frame_bytes
+            self.sent = max(self.sent, self.cut)
             frame = OutFrame(self.next_seq, self.cut, data)
             self.retained.append(frame)
             self.kept.append(OutFrame(0, self.cut, data))

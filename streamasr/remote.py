@@ -26,7 +26,7 @@ import zmq
 from client.client import Client, Stream
 from client.core import ServerError
 from protocol.auth import Curve
-from protocol.messages import MAX_CHANNELS, OVERLOADED, RATES, Closed, ErrorMsg, Final, Partial, ProtocolError
+from protocol.messages import MAX_CHANNELS, OVERLOADED, RATES, Closed, ErrorMsg, Final, Partial, ProtocolError, ServerMessage
 from speech.audio import RAW_SUFFIXES, not_a_file, to_mono
 
 RAW_RATE = 16000  # headerless files (RAW_SUFFIXES): 16 kHz s16le mono
@@ -34,6 +34,7 @@ RESAMPLED_RATE = 16000  # what a file at a rate the protocol does not take is st
 OFFLINE_BLOCK_MS = 1000  # audio an offline stream reads and queues at a time: far below a window (about 60 s)
 EVENT_TIMEOUT_S = 120.0  # longest silence from the server before a stream is given up
 CREDIT_TIMEOUT_S = 120.0  # longest an offline stream waits for the window to move
+STALL_POLL_S = 0.5  # how often a stream's reader, waiting for events, looks whether its sender gave up for lack of credit
 
 
 class Reader:
@@ -108,6 +109,7 @@ class Job:
     seconds: float  # the file's length, as its header (or size) says
     stream: Stream | None = None
     sent_all: bool = False  # every sample went out: a transcript is the whole file's
+    stalled: threading.Event = field(default_factory=threading.Event)  # no credit for CREDIT_TIMEOUT_S: the service stopped taking it
     finals: list[str] = field(default_factory=list)
     closed: Closed | None = None
     error: str | None = None
@@ -242,36 +244,59 @@ def _send(job: Job, reader: Reader, offline: bool, frame_ms: int) -> None:
                 time.sleep(delay)
             stream.send(block)
         job.sent_all = True
-    except (ServerError, TimeoutError) as exc:  # before OSError's clause: TimeoutError (no credit) is one
+    except TimeoutError as exc:  # no credit (before OSError's clause: TimeoutError is one); the rest is left unsent
+        job.error = job.error or f"sending audio failed: {exc}"
+        job.stalled.set()
+    except ServerError as exc:
         job.error = job.error or f"sending audio failed: {exc}"
     except (OSError, RuntimeError) as exc:  # the file failed part-way (soundfile raises RuntimeError subclasses)
         job.error = job.error or f"cannot read audio: {exc}"
     try:
-        stream.end()
+        stream.end()  # after what was sent, at once: the audio a timed-out send left unsent is not waited for
     except ServerError as exc:  # the client failed: the reading thread hears it too
         job.error = job.error or f"sending audio failed: {exc}"
 
 
 def _read(job: Job, output: Output) -> None:
+    """Write the stream's events until `closed`. A stream the service gave no credit for
+    CREDIT_TIMEOUT_S (`job.stalled`) is not waited for once nothing more has come: the service
+    is not decoding it either, and the file has failed already; what it did decode is written."""
     stream = job.stream
     assert stream is not None
-    for ev in stream.events(timeout=EVENT_TIMEOUT_S):
-        if isinstance(ev, (Partial, Final)):
-            latency_ms = round(stream.latency_for(ev.end, now=stream.received_at) * 1000, 1)
-            final = isinstance(ev, Final)
-            if final and ev.text.strip():
-                job.finals.append(ev.text.strip())
-            row = {"type": "final" if final else "partial", "file": job.file, "seg": ev.seg, "text": ev.text,
-                   "stable": ev.text if final else ev.stable, "start": ev.start, "end": ev.end, "latency_ms": latency_ms}
-            if final:
-                row["revised"] = ev.revised
-            output.json(row)
-        elif isinstance(ev, ErrorMsg):
-            if ev.code != OVERLOADED:  # refused audio is resent by the client; only a slower stream results
-                job.error = job.error or f"server error {ev.code}: {ev.message}"
-        elif isinstance(ev, Closed):
-            job.closed = ev
-            # "shutdown" reaches here only for a stream the service had all of (its `end` crossed the
-            # shutdown): the client resumes any other elsewhere, so this one is whole
-            if ev.reason not in ("end", "shutdown"):
-                job.error = job.error or f"stream closed early ({ev.reason})"
+    heard = time.monotonic()
+    while True:
+        try:
+            for ev in stream.events(timeout=STALL_POLL_S):
+                heard = time.monotonic()
+                _show(job, ev, output)
+            return
+        except TimeoutError:  # nothing within STALL_POLL_S; events() may be called again
+            if job.stalled.is_set():
+                return
+            if time.monotonic() - heard >= EVENT_TIMEOUT_S:
+                raise TimeoutError(f"stream {stream.id}: no event within {EVENT_TIMEOUT_S:.1f}s") from None
+
+
+def _show(job: Job, ev: ServerMessage, output: Output) -> None:
+    """One event of the stream: a line of output, and what it tells of the file's transcript."""
+    stream = job.stream
+    assert stream is not None
+    if isinstance(ev, (Partial, Final)):
+        latency_ms = round(stream.latency_for(ev.end, now=stream.received_at) * 1000, 1)
+        final = isinstance(ev, Final)
+        if final and ev.text.strip():
+            job.finals.append(ev.text.strip())
+        row = {"type": "final" if final else "partial", "file": job.file, "seg": ev.seg, "text": ev.text,
+               "stable": ev.text if final else ev.stable, "start": ev.start, "end": ev.end, "latency_ms": latency_ms}
+        if final:
+            row["revised"] = ev.revised
+        output.json(row)
+    elif isinstance(ev, ErrorMsg):
+        if ev.code != OVERLOADED:  # refused audio is resent by the client; only a slower stream results
+            job.error = job.error or f"server error {ev.code}: {ev.message}"
+    elif isinstance(ev, Closed):
+        job.closed = ev
+        # "shutdown" reaches here only for a stream the service had all of (its `end` crossed the
+        # shutdown): the client resumes any other elsewhere, so this one is whole
+        if ev.reason not in ("end", "shutdown"):
+            job.error = job.error or f"stream closed early ({ev.reason})"

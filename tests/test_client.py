@@ -436,12 +436,15 @@ class FakeIngest:
     an id it opened before `overloaded`, like a busy service refusing a resume; `ready_delay` is how
     long the first `ready` of each id takes, like a busy ingest's; `at_end` makes it a working
     ingest: it acks audio, and gives, for a stream id, what it sends between that stream's `end`
-    and its `closed`, which gives `end_reason` and all the audio taken as `durable`.
+    and its `closed`, which gives `end_reason` and all the audio taken as `durable`; `stalled`
+    makes it a service that stopped decoding (its workers stopped): it acks audio, never moves
+    the window past the first 30 s, and never answers `end`.
     """
 
     def __init__(self, *, ingest: str | None = None, resumed: dict[str, Any] | None = None, garble_hellos: tuple[int, ...] = (),
                  refuse_reopens: bool = False, ready_delay: float = 0.0,
-                 at_end: Callable[[str], list[ServerMessage]] | None = None, end_reason: str = "end") -> None:
+                 at_end: Callable[[str], list[ServerMessage]] | None = None, end_reason: str = "end",
+                 stalled: bool = False) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
@@ -453,6 +456,7 @@ class FakeIngest:
         self.ready_delay = ready_delay
         self.at_end = at_end
         self.end_reason = end_reason
+        self.stalled = stalled
         self.taken: Counter[str] = Counter()  # input frames of each stream, acked when `at_end` is given
         self.held: list[tuple[float, list[bytes]]] = []  # (when, frames) of replies held back
         self.opened: set[str] = set()
@@ -494,6 +498,8 @@ class FakeIngest:
                     continue
             elif isinstance(msg, End):
                 self.log.append(f"end {msg.stream}")
+                if self.stalled:
+                    continue
                 if msg.stream in self.live:
                     self.live.discard(msg.stream)
                     for said in self.at_end(msg.stream) if self.at_end else []:
@@ -503,10 +509,10 @@ class FakeIngest:
                     reply = ErrorMsg(code=UNKNOWN_STREAM, message="no such stream", stream=msg.stream)
             elif isinstance(msg, Audio):
                 self.audio.append((self.received["hello"], len(msg.data)))
-                if self.at_end is None:
+                if self.at_end is None and not self.stalled:
                     continue
                 taken = self.taken[msg.stream] = self.taken[msg.stream] + len(msg.data) // 2
-                reply = Ack(stream=msg.stream, seq=msg.seq, samples=taken, window=taken + RATE * 30)
+                reply = Ack(stream=msg.stream, seq=msg.seq, samples=taken, window=RATE * 30 if self.stalled else taken + RATE * 30)
             else:
                 continue
             if self.held:  # answers leave in order
@@ -897,6 +903,63 @@ def test_a_batch_send_times_out_while_other_streams_move() -> None:
         assert asyncio.run(main()) < 10.0  # the 0.5 s asked for, not the 20 s the other stream talks
     finally:
         fake.close()
+
+
+def test_a_batch_send_that_runs_out_of_credit_leaves_its_unsent_audio_out_so_end_goes_out_at_once() -> None:
+    """The window stops moving (the service stopped decoding): the send that gives up raises, and
+    what it had not sent is not sent later either: the stream's `end` goes out at once after the
+    audio that went out, not behind audio waiting for credit that may never come. An asyncio send
+    its caller cancels (its own timeout) is given up the same way."""
+    fake = FakeIngest(stalled=True)  # acks, but never moves the window past the first 30 s
+    try:
+        with Client(fake.address, timeout=5.0) as client:
+            stream = client.open("s", priority="batch")
+            with pytest.raises(TimeoutError, match="left out of the stream"):
+                stream.send(np.zeros(RATE * 31, np.int16), timeout=0.5)
+            stream.end()
+            assert wait_for(lambda: fake.received["end"] == 1, 10.0), "end waits behind the audio no credit came for"
+        assert fake.taken["s"] == RATE * 30  # what the window allowed, no more
+
+        async def main() -> None:
+            async with AsyncClient(fake.address, timeout=5.0) as aclient:
+                astream = await aclient.open("a", priority="batch")
+                with pytest.raises(TimeoutError, match="left out of the stream"):
+                    await astream.send(np.zeros(RATE * 31, np.int16), timeout=0.5)
+                await astream.end()
+                cancelled = await aclient.open("c", priority="batch")
+                with pytest.raises(TimeoutError):
+                    await asyncio.wait_for(cancelled.send(np.zeros(RATE * 31, np.int16)), 0.5)
+                await cancelled.end()
+                assert await await_for(lambda: fake.received["end"] == 3, 10.0), "end waits behind the audio no credit came for"
+
+        asyncio.run(main())
+        assert fake.taken["a"] == fake.taken["c"] == RATE * 30
+        assert fake.log[-2:] == ["open c", "end c"]
+    finally:
+        fake.close()
+
+
+def test_transcribe_reports_a_file_the_service_stops_taking_at_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                                    capsys) -> None:
+    """An offline file whose window stops moving (the service stopped decoding) fails once its
+    credit timeout runs out, saying so: its reader does not then wait out the event timeout for
+    finals the service is not decoding, nor for the `closed` of an `end` that waited behind the
+    audio the credit never came for."""
+    monkeypatch.setattr(remote, "CREDIT_TIMEOUT_S", 0.5)
+    path = tmp_path / "long.wav"
+    soundfile.write(path, np.zeros(RATE * 35, np.int16), RATE)  # past the fake's 30 s window
+    fake = FakeIngest(stalled=True)
+    codes: list[int] = []
+    try:
+        # the event timeout is 120 s: waiting it out is the hang
+        assert finishes(lambda: codes.append(remote.run([str(path)], fake.address, offline=True, as_json=False,
+                                                        language=None)), 60.0), "transcribe waits for a stream that is stuck"
+        assert wait_for(lambda: fake.received["end"] == 1, 5.0)  # the service may still free it
+    finally:
+        fake.close()
+    assert codes == [1]
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"{path}: sending audio failed: ") and "no send credit for 0.5s" in err[0], err
 
 
 def test_opens_the_protocol_does_not_allow_are_refused_at_once(null_service) -> None:

@@ -99,6 +99,35 @@ def test_batch_never_sends_past_the_window() -> None:
     assert seqs(c.take(0.0)) == [4, "end"]
 
 
+def test_audio_a_batch_send_gave_up_on_is_withdrawn_and_end_follows_what_was_sent() -> None:
+    """A send that timed out waiting for the window told its caller the audio was not sent: it
+    is dropped, and `end` goes out at once instead of waiting behind it."""
+    c = core("batch", window=400)
+    c.push(b"\0" * 1000)  # 500 frames: 400 fit
+    assert [len(m.data) // 2 for m in c.take(1.0)] == [100] * 4
+    c.withdraw()
+    c.end()
+    assert seqs(c.take(1.0)) == ["end"]
+    assert (c.cut, c.withdrawn) == (400, 100)  # every frame handed over is sent or withdrawn: a waiting send counts both
+
+
+def test_a_withdrawal_during_a_resume_keeps_the_audio_that_was_sent() -> None:
+    """Audio queued again for the new connection was sent before (the server may hold it), so it
+    is resent; only what never went out is withdrawn."""
+    pcm = bytes(range(250)) * 4  # 500 frames: 400 fit
+    c = core("batch", window=400)
+    c.push(pcm)
+    c.take(1.0)
+    c.on_ack(Ack("s", seq=3, samples=400, window=400, durable=150))
+    entry(c).resume(until=60.0)  # kept: 150..400, queued again before the 100 frames never sent
+    c.withdraw()
+    c.end()
+    c.on_ready(1000)
+    out = c.take(2.0)
+    assert seqs(out) == [0, 1, 2, "end"] and c.withdrawn == 100
+    assert b"".join(bytes(m.data) for m in out[:-1]) == pcm[300:800]
+
+
 def test_realtime_ignores_the_window_but_sizes_messages_to_fit_it() -> None:
     c = core("realtime", window=100)
     c.push(b"\0" * 400)  # 200 frames, twice the window
