@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(cfg: settings.Config, port_flag: int | None, log: Any) -> int:
-    """Collect and serve until SIGTERM or SIGINT; 1 when the collector or the port is refused."""
+    """Collect and serve until SIGTERM, SIGINT or SIGHUP; 1 when the collector or the port is refused."""
     collector = Collector(cfg, state_file=cfg.metrics_state_path)
     try:
         collector.start()

@@ -429,26 +429,39 @@ def _age_s(pid: int | None) -> float:
         return 0.0
 
 
+def _socket_bound(pid: int | None) -> bool:
+    """Whether supervisord `pid` has bound its socket: it does before it starts any program, a
+    moment after `serve` becomes it (found by its run directory then, its pid file not written
+    yet). One without programs that has run BIND_GRACE_S has bound it too (they all ended)."""
+    try:
+        return pid is not None and (bool(psutil.Process(pid).children()) or _age_s(pid) >= BIND_GRACE_S)
+    except psutil.Error:
+        return False
+
+
 def socket_gone(cfg: Config) -> str:
     """What to say when supervisord's socket is not there while it runs."""
+    if not _socket_bound(supervisord_pid(cfg)):
+        return f"supervisord is starting: its socket {cfg.run_path / 'supervisor.sock'} is not bound yet"
     return (f"its socket {cfg.run_path / 'supervisor.sock'} was deleted while it runs: its processes cannot be listed "
             "nor restarted one by one; `streamasr stop` stops the instance all the same")
 
 
-def deleted_files(cfg: Config, uptimes: dict[str, float]) -> list[str]:
+def deleted_files(cfg: Config, uptimes: dict[str, float], supervisord_bound: bool) -> list[str]:
     """What the running instance `cfg` describes needs in its run directory and no longer has
     there: its config and logs directory, which a program supervisord starts again opens, and
     the sockets, which a program starting connects to (ZeroMQ retries a socket file that is not
     there, without a word, for ever). Removed by `rm -rf /tmp/*`, tmpreaper, or a tmp cleaner
     while supervisord's lock on the directory was not held. A socket counts as deleted only once
-    the program that binds it has run BIND_GRACE_S (`uptimes`, by program): before, it is still
-    starting, not robbed."""
+    the program that binds it has run BIND_GRACE_S (`uptimes`, by program), and supervisord's
+    once it has bound it (`supervisord_bound`): before, it is still starting, not robbed."""
     if not cfg.run_path.is_dir():
         return [f"the run directory {cfg.run_path}"]
     binders = {cfg.broker_ingest_endpoint: "broker", cfg.broker_worker_endpoint: "broker", cfg.metrics_endpoint: "dashboard",
                **{cfg.ingest_results_endpoint(i): f"ingest-{i}" for i in range(cfg.ingest.processes)}}
     bound = [Path(e.removeprefix("ipc://")) for e, program in binders.items() if uptimes.get(program, 0.0) >= BIND_GRACE_S]
-    needed = [cfg.run_path / "config.toml", cfg.run_path / "logs", cfg.run_path / "supervisor.sock", *bound]
+    needed = [cfg.run_path / "config.toml", cfg.run_path / "logs", *([cfg.run_path / "supervisor.sock"] if supervisord_bound else []),
+              *bound]
     return [path.name for path in needed if not path.exists()]
 
 
@@ -494,11 +507,12 @@ def status(cfg: Config) -> dict[str, Any]:
             report["supervisor_error"] = socket_gone(cfg)
         except (OSError, xmlrpc.client.Fault) as exc:
             report["supervisor_error"] = str(exc)
+        pid = supervisord_pid(cfg)
         uptimes = {p["name"]: p["uptime_s"] for p in report["processes"] if p["state"] == "RUNNING"}
         if "supervisor_error" in report:  # no list of programs: supervisord's own age stands for theirs
             uptimes = dict.fromkeys(("broker", "dashboard", *(f"ingest-{i}" for i in range(cfg.ingest.processes))),
-                                    _age_s(supervisord_pid(cfg)))
-        if gone := deleted_files(cfg, uptimes):
+                                    _age_s(pid))
+        if gone := deleted_files(cfg, uptimes, _socket_bound(pid)):
             report["run_dir_error"] = (
                 f"deleted from under the running instance: {', '.join(gone)}. A program supervisord starts again "
                 "cannot start without config.toml or logs/, nor reach the others without their sockets (it waits, "

@@ -1064,10 +1064,13 @@ def test_a_worker_that_said_goodbye_before_its_connection_closed_has_left_not_be
             job_sock.send_multipart([wire.LEAVING])
             job_sock.close(linger=1000)
             hb_sock.close(linger=1000)
-            time.sleep(0.5)  # the goodbye queued at the broker, the connections seen closed
-            broker._check_peers(time.monotonic())
+
+            def checked() -> bool:  # until a heartbeat finds the connection closed, the broker's checks see nothing
+                broker._check_peers(time.monotonic())
+                return ident not in broker.worker_links
+
+            wait_for(checked, 10, "the broker to find the worker's connection closed")
         events = [e["event"] for e in logs if e["event"].startswith("broker.worker_")]
         assert events == ["broker.worker_left"], events
-        assert ident not in broker.worker_links
     finally:
         broker.close()

@@ -17,6 +17,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -344,8 +345,6 @@ def test_top_says_when_a_dashboard_s_snapshot_is_not_one_it_can_read(tmp_path: P
 def test_top_takes_a_port_that_answers_no_http_or_closes_mid_answer_for_no_dashboard(tmp_path: Path, capsys) -> None:
     """Another program on the dashboard's port, or a dashboard restarted while it answers: `top`
     shows the instance through a collector of its own, as when nothing answers, not a traceback."""
-    import threading
-
     cfg = instance_config(tmp_path)[0]
     cfg.run_path.mkdir(mode=0o700)
     for answer in (b"SSH-2.0-OpenSSH_9.6\r\n",  # no HTTP at all

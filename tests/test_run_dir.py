@@ -10,12 +10,14 @@ import shutil
 import subprocess
 import sys
 import urllib.request
+import uuid
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
+from config import settings
 from shm import pool
 from streamasr import service as svc
 from streamasr.service import free_ports
@@ -78,6 +80,35 @@ def test_an_instance_starting_has_nothing_deleted(service_factory: Any, monkeypa
     service_factory(model="null", workers=1)
     running = [r for r in reports if r.get("running")]
     assert running and not any("run_dir_error" in r for r in running), [r.get("run_dir_error") for r in running]
+
+
+def test_a_supervisord_that_has_not_bound_its_socket_yet_is_starting_not_robbed(tmp_path: Path) -> None:
+    """`serve` becomes supervisord, which binds its socket a moment later and then writes its pid
+    file. A `status` in between finds it by its run directory (the claim held, no pid file): its
+    socket is not bound yet, which is no file deleted from under the instance. supervisord here is
+    a process by that name that never gets as far, so the moment lasts."""
+    base = free_ports(3)
+    cfg = settings.load(None, {"instance": f"b{uuid.uuid4().hex[:8]}", "run_dir": str(tmp_path / "run"),
+                               "ingest": {"address": f"tcp://127.0.0.1:{base}", "port_base": base + 1},
+                               "metrics": {"dashboard_port": base + 2}})
+    cfg.run_path.mkdir(mode=0o700)
+    (cfg.run_path / "config.toml").write_text(settings.dump(cfg))
+    (cfg.run_path / "logs").mkdir()
+    supervisord = tmp_path / "bin" / "supervisord"
+    supervisord.parent.mkdir()
+    supervisord.write_text("import time\ntime.sleep(120)\n")
+    held = svc.claim(cfg)
+    proc = subprocess.Popen([sys.executable, str(supervisord)], env={**os.environ, "STREAMASR_RUN_DIR": str(cfg.run_path)})
+    try:
+        wait_for(lambda: svc.supervisord_pid(cfg) == proc.pid, 30, "supervisord found by its run directory")
+        report = svc.status(cfg)
+    finally:
+        proc.kill()
+        proc.wait()
+        held.close()
+    assert report["running"] is True, report
+    assert "run_dir_error" not in report, report
+    assert "is starting" in report["supervisor_error"] and "deleted" not in report["supervisor_error"], report
 
 
 def _bound(service: Any) -> None:
