@@ -35,6 +35,7 @@ from metrics.registry import ProcessMetrics
 from metrics.stallwatch import StallWatch
 from protocol import auth
 from protocol import messages as m
+from protocol.socketfiles import SocketFiles
 from streamasr.logs import Throttle
 
 log = structlog.get_logger()
@@ -167,6 +168,7 @@ class Broker:
         self._ingest_sock = self._ctx.socket(zmq.ROUTER)
         self._worker_sock = self._ctx.socket(zmq.ROUTER)
         self._front = self._ctx.socket(zmq.ROUTER)
+        self._socket_files = SocketFiles()  # its ipc sockets, bound again if deleted (a peer restarted could not connect)
         self._auth = None
         if auth.curve_settings(cfg.ingest.curve_secret_key, cfg.ingest.curve_authorized_keys):
             self._auth = auth.start_authenticator(self._ctx, cfg.ingest.curve_authorized_keys, "broker", self.metrics)
@@ -197,8 +199,8 @@ class Broker:
             self.figures = restored
         self.metrics.start()
         try:
-            self._ingest_sock.bind(self.cfg.broker_ingest_endpoint)
-            self._worker_sock.bind(self.cfg.broker_worker_endpoint)
+            self._socket_files.bind(self._ingest_sock, self.cfg.broker_ingest_endpoint)
+            self._socket_files.bind(self._worker_sock, self.cfg.broker_worker_endpoint)
             self._front.bind(self.cfg.ingest.address)
             freeze_and_watch(self.metrics)  # start-up done: what is allocated from here on is the serving path's
             allocwatch.arm(self.metrics.process)
@@ -253,12 +255,20 @@ class Broker:
                 now = time.monotonic()
                 if now >= tick:
                     self._check_peers(now)
+                    self._check_socket_files()
                     tick = now + self._interval_s
                 self._dispatch(now)
                 self._flush_results()
                 stall.turned(now)
         finally:
             stall.stop()
+
+    def _check_socket_files(self) -> None:
+        for lost in self._socket_files.check():
+            if lost.restored:
+                log.warning("broker.socket_restored", path=lost.path, why=lost.why)
+            else:
+                log.warning("broker.socket_unrestored", path=lost.path, why=lost.why, error=lost.error)
 
     @staticmethod
     def _drain(sock: zmq.Socket, handle: Callable[[list[bytes], float], None]) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 from config import settings
 from dashboard.server import Dashboard
 from metrics.collector import Collector
+from protocol.socketfiles import Lost
 from streamasr import logs
 from streamasr.supervised import end_with_parent
 
@@ -33,7 +34,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve(cfg: settings.Config, port_flag: int | None, log: Any) -> int:
     """Collect and serve until SIGTERM, SIGINT or SIGHUP; 1 when the collector or the port is refused."""
-    collector = Collector(cfg, state_file=cfg.metrics_state_path)
+    def socket_lost(lost: Lost) -> None:  # on the collector's thread
+        if lost.restored:
+            log.warning("dashboard.socket_restored", path=lost.path, why=lost.why)
+        else:
+            log.warning("dashboard.socket_unrestored", path=lost.path, why=lost.why, error=lost.error)
+
+    collector = Collector(cfg, state_file=cfg.metrics_state_path, on_socket_lost=socket_lost)
     try:
         collector.start()
     except RuntimeError as exc:

@@ -34,6 +34,7 @@ from metrics.registry import ProcessMetrics
 from metrics.stallwatch import StallWatch
 from protocol import auth
 from protocol import messages as m
+from protocol.socketfiles import SocketFiles, socket_file_state
 from shm.pool import PoolExhausted, RingPool, make_room, ring_capacity, segment_size
 from speech.loader import language_refusal, served_languages
 from streamasr.logs import Throttle
@@ -93,7 +94,8 @@ class IngestServer:
         cfg.run_path.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.results = self.ctx.socket(zmq.PULL)
         self.results.setsockopt(zmq.LINGER, 0)
-        self.results.bind(cfg.ingest_results_endpoint(index))
+        self.socket_files = SocketFiles()  # its results socket, bound again if deleted (a worker restarted could not send)
+        self.socket_files.bind(self.results, cfg.ingest_results_endpoint(index))
         self.clients.bind(self.endpoint)
         self.broker: zmq.Socket | None = None
         self.sessions: dict[str, Session] = {}
@@ -211,8 +213,18 @@ class IngestServer:
         if now - self.hb_sent >= self.hb_interval:
             self._beat(now)
         if now - self.broker_seen > self.hb_interval * self.cfg.broker.liveness:
-            self.log.warning("ingest.broker_lost", silent_s=round(now - self.broker_seen, 2))
+            # whether the broker's socket file is there tells a broker down from one whose file was deleted
+            endpoint = self.cfg.broker_ingest_endpoint
+            self.log.warning("ingest.broker_lost", silent_s=round(now - self.broker_seen, 2), endpoint=endpoint,
+                             socket_file=socket_file_state(endpoint))
             self._connect_broker()
+
+    def _check_socket_files(self) -> None:
+        for lost in self.socket_files.check():
+            if lost.restored:
+                self.log.warning("ingest.socket_restored", path=lost.path, why=lost.why)
+            else:
+                self.log.warning("ingest.socket_unrestored", path=lost.path, why=lost.why, error=lost.error)
 
     def _beat(self, now: float) -> None:
         self.hb_sent = now
@@ -576,6 +588,7 @@ class IngestServer:
                 last_sweep = now
                 self._sweep(now)
                 self._publish_gauges()
+                self._check_socket_files()
             if self.draining:
                 self._wind_down(now)
             if self.dirty:

@@ -18,14 +18,13 @@ import http.client
 import math
 import os
 import re
-import socket
 import threading
 import time
 import xmlrpc.client
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import msgpack
 import psutil
@@ -38,6 +37,7 @@ from prometheus_client.utils import floatToGoString
 from config.settings import Config
 from metrics.names import PREFIX, SPECS
 from metrics.registry import SNAPSHOT_VERSION, endpoint
+from protocol.socketfiles import Lost, SocketFiles, endpoint_in_use
 from streamasr import service
 
 STALE_AFTER_S = 10.0  # a process not heard from this long is dropped (its counters carried)
@@ -58,19 +58,6 @@ Series = tuple[str, str, Labels]  # (process, metric name, labels)
 def program_of(process: str) -> str:
     """supervisord's program name of a process: `worker-3` -> `worker`."""
     return re.sub(r"-\d+$", "", process)
-
-
-def endpoint_in_use(address: str) -> bool:
-    """Whether something is accepting connections on an ipc endpoint (another collector)."""
-    path = address.removeprefix("ipc://")
-    if not os.path.exists(path):
-        return False
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(path)
-            return True
-        except OSError:
-            return False
 
 
 @dataclass
@@ -254,9 +241,11 @@ class Collector:
     """Aggregates every process's snapshots; `snapshot()` and `prometheus()` may be called from any thread."""
 
     def __init__(self, cfg: Config, stale_after: float = STALE_AFTER_S, window: float = WINDOW_S,
-                 state_file: Path | None = None) -> None:
+                 state_file: Path | None = None, on_socket_lost: Callable[[Lost], None] | None = None) -> None:
         """`state_file`: where the carried totals are kept across this collector's restarts (the
-        dashboard's); None for a passing view (`top` without a dashboard)."""
+        dashboard's); None for a passing view (`top` without a dashboard). `on_socket_lost`: the
+        socket file is bound again when deleted, and this told (the dashboard logs it); None for a
+        passing view, which does not take the endpoint back from the dashboard."""
         self.cfg = cfg
         self.state_file = state_file
         self.state_unreadable = ""  # why a predecessor's state file was ignored, for the caller to log
@@ -288,6 +277,8 @@ class Collector:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._sock: zmq.Socket | None = None
+        self._socket_files = SocketFiles()
+        self._on_socket_lost = on_socket_lost
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -303,7 +294,7 @@ class Collector:
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.RCVHWM, 10_000)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
-        sock.bind(self.endpoint)
+        self._socket_files.bind(sock, self.endpoint)
         self._sock = sock
         self._thread = threading.Thread(target=self._run, name="collector", daemon=True)
         self._thread.start()
@@ -337,6 +328,9 @@ class Collector:
             now = time.monotonic()
             if now >= next_refresh:
                 self.refresh()
+                if self._on_socket_lost is not None:
+                    for lost in self._socket_files.check():
+                        self._on_socket_lost(lost)
                 next_refresh = now + REFRESH_S
 
     # -- views ------------------------------------------------------------------------------------

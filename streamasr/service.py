@@ -451,7 +451,8 @@ def deleted_files(cfg: Config, uptimes: dict[str, float], supervisord_bound: boo
     """What the running instance `cfg` describes needs in its run directory and no longer has
     there: its config and logs directory, which a program supervisord starts again opens, and
     the sockets, which a program starting connects to (ZeroMQ retries a socket file that is not
-    there, without a word, for ever). Removed by `rm -rf /tmp/*`, tmpreaper, or a tmp cleaner
+    there for ever; each program binds its own again within a second, so one named here could
+    not be: its directory gone, say). Removed by `rm -rf /tmp/*`, tmpreaper, or a tmp cleaner
     while supervisord's lock on the directory was not held. A socket counts as deleted only once
     the program that binds it has run BIND_GRACE_S (`uptimes`, by program), and supervisord's
     once it has bound it (`supervisord_bound`): before, it is still starting, not robbed."""
@@ -515,8 +516,9 @@ def status(cfg: Config) -> dict[str, Any]:
         if gone := deleted_files(cfg, uptimes, _socket_bound(pid)):
             report["run_dir_error"] = (
                 f"deleted from under the running instance: {', '.join(gone)}. A program supervisord starts again "
-                "cannot start without config.toml or logs/, nor reach the others without their sockets (it waits, "
-                "silently); `streamasr stop` stops the instance all the same, and `serve` makes them anew")
+                "cannot start without config.toml or logs/, nor reach a socket its program could not bind again "
+                "(see that program's `socket_unrestored` line); `streamasr stop` stops the instance all the same, "
+                "and `serve` makes them anew")
     try:
         reply = front_door(cfg.front_door, m.Status(), curve=ops_curve(cfg))
         report.update(m.as_dict(reply))

@@ -7,21 +7,24 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import urllib.request
 import uuid
+import xmlrpc.client
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
+from supervisor.xmlrpc import SupervisorTransport
 
 from config import settings
 from shm import pool
 from streamasr import service as svc
 from streamasr.service import free_ports
-from streaming import wait_for
+from streaming import read_wav, speech_files, stream_many, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,6 +41,21 @@ def _programs_of(instance: str) -> list[str]:
         if instance in line and "pytest" not in line:
             found.append(line)
     return found
+
+
+def _supervisor(service: Any) -> Any:
+    return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=SupervisorTransport(
+        None, None, f"unix://{service.cfg.run_path / 'supervisor.sock'}")).supervisor
+
+
+def _since(service: Any, program: str, logged: int, event: str) -> list[dict[str, Any]]:
+    return [e for e in service.events(program)[logged:] if e["event"] == event]
+
+
+def _dashboard_row(service: Any, name: str) -> dict[str, Any] | None:
+    url = f"http://127.0.0.1:{service.cfg.metrics.dashboard_port}/api/snapshot"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return next((p for p in json.load(reply)["processes"] if p["name"] == name), None)
 
 
 @pytest.mark.skipif(shutil.which("systemd-tmpfiles") is None, reason="systemd-tmpfiles is not installed")
@@ -117,22 +135,23 @@ def _bound(service: Any) -> None:
              3 * svc.BIND_GRACE_S, "the programs to have bound their sockets")
 
 
-def test_deleted_sockets_are_named_by_status(service_factory: Any) -> None:
-    """supervisord's socket and the broker's socket for workers deleted while the instance
-    serves: `status` said only `[Errno 2] No such file or directory`, and a worker started
-    again waited for the broker for ever without a word. It names what is gone and what still
-    stops the instance."""
+def test_deleted_files_are_named_by_status(service_factory: Any) -> None:
+    """supervisord's socket and the config deleted while the instance serves: `status` said
+    only `[Errno 2] No such file or directory`. It names what is gone and what still stops the
+    instance, and not a ZeroMQ socket deleted with them that its program has bound again."""
     service = service_factory(model="null", workers=1)
     _bound(service)
     run = service.cfg.run_path
-    (run / "supervisor.sock").unlink()
-    (run / "broker-workers.sock").unlink()
+    logged = len(service.events("broker"))
+    for name in ("supervisor.sock", "config.toml", "broker-workers.sock"):
+        (run / name).unlink()
+    wait_for(lambda: _since(service, "broker", logged, "broker.socket_restored"), 30, "the broker to bind its socket again")
     report = _report(service)
     assert report["running"] is True and report["ready"] is True, report
     assert "supervisor.sock was deleted" in report["supervisor_error"] and "streamasr stop" in report["supervisor_error"]
-    assert "supervisor.sock, broker-workers.sock" in report["run_dir_error"], report
+    assert "instance: config.toml, supervisor.sock. A program" in report["run_dir_error"], report
     text = service.cli("status").stdout
-    assert "run dir error: deleted from under the running instance: supervisor.sock, broker-workers.sock" in text, text
+    assert "run dir error: deleted from under the running instance: config.toml, supervisor.sock." in text, text
 
     def dashboard_says() -> str | None:  # it showed an empty process table without a word
         url = f"http://127.0.0.1:{service.cfg.metrics.dashboard_port}/api/snapshot"
@@ -148,7 +167,7 @@ def test_a_run_directory_deleted_under_a_serving_instance_is_reported_and_stop_s
     the processes; `status` says what is gone and `stop` stops the instance cleanly."""
     service = service_factory(model="null", workers=1)
     shutil.rmtree(service.cfg.run_path)
-    report = _report(service)
+    report = _report(service)  # the programs bind no socket again in a run directory made anew: it stays gone
     assert report["running"] is True and report["ready"] is True, report
     assert f"the run directory {service.cfg.run_path}" in report["run_dir_error"], report
     assert "was deleted" in report["supervisor_error"], report
@@ -178,3 +197,58 @@ def test_a_run_directory_another_process_keeps_locked_is_refused_not_waited_on(t
     assert done.returncode == 1, done.stderr
     assert f"the run directory {run} is locked by another process" in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert _programs_of("locked") == [] and pool.segments("locked") == []
+
+
+def test_sockets_deleted_under_a_serving_instance_are_bound_again_and_a_restarted_worker_serves(service_factory: Any) -> None:
+    """`rm -rf /tmp/*` or tmpreaper took the ZeroMQ socket files of a serving instance: its
+    processes kept the connections they had, but a worker supervisord restarted after a crash
+    waited for ever, without a word, for a broker it could not reach (its results, its figures
+    had no file to go to either). Each process binds its deleted files again and says so once:
+    the new worker registers, its results reach the ingest and the dashboard hears it."""
+    service = service_factory(model="null", workers=1)
+    run = service.cfg.run_path
+    files = {"broker": ["broker-ingest.sock", "broker-workers.sock"], "ingest-0": ["ingest-0-results.sock"],
+             "dashboard": ["metrics.sock"]}
+    logged = {program: len(service.events(program)) for program in files}
+    rpc = _supervisor(service)
+    old_pid = rpc.getProcessInfo("worker:worker-0")["pid"]
+    for names in files.values():
+        for name in names:
+            (run / name).unlink()
+    os.kill(old_pid, signal.SIGKILL)
+    wait_for(lambda: _since(service, "broker", logged["broker"], "broker.worker_ready"), 120, "the restarted worker's READY")
+    for program, names in files.items():
+        event = f"{program.split('-')[0]}.socket_restored"
+        restored = wait_for(lambda: len(found := _since(service, program, logged[program], event)) >= len(names) and found,
+                            30, event)  # within its next check
+        assert sorted(Path(e["path"]).name for e in restored) == sorted(names), (program, restored)
+        assert all(e["level"] == "warning" and e["why"] == "deleted" for e in restored), restored
+        assert all((run / name).is_socket() for name in names)
+    results = stream_many(service.address, {"s": read_wav(speech_files()[0])}, speed=None)
+    assert results["s"].finals and results["s"].errors == [], results["s"]
+    assert all(f.text.strip() == "null model" for f in results["s"].finals), results["s"].finals
+    new_pid = rpc.getProcessInfo("worker:worker-0")["pid"]
+    wait_for(lambda: (row := _dashboard_row(service, "worker-0")) and row["pid"] == new_pid and row["last_seen_s"] is not None,
+             30, "the dashboard to hear the restarted worker")
+    report = _report(service)
+    assert "run_dir_error" not in report, report
+
+
+def test_a_worker_that_cannot_reach_the_broker_says_why(service_factory: Any) -> None:
+    """The broker stopped and its socket file deleted: a worker started then waited for ever
+    without a word, its broker warning written only once it had been connected. It names the
+    endpoint and the missing file, and registers when the broker is back."""
+    service = service_factory(model="null", workers=1)
+    rpc = _supervisor(service)
+    rpc.stopProcess("broker")
+    (service.cfg.run_path / "broker-workers.sock").unlink()  # ZeroMQ leaves the file of a socket it closes
+    logged = {program: len(service.events(program)) for program in ("worker-0", "ingest-0", "broker")}
+    os.kill(rpc.getProcessInfo("worker:worker-0")["pid"], signal.SIGKILL)
+    told = wait_for(lambda: _since(service, "worker-0", logged["worker-0"], "worker.broker_unreachable"), 120,
+                    "the restarted worker to say the broker is unreachable")
+    assert told[0]["level"] == "warning" and told[0]["socket_file"] == "missing", told
+    assert told[0]["endpoint"] == service.cfg.broker_worker_endpoint, told
+    lost = wait_for(lambda: _since(service, "ingest-0", logged["ingest-0"], "ingest.broker_lost"), 60, "the ingest's broker_lost")
+    assert lost[-1]["endpoint"] == service.cfg.broker_ingest_endpoint and lost[-1]["socket_file"] == "exists", lost
+    rpc.startProcess("broker")
+    wait_for(lambda: _since(service, "broker", logged["broker"], "broker.worker_ready"), 120, "the worker to register")

@@ -15,6 +15,7 @@ forever, so past `[workers] stuck_after_s` it ends the process (see Watchdog).
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -37,6 +38,7 @@ from metrics.gcwatch import freeze_and_watch
 from metrics.registry import ProcessMetrics
 from metrics.stallwatch import StallWatch
 from protocol.messages import INTERNAL
+from protocol.socketfiles import socket_file_state
 from shm.pool import RingPool
 from shm.ring import Ring
 from speech.audio import load_audio, resample
@@ -50,6 +52,13 @@ STOP = b"STOP"  # main -> IO thread: close and exit
 REGISTER = b"REGISTER"  # IO -> main thread: the broker was silent, or is new or forgot us: send READY again
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 2.0
+# A broker not reached this long after the worker connected (or replaced its sockets) is said in
+# the log, and again each UNREACHABLE_REPEAT_S while it lasts: ZeroMQ retries a missing socket
+# file for ever without a word. 15 s is several broker starts (its imports take a few seconds on
+# a loaded machine, a restart by supervisord a second more), so a cold start says nothing, while
+# an operator waiting for a worker to register reads why within the quarter minute.
+UNREACHABLE_AFTER_S = 15.0
+UNREACHABLE_REPEAT_S = 60.0
 FLUSH_S = 1.0  # at shutdown, how long results may wait for the broker and the ingests
 POOL_CHECK_S = 1.0  # how often the shm segments a worker maps are checked for an ingest that let go of them
 # Exit status of a worker the watchdog ended: not 1 (crashed, or its IO thread failed), so
@@ -178,6 +187,8 @@ class Heartbeats(threading.Thread):
         # yet is not silent, and replacing the sockets then would only strand what the broker
         # sends in between.
         reached: float | None = None
+        connected = time.monotonic()  # when the socket was made: `worker.broker_unreachable` counts from it
+        unreachable_told = -math.inf
         sent = reconnect_at = 0.0
         backoff = BACKOFF_MIN_S
         # A broker's heartbeat came since the last READY: a REGISTER now means that broker is
@@ -201,7 +212,7 @@ class Heartbeats(threading.Thread):
                 if now >= reconnect_at:
                     sock = _dealer(self._ctx, self._endpoint, self._identity)
                     poller.register(sock, zmq.POLLIN)
-                    heard, reached, registered = now, None, False
+                    heard, reached, registered, connected = now, None, False, now
                     self._pipe.send(REGISTER)
                 continue
             if sock in events:
@@ -228,6 +239,10 @@ class Heartbeats(threading.Thread):
                     reached = reached or now
                 except zmq.Again:
                     pass  # not connected (yet, or any more: then the silence below decides)
+            if reached is None and now - connected >= UNREACHABLE_AFTER_S and now - unreachable_told >= UNREACHABLE_REPEAT_S:
+                unreachable_told = now
+                log.warning("worker.broker_unreachable", endpoint=self._endpoint, seconds=round(now - connected, 1),
+                            socket_file=socket_file_state(self._endpoint))
             if reached is not None and now - max(heard, reached) > self._patience_s:
                 log.warning("worker.broker_silent", reconnect_in_s=backoff)
                 poller.unregister(sock)
