@@ -549,7 +549,8 @@ class Collector:
 
     def _read_supervisor(self) -> tuple[list[dict[str, Any]], str]:
         if not (self.cfg.run_path / "supervisor.sock").exists():  # no instance yet, or its socket deleted from under it
-            return [], service.socket_gone(self.cfg) if service.supervisord_pid(self.cfg) is not None else ""
+            pid = service.supervisord_pid(self.cfg)
+            return [], service.socket_gone(self.cfg, pid) if pid is not None else ""
         try:
             return list(service.processes(self.cfg)), ""
         except (OSError, xmlrpc.client.Error, http.client.HTTPException) as exc:  # the last: not HTTP at all

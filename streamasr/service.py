@@ -439,28 +439,29 @@ def _socket_bound(pid: int | None) -> bool:
         return False
 
 
-def socket_gone(cfg: Config) -> str:
-    """What to say when supervisord's socket is not there while it runs."""
-    if not _socket_bound(supervisord_pid(cfg)):
+def socket_gone(cfg: Config, pid: int) -> str:
+    """What to say when the socket of supervisord `pid` (the instance's) is not there while it runs."""
+    if not _socket_bound(pid):
         return f"supervisord is starting: its socket {cfg.run_path / 'supervisor.sock'} is not bound yet"
     return (f"its socket {cfg.run_path / 'supervisor.sock'} was deleted while it runs: its processes cannot be listed "
             "nor restarted one by one; `streamasr stop` stops the instance all the same")
 
 
-def deleted_files(cfg: Config, uptimes: dict[str, float], supervisord_bound: bool) -> list[str]:
+def deleted_files(cfg: Config, uptimes: dict[str, float], supervisord_bound: bool, unlisted_s: float = 0.0) -> list[str]:
     """What the running instance `cfg` describes needs in its run directory and no longer has
     there: its config and logs directory, which a program supervisord starts again opens, and
     the sockets, which a program starting connects to (ZeroMQ retries a socket file that is not
     there for ever; each program binds its own again within a second, so one named here could
     not be: its directory gone, say). Removed by `rm -rf /tmp/*`, tmpreaper, or a tmp cleaner
     while supervisord's lock on the directory was not held. A socket counts as deleted only once
-    the program that binds it has run BIND_GRACE_S (`uptimes`, by program), and supervisord's
-    once it has bound it (`supervisord_bound`): before, it is still starting, not robbed."""
+    the program that binds it has run BIND_GRACE_S (`uptimes`, by program; `unlisted_s` for one
+    not in it), and supervisord's once it has bound it (`supervisord_bound`): before, it is still
+    starting, not robbed."""
     if not cfg.run_path.is_dir():
         return [f"the run directory {cfg.run_path}"]
     binders = {cfg.broker_ingest_endpoint: "broker", cfg.broker_worker_endpoint: "broker", cfg.metrics_endpoint: "dashboard",
                **{cfg.ingest_results_endpoint(i): f"ingest-{i}" for i in range(cfg.ingest.processes)}}
-    bound = [Path(e.removeprefix("ipc://")) for e, program in binders.items() if uptimes.get(program, 0.0) >= BIND_GRACE_S]
+    bound = [Path(e.removeprefix("ipc://")) for e, program in binders.items() if uptimes.get(program, unlisted_s) >= BIND_GRACE_S]
     needed = [cfg.run_path / "config.toml", cfg.run_path / "logs", *([cfg.run_path / "supervisor.sock"] if supervisord_bound else []),
               *bound]
     return [path.name for path in needed if not path.exists()]
@@ -489,7 +490,8 @@ def status(cfg: Config) -> dict[str, Any]:
     Another user's run directory (`serve` makes it private) hides its processes: `running` is
     then None, and readiness is the front door's answer at the caller's address."""
     foreign = cfg.run_path.is_dir() and not os.access(cfg.run_path, os.R_OK | os.X_OK)
-    if supervisord_pid(cfg) is None and not foreign:
+    pid = supervisord_pid(cfg)  # once: without its pid file, supervisord is looked for among every process
+    if pid is None and not foreign:
         return {"instance": cfg.instance, "address": cfg.ingest.address, "running": False, "ready": False, "processes": [],
                 "supervisor_error": f"not running (no supervisord of this instance in {cfg.run_path})"}
     cfg = saved_config(cfg)
@@ -505,15 +507,14 @@ def status(cfg: Config) -> dict[str, Any]:
                 for p in processes(cfg)
             ]
         except FileNotFoundError:
-            report["supervisor_error"] = socket_gone(cfg)
+            assert pid is not None  # not foreign: supervisord was found
+            report["supervisor_error"] = socket_gone(cfg, pid)
         except (OSError, xmlrpc.client.Fault) as exc:
             report["supervisor_error"] = str(exc)
-        pid = supervisord_pid(cfg)
         uptimes = {p["name"]: p["uptime_s"] for p in report["processes"] if p["state"] == "RUNNING"}
-        if "supervisor_error" in report:  # no list of programs: supervisord's own age stands for theirs
-            uptimes = dict.fromkeys(("broker", "dashboard", *(f"ingest-{i}" for i in range(cfg.ingest.processes))),
-                                    _age_s(pid))
-        if gone := deleted_files(cfg, uptimes, _socket_bound(pid)):
+        # no list of programs: supervisord's own age stands for theirs
+        unlisted_s = _age_s(pid) if "supervisor_error" in report else 0.0
+        if gone := deleted_files(cfg, uptimes, _socket_bound(pid), unlisted_s):
             report["run_dir_error"] = (
                 f"deleted from under the running instance: {', '.join(gone)}. A program supervisord starts again "
                 "cannot start without config.toml or logs/, nor reach a socket its program could not bind again "
