@@ -96,17 +96,22 @@ def apply_server_curve(sock: zmq.Socket, secret_key_file: str) -> None:
 # client retries each reconnect interval (0.1 s by default): a line a minute per key tells the
 # operator as much as ten a second would, and the first refusal of each key is written at once.
 REFUSED_LOG_INTERVAL_S = 60.0
+# Anyone with the server's public key can make up a new client key for every handshake: past this
+# many keys first refused in a minute, their lines are held back and counted on the next line
+# written. Clients left on a key no longer listed are still each named, this many a minute.
+REFUSED_NEW_KEYS_PER_INTERVAL = 10
 
 
 class _AuthorizedKeys:
     """ZAP credentials callback: a key is in the directory, or the handshake is refused, counted
-    and logged (at most a line a minute per key). Runs on the authenticator's thread only."""
+    and logged (at most a line a minute per key, and a few a minute for keys not seen before).
+    Runs on the authenticator's thread only."""
 
     def __init__(self, directory: str, process: str, metrics: ProcessMetrics) -> None:
         self.keys = authorized_keys(directory)
         self.process = process
         self.metrics = metrics
-        self.throttle = Throttle(REFUSED_LOG_INTERVAL_S)
+        self.throttle = Throttle(REFUSED_LOG_INTERVAL_S, new_keys=REFUSED_NEW_KEYS_PER_INTERVAL)
         if not self.keys:
             log.warning("auth.no_authorized_keys", directory=directory)
 
@@ -116,14 +121,18 @@ class _AuthorizedKeys:
         self.metrics.inc("auth_refusals_total")
         if (suppressed := self.throttle(key)) is not None:
             log.warning("auth.refused", process=self.process, client_key=key.decode(errors="replace"), domain=domain,
-                        reason="client public key not authorized", suppressed=suppressed)
+                        reason="client public key not authorized", suppressed=suppressed,
+                        held_back=self.throttle.take_untold())
         return False
 
     def log_suppressed(self) -> None:
-        """The refusals no line has told yet, one line per key: else a flood's last minute goes untold."""
+        """The refusals no line has told yet, one line per key and one for those of keys no line
+        names (held back, or forgotten): else a flood's last minute goes untold."""
         for key, suppressed in self.throttle.take_suppressed().items():
             log.warning("auth.refused_untold", process=self.process, client_key=key.decode(errors="replace"),
                         suppressed=suppressed)
+        if held_back := self.throttle.take_untold():
+            log.warning("auth.refused_untold", process=self.process, held_back=held_back)
 
 
 class Authenticator(ThreadAuthenticator):

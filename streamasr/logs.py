@@ -8,6 +8,7 @@ so `configure` only has to run before the first event, not before the imports.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import threading
@@ -50,15 +51,24 @@ class Throttle:
     thousands of bad messages a second, or a stream whose frames are refused while the service is
     overloaded, must not make its process a log writer: each line costs tens of microseconds, and
     the ingest's loop serves every stream. Every refusal is still answered and counted in the
-    metrics; a line written says how many like it were not (`suppressed`)."""
+    metrics; a line written says how many like it were not (`suppressed`).
+
+    With `new_keys` set, at most that many lines an interval are written for keys not in the
+    table, across all keys: for a caller whose keys anyone can make up at will (a CURVE client key),
+    where one line per new key would make a flood of them a log writer. The lines held back, and
+    those a key forgotten from the table had suppressed, are counted for `take_untold`."""
 
     MAX_KEYS = 10_000  # past this, the key whose line is oldest is forgotten: a flood of new keys costs no memory
 
-    def __init__(self, interval_s: float = 1.0, max_keys: int = MAX_KEYS) -> None:
+    def __init__(self, interval_s: float = 1.0, max_keys: int = MAX_KEYS, new_keys: int | None = None) -> None:
         self.interval_s = interval_s
         self.max_keys = max_keys
+        self.new_keys = new_keys
         # key -> [when last written, lines suppressed since], oldest line first
         self._keys: OrderedDict[Hashable, list[float]] = OrderedDict()
+        self._new_since = -math.inf  # when the interval counting lines of new keys began
+        self._new_written = 0  # lines of new keys written in that interval
+        self._untold = 0  # lines of keys not in the table that no line has told: see take_untold
         self._lock = threading.Lock()  # the dashboard's handler threads share one
 
     def __call__(self, key: Hashable) -> int | None:
@@ -71,20 +81,36 @@ class Throttle:
                 return None
             if entry is not None:
                 self._keys.move_to_end(key)
-            elif len(self._keys) >= self.max_keys:
-                self._keys.popitem(last=False)
+            else:
+                if self.new_keys is not None:
+                    if now - self._new_since >= self.interval_s:
+                        self._new_since, self._new_written = now, 0
+                    if self._new_written >= self.new_keys:
+                        self._untold += 1  # not in the table: its next line is a first one again
+                        return None
+                    self._new_written += 1
+                if len(self._keys) >= self.max_keys:
+                    self._untold += int(self._keys.popitem(last=False)[1][1])
             self._keys[key] = [now, 0]
             return int(entry[1]) if entry is not None else 0
 
     def take_suppressed(self) -> dict[Hashable, int]:
         """The keys with lines suppressed since their last one written, and how many, counted as
         told from now on: for a last word as the process stops, since a count is otherwise told
-        only by the key's next line."""
+        only by the key's next line. Lines of keys no longer in the table are `take_untold`'s."""
         with self._lock:
             told = {key: int(entry[1]) for key, entry in self._keys.items() if entry[1]}
             for key in told:
                 self._keys[key][1] = 0
         return told
+
+    def take_untold(self) -> int:
+        """Lines not written of keys not in the table, counted as told from now on: those a
+        forgotten key had suppressed (its next line would have told them) and those of new keys
+        held back past `new_keys`. Told by a caller's next line and as it stops."""
+        with self._lock:
+            untold, self._untold = self._untold, 0
+        return untold
 
 
 def configure(process: str, level: str = "info", **tags: Any) -> Any:

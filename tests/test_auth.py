@@ -10,6 +10,7 @@ mode (0700) and the audio by the shm segments' (0600).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import re
@@ -28,7 +29,8 @@ from client import AsyncClient, Client
 from config import settings
 from conftest import Service, running, start_service
 from protocol import messages as m
-from protocol.auth import REFUSED_LOG_INTERVAL_S, apply_client_curve, read_key_pair, read_public_key
+from protocol.auth import (REFUSED_LOG_INTERVAL_S, REFUSED_NEW_KEYS_PER_INTERVAL, apply_client_curve, read_key_pair,
+                           read_public_key)
 from shm import pool
 from streamasr.logs import Throttle
 from streaming import StreamClient, hello, read_wav, speech_files, wait_for
@@ -227,6 +229,37 @@ def refused_handshake(endpoint: str, curve: Curve) -> None:
         sock.close()
 
 
+def curve_service(tmp_path: Path, keys: Path) -> contextlib.AbstractContextManager[Service]:
+    """A null-model service with CURVE on, for a test that reads its logs after it stopped."""
+    return running(tmp_path, model="null", workers=1, ingest={
+        "curve_secret_key": str(keys / "server.key_secret"),
+        "curve_authorized_keys": str(keys / "authorized"),
+        "curve_client_key": str(keys / "ops.key_secret"),
+    })
+
+
+def refusals_counted(service: Service, refused: int) -> float:
+    """`auth_refusals_total` on the dashboard, once it counts `refused` handshakes."""
+    metrics = f"http://127.0.0.1:{service.cfg.metrics.dashboard_port}/metrics"
+
+    def counted() -> float | None:
+        try:
+            text = urllib.request.urlopen(metrics, timeout=10).read().decode()
+        except OSError:  # the dashboard not listening yet
+            return None
+        found = re.search(r"^streamasr_auth_refusals_total (\S+)$", text, re.MULTILINE)
+        return float(found[1]) if found and float(found[1]) >= refused else None
+
+    return wait_for(counted, timeout=30, what="every refusal counted")
+
+
+def refusals_told(events: list[dict]) -> int:
+    """The refusals the `auth.refused` and `auth.refused_untold` lines tell, each line its own
+    (if written) plus those it says were not written: its key's and other keys'."""
+    return sum((e["event"] == "auth.refused") + e.get("suppressed", 0) + e.get("held_back", 0)
+               for e in events if e["event"] in ("auth.refused", "auth.refused_untold"))
+
+
 def test_a_client_refused_in_a_loop_writes_few_lines_that_count_every_refusal(tmp_path: Path, keys: Path) -> None:
     """A client with a key not listed retries its handshake every reconnect interval until it is
     fixed: a line for each refusal would fill the broker's log and rotate out everything else. The
@@ -237,28 +270,14 @@ def test_a_client_refused_in_a_loop_writes_few_lines_that_count_every_refusal(tm
     looping = read_public_key(keys / "server.key"), secret
     looping_key = zmq.curve_public(secret).decode()
     tries = 200
-    with running(tmp_path, model="null", workers=1, ingest={
-        "curve_secret_key": str(keys / "server.key_secret"),
-        "curve_authorized_keys": str(keys / "authorized"),
-        "curve_client_key": str(keys / "ops.key_secret"),
-    }) as service:
+    with curve_service(tmp_path, keys) as service:
         for _ in range(tries):
             refused_handshake(service.address, lambda sock: apply_client_curve(sock, *looping))
-        metrics = f"http://127.0.0.1:{service.cfg.metrics.dashboard_port}/metrics"
-
-        def counted() -> float | None:
-            try:
-                text = urllib.request.urlopen(metrics, timeout=10).read().decode()
-            except OSError:  # the dashboard not listening yet
-                return None
-            found = re.search(r"^streamasr_auth_refusals_total (\S+)$", text, re.MULTILINE)
-            return float(found[1]) if found and float(found[1]) >= tries else None
-
-        assert wait_for(counted, timeout=30, what="every refusal counted") == tries
+        assert refusals_counted(service, tries) == tries
         written = [e for e in service.events("broker") if e["event"] == "auth.refused" and e["client_key"] == looping_key]
         assert 1 <= len(written) <= 5 and written[0]["suppressed"] == 0, written  # a line a minute at most
     told = [e for e in service.events("broker")
-            if e["event"] in ("auth.refused", "auth.refused_untold") and e["client_key"] == looping_key]
+            if e["event"] in ("auth.refused", "auth.refused_untold") and e.get("client_key") == looping_key]
     assert [e["event"] for e in told].count("auth.refused_untold") <= 1, told
     assert len(written) + sum(e["suppressed"] for e in told) == tries, told
 
@@ -273,3 +292,42 @@ def test_a_flood_of_new_keys_is_forgotten_oldest_first() -> None:
     assert throttle(flood[-1]) is None  # refused again within the minute: not written
     assert throttle(flood[0]) == 0  # forgotten: written as a first refusal
     assert len(throttle.take_suppressed()) == 1
+
+
+def test_a_flood_of_distinct_keys_writes_a_few_lines_a_minute_that_count_every_refusal(tmp_path: Path,
+                                                                                        keys: Path) -> None:
+    """A client with the server's public key can make up a new key pair for every handshake: a
+    line for each new key would make the broker a log writer. A few new keys a minute get their
+    line; the refusals of the others are held back, every one counted in `auth_refusals_total`
+    and told as `held_back` by the next line written, the rest as the process stops."""
+    server_public = read_public_key(keys / "server.key")
+    tries = 200
+    with curve_service(tmp_path, keys) as service:
+        started = time.monotonic()
+        for _ in range(tries):
+            _, secret = zmq.curve_keypair()
+            refused_handshake(service.address, lambda sock: apply_client_curve(sock, server_public, secret))
+        minutes = 1 + int((time.monotonic() - started) // REFUSED_LOG_INTERVAL_S)  # those the flood spanned
+        assert refusals_counted(service, tries) == tries
+        written = [e for e in service.events("broker") if e["event"] == "auth.refused"]
+        assert 1 <= len(written) <= REFUSED_NEW_KEYS_PER_INTERVAL * minutes, len(written)
+    events = service.events("broker")
+    untold = [e for e in events if e["event"] == "auth.refused_untold"]
+    assert all("client_key" not in e for e in untold), untold  # each key written was refused once
+    assert refusals_told(events) == tries
+
+
+def test_the_refusals_of_a_key_forgotten_from_the_table_are_still_told() -> None:
+    """A key pushed out of a full table takes the refusals it held back with it: they are counted
+    for the next line and the last word as the process stops, so the lines still tell every one."""
+    throttle = Throttle(REFUSED_LOG_INTERVAL_S, max_keys=100)
+    flood = [zmq.curve_keypair()[0] for _ in range(300)]
+    told = 0
+    for key in flood:
+        for _ in range(3):  # a line and two held back, until the key is forgotten
+            if (suppressed := throttle(key)) is not None:
+                told += 1 + suppressed + throttle.take_untold()
+    assert told < len(flood) * 3  # the last keys' refusals are still held back
+    last_word = sum(throttle.take_suppressed().values()) + throttle.take_untold()
+    assert told + last_word == len(flood) * 3
+    assert throttle.take_suppressed() == {} and throttle.take_untold() == 0  # counted as told
