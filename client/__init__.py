@@ -2,6 +2,6 @@
 
 from client.aio import AsyncClient, AsyncStream
 from client.client import Client, Stream, status
-from client.core import ServerError, StreamError
+from client.core import NoCredit, ServerError, StreamError
 
-__all__ = ["AsyncClient", "AsyncStream", "Client", "Stream", "ServerError", "StreamError", "status"]
+__all__ = ["AsyncClient", "AsyncStream", "Client", "NoCredit", "Stream", "ServerError", "StreamError", "status"]

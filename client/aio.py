@@ -396,13 +396,14 @@ class AsyncClient:
         if at is not None:
             self._retry = asyncio.get_running_loop().call_later(max(at - now, 0.0), self._flush)
 
-    async def _wait_sent(self, entry: Entry, target: int, timeout: float | None) -> None:
+    async def _wait_sent(self, entry: Entry, target: int, frames: int, timeout: float | None) -> None:
         """Wait until the audio handed over up to `target` (input frames, counting withdrawn ones) is
         on the wire; `timeout` bounds each wait for this stream's credit.
 
         Any stream's progress wakes the wait, so only this stream's restarts the clock. Past the
         timeout, or cancelled (the caller's own timeout), what is unsent is withdrawn, as in the
-        blocking client: left queued, it would hold the stream's `end` back.
+        blocking client: left queued, it would hold the stream's `end` back. The timeout's
+        NoCredit says how many of the send's `frames` went out.
         """
         core = entry.core
         last = core.cut
@@ -417,8 +418,7 @@ class AsyncClient:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     assert timeout is not None
-                    self._withdraw(core)
-                    raise no_credit(core, timeout)
+                    raise no_credit(core, timeout, frames, self._withdraw(core))
                 try:
                     async with asyncio.timeout(remaining):
                         await self._moved.wait()
@@ -428,10 +428,12 @@ class AsyncClient:
             self._withdraw(core)
             raise
 
-    def _withdraw(self, core: StreamCore) -> None:
-        """Leave the audio a send gave up on out of the stream; an `end` asked for already goes out now."""
-        core.withdraw()
+    def _withdraw(self, core: StreamCore) -> int:
+        """Leave the audio a send gave up on out of the stream (returns its input frames); an `end`
+        asked for already goes out now."""
+        unsent = core.withdraw()
         self._flush()
+        return unsent
 
 
 class AsyncStream(StreamBase):
@@ -444,7 +446,8 @@ class AsyncStream(StreamBase):
     async def send(self, pcm: bytes | np.ndarray, timeout: float | None = None) -> None:
         """Queue audio; a batch stream waits until all of it is within the window and sent (as `Stream.send`).
 
-        Past `timeout`, or cancelled, the part of `pcm` not sent by then is left out of the stream.
+        Past `timeout` (NoCredit, saying how much went out), or cancelled, the part of `pcm` not
+        sent by then is left out of the stream.
         """
         self._client._check()
         data = self._prepare(pcm)
@@ -454,7 +457,7 @@ class AsyncStream(StreamBase):
         core.push(data)
         self._client._flush()
         if core.batch:
-            await self._client._wait_sent(self._entry, self._queued, timeout)
+            await self._client._wait_sent(self._entry, self._queued, len(data) // core.frame_bytes, timeout)
 
     async def end(self) -> None:
         """No more audio: the server finishes the last segment and answers `closed`."""

@@ -288,9 +288,10 @@ class Client:
         except BlockingIOError:
             pass  # the pipe is full of wake-ups already
 
-    def _wait_sent(self, entry: Entry, target: int, timeout: float | None) -> None:
+    def _wait_sent(self, entry: Entry, target: int, frames: int, timeout: float | None) -> None:
         """Block until the audio handed over up to `target` (input frames, counting withdrawn ones) is
-        on the wire; `timeout` bounds each wait for credit, and past it what is unsent is withdrawn."""
+        on the wire; `timeout` bounds each wait for credit, and past it what is unsent is withdrawn
+        and NoCredit says how many of the send's `frames` went out."""
         core = entry.core
         with self._progress:
             last = core.cut
@@ -308,9 +309,15 @@ class Client:
             else:
                 return
         assert timeout is not None
-        # on the IO thread, before any later send's audio: what it cut meanwhile stays sent
-        self._submit(core.withdraw)
-        raise no_credit(core, timeout)
+        # On the IO thread, before any later send's audio, and waited for: the IO thread may have
+        # cut more since the deadline (that stays sent, maybe all of it), so only its count is exact.
+        unsent: Future[int | None] = Future()
+        self._submit(lambda: unsent.set_result(None if core.cut + core.withdrawn >= target else core.withdraw()))
+        wait((unsent, self._ended), return_when=FIRST_COMPLETED)
+        if not unsent.done():  # the IO thread ended before it got there: the stream failed with it
+            raise entry.failure or self._ended.result()
+        if unsent.result() is not None:
+            raise no_credit(core, timeout, frames, unsent.result())
 
     # ------------------------------------------------------------ IO thread
 
@@ -500,9 +507,10 @@ class Stream(StreamBase):
         """Queue audio; a batch stream blocks until all of it is within the window and sent.
 
         `timeout` bounds how long a batch stream waits for the window to move (None: until the
-        stream or client closes); past it, TimeoutError, and the part of `pcm` not sent by then
-        is left out of the stream: a later `send` continues right after the audio that went
-        out, and `end` goes out at once. Raises ValueError for audio the server would refuse
+        stream or client closes); past it, `client.core.NoCredit` (a TimeoutError) saying how
+        many of its input frames went out, and the part of `pcm` not sent by then is left out of
+        the stream: a later `send` continues right after the audio that went out, and `end`
+        goes out at once. Raises ValueError for audio the server would refuse
         (see `client.core.to_pcm`): sent, it would stop the stream taking any more.
         """
         data = self._prepare(pcm)
@@ -511,7 +519,7 @@ class Stream(StreamBase):
         core = self._entry.core
         self._client._submit(lambda: core.push(data))
         if core.batch:
-            self._client._wait_sent(self._entry, self._queued, timeout)
+            self._client._wait_sent(self._entry, self._queued, len(data) // core.frame_bytes, timeout)
 
     def end(self) -> None:
         """No more audio: the server finishes the last segment and answers `closed`."""

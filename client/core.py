@@ -84,10 +84,22 @@ class IngestLost(Exception):
     """The ingest no longer knows a stream it had opened: it restarted, so the client must resume."""
 
 
-def no_credit(core: StreamCore, timeout: float) -> TimeoutError:
-    """What a batch send raises when the window did not move for `timeout`; its unsent audio is withdrawn."""
-    return TimeoutError(f"stream {core.stream}: no send credit for {timeout:.1f}s (window {core.window}); "
-                        f"the audio not sent by then is left out of the stream")
+class NoCredit(TimeoutError):
+    """A batch send gave up: the window did not move for its timeout. Of the input frames it was
+    given, `sent` went out (the first ones: they are in the stream) and the `unsent` rest was
+    withdrawn, left out of the stream; a caller that still has that audio knows where to go on."""
+
+    def __init__(self, message: str, sent: int, unsent: int) -> None:
+        super().__init__(message)
+        self.sent = sent
+        self.unsent = unsent
+
+
+def no_credit(core: StreamCore, timeout: float, frames: int, unsent: int) -> NoCredit:
+    """What a batch send of `frames` input frames raises when the window did not move for
+    `timeout`, once `core.withdraw` took its `unsent` ones back."""
+    return NoCredit(f"stream {core.stream}: no send credit for {timeout:.1f}s (window {core.window}); {frames - unsent} "
+                    f"of the send's {frames} input frames went out, the rest is left out of the stream", frames - unsent, unsent)
 
 
 def limits_from(welcome: Welcome) -> Limits:
@@ -345,18 +357,20 @@ class StreamCore:
     def end(self) -> None:
         self.end_requested = True
 
-    def withdraw(self) -> None:
+    def withdraw(self) -> int:
         """Drop the queued audio never sent: a batch send gave up on it (no credit in time), and
-        its caller was told so. Left queued, it would go out whenever credit came, and `end`,
-        which waits for the queue to empty, only after it: maybe never. Audio queued again by a
-        resume (`rewind`) was sent before, so it stays and is resent."""
+        its caller is told so; returns the input frames dropped. Left queued, it would go out
+        whenever credit came, and `end`, which waits for the queue to empty, only after it: maybe
+        never. Audio queued again by a resume (`rewind`) was sent before, so it stays and is resent."""
         unsent = sum(len(data) for data in self.pending) - (self.sent - self.cut) * self.frame_bytes
-        self.withdrawn += unsent // self.frame_bytes
+        frames = unsent // self.frame_bytes
+        self.withdrawn += frames
         while unsent > 0:
             tail = self.pending.pop()
             if len(tail) > unsent:
                 self.pending.append(tail[: len(tail) - unsent])
             unsent -= len(tail)
+        return frames
 
     def set_limits(self, limits: Limits) -> None:
         """Cut messages to an ingest's limits: a resume's welcome may bring other ones than the first."""

@@ -113,7 +113,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
     return remote.run(args.files, server=args.server or cfg.front_door, offline=args.offline, as_json=args.json,
-                      language=args.language, curve=curve)
+                      language=args.language, curve=curve, parallel=args.parallel)
 
 
 def cmd_top(args: argparse.Namespace) -> int:
@@ -184,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     pace.add_argument("--realtime", action="store_true", help="stream at the speed of speech (default)")
     pace.add_argument("--offline", action="store_true", help="stream as fast as the service takes it (priority batch)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument("--parallel", type=flag_in_range(int, 1, MAX_THREADS, "files"), metavar="N",
+                   help="without --local: files streamed at once, the others as those end (default and most: the "
+                        "streams the service lets a client open, [ingest] max_streams_per_client)")
     p.add_argument("--model", help="with --local: whisper-tiny.en, whisper-base or a model directory (default: the config's)")
     p.add_argument("--language", help="language code, e.g. en, zh, EN-us (default: detect, or English for .en models; one the model lacks is refused)")
     p.add_argument("--precision", choices=["fp32", "int8"], help="with --local (default: the config's)")

@@ -1,10 +1,13 @@
-"""`streamasr transcribe --server`: stream audio files to a running service, all at once.
+"""`streamasr transcribe --server`: stream audio files to a running service, several at once.
 
-Each file is one stream on one shared Client: a sender thread reads its audio block by block
-and paces it at wall-clock rate (as a microphone would deliver it) or, offline, pushes it as
-fast as the server's credit allows; a reader thread turns its events into output lines with
-client-side latencies. A file is opened when its stream starts, and only the blocks on their
-way are held, so a day of recordings streams in the memory of the streams open at once.
+Each file is one stream on one shared Client, and a fixed number of files are in flight at once
+(`--parallel`, at most what the service lets a connection open): each of that many threads
+takes the next file when its last one is done. A file's sender thread reads its audio block by
+block and paces it at wall-clock rate (as a microphone would deliver it) or, offline, pushes it
+as fast as the server's credit allows; the thread that took the file turns its events into
+output lines with client-side latencies. A file is opened when its stream starts, and only the
+blocks on their way are held, so a day of recordings streams in the memory, and the threads,
+of the streams open at once.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Iterator, TextIO
@@ -142,8 +146,10 @@ def run(
     partials: bool = True,
     frame_ms: int = 100,
     curve: Curve | None = None,
+    parallel: int | None = None,
 ) -> int:
-    """Transcribe `files` on the service at `server`; 0 when every file was transcribed, else 1."""
+    """Transcribe `files` on the service at `server`, `parallel` at a time (None: as many as the
+    service lets a client open); 0 when every file was transcribed, else 1."""
     jobs: list[Job] = []
     failed = False
     for path in files:
@@ -164,13 +170,16 @@ def run(
     output = Output(out, as_json)
     with client:
         # the ingest refuses a connection more open streams than this: the other files wait for a place
-        places = threading.Semaphore(client.limits.max_streams_per_client)
-        threads = [threading.Thread(target=_transcribe, args=(client, job, offline, language, partials, frame_ms, output, places),
-                                    name=f"transcribe-{i}") for i, job in enumerate(jobs)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        allowed = client.limits.max_streams_per_client
+        if parallel is not None and parallel > allowed:
+            print(f"--parallel {parallel}: the service lets a client open {allowed} streams at once; "
+                  f"{allowed} files are streamed at a time", file=sys.stderr)
+        places = min(parallel or allowed, allowed, len(jobs))
+        # a thread per place, not per file: each takes the next file once done with its last (its `closed` frees the ingest's place)
+        with ThreadPoolExecutor(places, thread_name_prefix="transcribe") as pool:
+            done = [pool.submit(_stream, client, job, offline, language, partials, frame_ms, output) for job in jobs]
+            for future in done:
+                future.result()  # a fault of this code, not of a file: raised rather than lost
     for job in jobs:
         if job.error is not None:
             print(f"{job.file}: {job.error}", file=sys.stderr)
@@ -188,13 +197,6 @@ def run(
             out.write(f"{job.file}: {text}\n" if len(jobs) > 1 else f"{text}\n")
     out.flush()
     return 1 if failed else 0
-
-
-def _transcribe(client: Client, job: Job, offline: bool, language: str | None, partials: bool, frame_ms: int,
-                output: Output, places: threading.Semaphore) -> None:
-    """`_stream` once one of the connection's `places` is free; its `closed` frees the ingest's too."""
-    with places:
-        _stream(client, job, offline, language, partials, frame_ms, output)
 
 
 def _stream(client: Client, job: Job, offline: bool, language: str | None, partials: bool, frame_ms: int,

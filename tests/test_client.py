@@ -48,7 +48,7 @@ from protocol.messages import (
     encode,
 )
 from streamasr import remote, testdata
-from streamasr.service import free_ports
+from streamasr.service import free_ports, processes
 
 RATE = 16000
 
@@ -362,6 +362,56 @@ def test_transcribe_takes_more_files_than_one_connection_may_stream_at_once(serv
     assert capsys.readouterr().err == "" and code == 0
     summaries = [line for line in map(json.loads, out.getvalue().splitlines()) if line["type"] == "summary"]
     assert len(summaries) == 3 and all(s["text"] for s in summaries), summaries
+
+
+def test_transcribe_streams_a_bounded_number_of_files_at_once(service_factory, tmp_path, capsys) -> None:
+    """A day of recordings on the command line: `--parallel` files stream at once, the others as
+    those end, each with its transcript in the order given; the command holds the threads of the
+    files in flight, not one per file (it started a thread for each of hundreds of files). A
+    `--parallel` past what the service lets a client open is cut to that, and said."""
+    voice = goforward()
+    files = []
+    for i in range(120):  # short slices of speech, each its own file
+        path = tmp_path / f"rec-{i:03d}.wav"
+        soundfile.write(path, voice[i * 100 : i * 100 + RATE // 2], RATE, subtype="PCM_16")
+        files.append(str(path))
+    svc = service_factory(model="null", workers=1)  # of its own: its open streams are this test's
+    parallel = 3
+    streams: list[int] = []  # open streams over the service, as its status tells
+    threads: list[int] = []  # this process's threads
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            threads.append(threading.active_count())
+            streams.append(sum(ingest.get("streams", 0) for ingest in status(svc.address).ingests))
+
+    before = threading.active_count() + 1  # the watcher's own
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    out = io.StringIO()
+    try:
+        code = remote.run(files, svc.address, offline=True, as_json=True, language=None, out=out, parallel=parallel)
+    finally:
+        stop.set()
+        watcher.join(30)
+    assert (code, capsys.readouterr().err) == (0, "")
+    summaries = [line for line in map(json.loads, out.getvalue().splitlines()) if line["type"] == "summary"]
+    assert [s["file"] for s in summaries] == files
+    assert all(s["audio_s"] == pytest.approx(0.5, abs=0.001) for s in summaries), summaries
+    assert max(streams) > 0, "the service never saw a stream open"  # the watch saw the run
+    assert max(streams) <= parallel, max(streams)
+    # a place holds the thread that reads its stream's events and one that sends its audio; the client has one more
+    assert max(threads) - before <= 2 * parallel + 1, max(threads) - before
+
+    code = remote.run(files[:2], svc.address, offline=True, as_json=False, language=None, out=io.StringIO(),
+                      parallel=1000)
+    assert (code, capsys.readouterr().err) == (0, "--parallel 1000: the service lets a client open 64 streams at once; "
+                                                  "64 files are streamed at a time\n")
+    done = svc.cli("transcribe", "--server", svc.address, "--offline", "--parallel", "2", *files[:3])
+    assert done.returncode == 0 and len(done.stdout.splitlines()) == 3, done
+    refused = svc.cli("transcribe", "--server", svc.address, "--parallel", "0", files[0])
+    assert refused.returncode == 2 and "files must be 1 to" in refused.stderr, refused
 
 
 PEAK_RSS = ("import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]); "
@@ -937,6 +987,47 @@ def test_a_batch_send_that_runs_out_of_credit_leaves_its_unsent_audio_out_so_end
         assert fake.log[-2:] == ["open c", "end c"]
     finally:
         fake.close()
+
+
+def test_a_batch_send_that_runs_out_of_credit_says_exactly_how_much_of_it_went_out(service_factory) -> None:
+    """The service stops decoding (its worker stopped) and a stream's buffer fills: a batch send
+    that gives up says how many of its samples went out, both clients alike, so that the caller
+    can send the rest once the service is back, and the stream holds its audio whole, each sample
+    once. (The blocking client raised before its IO thread had taken the rest back, and sent what
+    credit came meanwhile, so it could not say.)"""
+    svc = service_factory(model="null", workers=1, broker={"heartbeat_ms": 1000, "liveness": 60})
+    [worker] = [p["pid"] for p in processes(svc.cfg) if p["name"].startswith("worker-") and p["pid"]]
+    audio = speech_with_pauses(30)  # 104 s: more than a stream's buffer (60 s) holds undecoded
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        with Client(svc.address, timeout=10.0) as client:
+            stream = client.open("blocking", priority="batch")
+            with pytest.raises(TimeoutError, match="left out of the stream") as blocking:
+                stream.send(audio, timeout=1.0)
+
+            async def main() -> tuple[TimeoutError, Closed]:
+                async with AsyncClient(svc.address, timeout=10.0) as aclient:
+                    astream = await aclient.open("asyncio", priority="batch")
+                    with pytest.raises(TimeoutError, match="left out of the stream") as caught:
+                        await astream.send(audio, timeout=1.0)
+                    os.kill(worker, signal.SIGCONT)  # the service decodes again: the rest goes out
+                    await astream.send(audio[caught.value.sent :], timeout=60.0)
+                    await astream.end()
+                    events = [ev async for ev in astream.events(timeout=60.0)]
+                    assert isinstance(events[-1], Closed), events[-1]
+                    return caught.value, events[-1]
+
+            gave_up, aclosed = asyncio.run(main())
+            stream.send(audio[blocking.value.sent :], timeout=60.0)
+            stream.end()
+            closed = drain(stream)[-1]
+    finally:
+        os.kill(worker, signal.SIGCONT)  # again, if the test failed first
+    for caught, done in ((blocking.value, closed), (gave_up, aclosed)):
+        assert 0 < caught.sent < len(audio) and caught.sent + caught.unsent == len(audio), caught
+        assert isinstance(done, Closed) and done.reason == "end", done
+        # the input frames the service took, in order: all of it, none twice, none missing
+        assert done.durable == len(audio) and done.audio_s == pytest.approx(len(audio) / RATE, abs=0.001), (caught, done)
 
 
 def test_transcribe_reports_a_file_the_service_stops_taking_at_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,

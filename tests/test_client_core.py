@@ -105,7 +105,7 @@ def test_audio_a_batch_send_gave_up_on_is_withdrawn_and_end_follows_what_was_sen
     c = core("batch", window=400)
     c.push(b"\0" * 1000)  # 500 frames: 400 fit
     assert [len(m.data) // 2 for m in c.take(1.0)] == [100] * 4
-    c.withdraw()
+    assert c.withdraw() == 100  # what the send's NoCredit tells its caller was left out
     c.end()
     assert seqs(c.take(1.0)) == ["end"]
     assert (c.cut, c.withdrawn) == (400, 100)  # every frame handed over is sent or withdrawn: a waiting send counts both
@@ -120,7 +120,7 @@ def test_a_withdrawal_during_a_resume_keeps_the_audio_that_was_sent() -> None:
     c.take(1.0)
     c.on_ack(Ack("s", seq=3, samples=400, window=400, durable=150))
     entry(c).resume(until=60.0)  # kept: 150..400, queued again before the 100 frames never sent
-    c.withdraw()
+    assert c.withdraw() == 100
     c.end()
     c.on_ready(1000)
     out = c.take(2.0)
