@@ -128,6 +128,8 @@ class Broker:
         self.metrics = ProcessMetrics(cfg, "broker")
         self._interval_s = cfg.broker.heartbeat_ms / 1000
         self._patience_s = self._interval_s * cfg.broker.liveness
+        # off with the workers' watchdog: a model call may then run any length (config.settings)
+        self._job_timeout_s = cfg.broker.job_timeout_s if cfg.workers.stuck_after_s else 0.0
         self.dispatcher = Dispatcher(JobQueue(
             partial_deadline_s=cfg.broker.partial_deadline_ms / 1000,
             final_deadline_s=cfg.broker.final_deadline_ms / 1000,
@@ -336,6 +338,17 @@ class Broker:
             self.metrics.inc("errors_total", code=m.INTERNAL)
             log.warning("broker.bad_worker_message", worker=ident.decode(errors="replace"), error=repr(exc))
 
+    def _closed(self, ident: bytes, now: float) -> None:
+        """A send to a worker found its connection closed. A worker that stops says LEAVING, then
+        closes both sockets: its goodbye may be waiting unread on the job socket (it came after
+        the loop last read the socket), and it has then left, not been lost. What is waiting is
+        read first. DRAIN_MAX is enough: the socket takes turns between its peers message by
+        message, and a worker's goodbye is behind only its own READY and the DONEs of the jobs
+        its credit let it hold."""
+        self._drain(self._worker_sock, self._on_worker)
+        if ident in self.worker_links:
+            self._unreachable(ident, now)
+
     def _unreachable(self, ident: bytes, now: float) -> None:
         """A worker's connection is closed: it died, or, while the broker is just back from not
         listening, it is replacing the sockets it found silent. Either way it is forgotten (its
@@ -369,16 +382,17 @@ class Broker:
         while True:
             sent, expired = self.dispatcher.dispatch(now)
             self._answer(expired)
-            lost = False
+            gone: list[bytes] = []
             for ident, batch in sent.items():
                 for job in batch:
                     if job.final and now > job.deadline:
                         log.warning("broker.final_late", job=job.job_id, stream=job.stream, late_s=round(now - job.deadline, 3))
                 if not self._send(self._worker_sock, ident, [wire.JOBS, wire.pack_jobs(batch)]):
                     self._answer(self.dispatcher.unsent(ident, batch, now))
-                    self._unreachable(ident, now)
-                    lost = True
-            if not lost:
+                    gone.append(ident)
+            for ident in gone:  # once this round's sends are done: what is read may change the workers
+                self._closed(ident, now)
+            if not gone:
                 return
 
     # -- ingests -----------------------------------------------------------------------------
@@ -487,6 +501,7 @@ class Broker:
         peer for lost, re-queue the jobs at the workers as losses and drop the ingests' queued jobs."""
         for link in [*self.worker_links.values(), *(s.link for s in self.ingests.values())]:
             link.seen += blind_s
+        self.dispatcher.excuse(blind_s)  # the answers to the jobs the workers hold may be waiting unread
         self._replacing_until = now + self._patience_s
         log.warning("broker.was_not_listening", seconds=round(blind_s + self._interval_s, 3))
 
@@ -522,16 +537,30 @@ class Broker:
                 self._lose_worker(ident, "silent", now)
             elif not self._send(self._worker_sock, wire.heartbeat_identity(ident), [wire.HEARTBEAT]) \
                     and ident in self._heartbeat_heard:
-                # A worker that stops says LEAVING, then closes both sockets: its goodbye may be
-                # waiting unread on the job socket, and it has then left, not been lost.
-                self._drain(self._worker_sock, self._on_worker)
-                if ident in self.worker_links:
-                    self._unreachable(ident, now)
+                self._closed(ident, now)
+        self._take_back_overdue(now)
         for index, state in list(self.ingests.items()):
             if now - state.link.seen > self._patience_s:
                 self._drop_ingest(state, "silent")
             elif self._send_figures(state, realtime, recent) == zmq.EHOSTUNREACH and now > self._replacing_until:
                 self._drop_ingest(state, "unreachable")
+
+    def _take_back_overdue(self, now: float) -> None:
+        """Jobs a worker has kept unanswered past `[broker] job_timeout_s` while it heartbeats (a
+        JOBS message it could not read, a job its batcher never ran): left there, their credit
+        stays used and their ingest waits for them for ever. Each is logged, counted as an error,
+        and taken back as from a lost worker (Dispatcher.take_back): re-queued, or answered
+        FAILED when it was lost or timed out before."""
+        if not self._job_timeout_s:
+            return
+        overdue: dict[bytes, list[Job]] = {}
+        for ident, job, held_s in self.dispatcher.overdue(now, self._job_timeout_s):
+            self.metrics.inc("errors_total", code=m.INTERNAL)
+            log.warning("broker.job_overdue", worker=ident.decode(errors="replace"), job=job.job_id, ingest=job.ingest,
+                        stream=job.stream, final=job.final, held_s=round(held_s, 3), job_timeout_s=self._job_timeout_s)
+            overdue.setdefault(ident, []).append(job)
+        for ident, jobs in overdue.items():
+            self._answer(self.dispatcher.take_back(ident, jobs, now), {job_key(job) for job in jobs if job.final})
 
     def _drop_ingest(self, state: IngestState, why: str) -> None:
         """Forget an ingest that died or went silent, with the jobs it queued (their answers

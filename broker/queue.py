@@ -24,7 +24,10 @@ JobKey = tuple[int, int]  # (ingest, job_id): job ids are unique only within one
 StreamKey = tuple[int, str]  # (ingest, stream)
 # Workers lost while holding one job before it is answered FAILED instead of re-queued: a job
 # whose audio crashes or hangs the model would otherwise take down every worker in turn. Two,
-# so one unrelated crash (or a batch shared with such a job) does not fail a job by itself.
+# so one unrelated crash (or a batch shared with such a job) does not fail a job by itself. A
+# worker that keeps a job unanswered past `[broker] job_timeout_s` counts as lost for that job:
+# another try may find a worker that runs it, and a fault every worker shares (a JOBS message
+# none of them can read) fails the job at the second instead of handing it round for ever.
 MAX_WORKER_LOSSES = 2
 
 
@@ -220,6 +223,7 @@ class WorkerState:
     model: str = ""
     cost: tuple[float, float] | None = None  # seconds a partial and a final took it at start-up, if it said
     inflight: dict[JobKey, Job] = field(default_factory=dict)
+    sent: dict[JobKey, float] = field(default_factory=dict)  # when each held job was handed to it
     jobs_done: int = 0
 
     @property
@@ -235,7 +239,8 @@ class Dispatcher:
     first worker may still answer after all, so for re-queued jobs the broker remembers which
     were answered and counts one answer per job (the ingest likewise keeps the first result).
     A job held by MAX_WORKER_LOSSES workers that were lost is answered FAILED instead: it may be
-    what kills them. Workers that leave cleanly or register again are not counted.
+    what kills them. Workers that leave cleanly or register again are not counted; a worker that
+    keeps a job unanswered past the broker's limit is, for that job (take_back).
     """
 
     def __init__(self, queue: JobQueue, remember: int = 65_536) -> None:
@@ -314,9 +319,42 @@ class Dispatcher:
         worker = self.workers.pop(ident, None)
         if worker is None:
             return []
+        return self._take_back(ident, worker.inflight.values(), now, lost)
+
+    def overdue(self, now: float, limit_s: float) -> list[tuple[bytes, Job, float]]:
+        """Jobs a worker has held for more than `limit_s` without answering: each with its
+        worker and the seconds it has held it."""
+        return [(ident, w.inflight[key], now - sent) for ident, w in self.workers.items()
+                for key, sent in w.sent.items() if now - sent > limit_s]
+
+    def take_back(self, ident: bytes, jobs: Iterable[Job], now: float) -> list[JobResult]:
+        """Take `jobs` from worker `ident`, which has held them past any time a healthy worker
+        takes, as from a lost worker: their credit returns, each counts one loss and goes back to
+        the front of the queue, or is answered FAILED at MAX_WORKER_LOSSES. The worker stays:
+        it answers its other jobs, only these it will not (a JOBS message it could not read)."""
+        worker = self.workers.get(ident)
+        if worker is None:
+            return []
+        taken = []
+        for job in jobs:
+            if worker.inflight.pop(job_key(job), None) is not None:
+                del worker.sent[job_key(job)]
+                taken.append(job)
+        return self._take_back(ident, taken, now, lost=True)
+
+    def excuse(self, seconds: float) -> None:
+        """The broker did not listen for `seconds` (frozen, starved): answers may wait unread, so
+        that time does not count towards how long the workers have held their jobs."""
+        for worker in self.workers.values():
+            for key in worker.sent:
+                worker.sent[key] += seconds
+
+    def _take_back(self, ident: bytes, jobs: Iterable[Job], now: float, lost: bool) -> list[JobResult]:
+        """Jobs worker `ident` no longer holds, back to the front of the queue (see remove_worker)."""
         answers: list[JobResult] = []
         failed: list[JobResult] = []
-        for key, job in worker.inflight.items():
+        for job in jobs:
+            key = job_key(job)
             self._since.pop(key, None)
             if key in self._answered:
                 # Another copy (a worker given up on that answered late, or an EXPIRED) answered
@@ -340,19 +378,22 @@ class Dispatcher:
             key = job_key(job)
             if worker is None or worker.inflight.pop(key, None) is None:
                 continue
+            del worker.sent[key]
             self._since.pop(key, None)
             answers += self.queue.push(job, now, front=key in self._requeued)
         return self._answer(answers)
 
     def _give_up(self, job: Job, losses: int, ident: bytes) -> JobResult:
-        """FAILED for a job that went down with `losses` workers; a copy still running elsewhere
-        (a worker given up on may answer late) is then a duplicate."""
+        """FAILED for a job that went down with `losses` workers (or that they kept unanswered: see
+        take_back); a copy still running elsewhere (a worker given up on may answer late) is then
+        a duplicate."""
         key = job_key(job)
         log.warning("broker.job_given_up", job=job.job_id, ingest=job.ingest, stream=job.stream, final=job.final,
                     workers_lost=losses, worker=ident.decode(errors="replace"))
         self._mark_answered(key)
         return JobResult(job_id=job.job_id, ingest=job.ingest, status=FAILED,
-                         error=f"held by {losses} workers that were lost while decoding it (it may crash or hang the model)")
+                         error=f"held by {losses} workers that were lost, or never answered it, while it was theirs "
+                               "(it may crash or hang the model)")
 
     def dispatch(self, now: float) -> tuple[dict[bytes, list[Job]], list[JobResult]]:
         """Hand queued jobs to workers, each job to the worker with the most free credit.
@@ -373,6 +414,7 @@ class Dispatcher:
             ident = max(free, key=free.__getitem__)
             sent.setdefault(ident, []).append(job)
             self.workers[ident].inflight[job_key(job)] = job
+            self.workers[ident].sent[job_key(job)] = now
             free[ident] -= 1
             if not free[ident]:
                 del free[ident]
@@ -388,6 +430,7 @@ class Dispatcher:
             job = worker.inflight.pop(key, None) if worker is not None else None
             since = self._since.pop(key, None) if job is not None else None
             if job is not None:
+                del worker.sent[key]
                 worker.jobs_done += 1
                 if since is not None and result.started:
                     self._waited = max(self._waited, result.started - since)

@@ -182,6 +182,13 @@ class BrokerConfig:
     partial_deadline_ms: int = setting(2000, lo=1, hi=MAX_DEADLINE_MS)  # a queued partial older than this is skipped
     final_deadline_ms: int = setting(10000, lo=1, hi=MAX_DEADLINE_MS)  # finals are never dropped; past this they are logged late
     stall_after_s: float = setting(60.0, hi=MAX_WATCH_S)  # as [ingest] stall_after_s, for the broker's loop
+    # A job a worker has held this long unanswered while it heartbeats (a JOBS message it could
+    # not read) is taken back: its credit returns and it is re-queued, or answered FAILED once
+    # two workers were lost or timed out holding it. More than twice [workers] stuck_after_s: a
+    # job that comes while a batch runs waits for that batch and its own, each up to
+    # stuck_after_s, and a hung call is the watchdog's. 0 = never, as while stuck_after_s is 0
+    # (a model call may then run any length, and no limit can tell it from a job never answered).
+    job_timeout_s: float = setting(150.0, hi=MAX_WATCH_S)
 
 
 @dataclass(frozen=True)
@@ -410,6 +417,11 @@ def _check_together(cfg: Config) -> None:
         raise ConfigError(f"model.max_wait_ms ({cfg.model.max_wait_ms:g}) must be less than broker.partial_deadline_ms "
                           f"({cfg.broker.partial_deadline_ms}): a partial waiting that long for a batch to fill is "
                           "past its deadline, and a batch that never fills would never leave")
+    if cfg.broker.job_timeout_s and cfg.workers.stuck_after_s and cfg.broker.job_timeout_s <= 2 * cfg.workers.stuck_after_s:
+        raise ConfigError(f"broker.job_timeout_s ({cfg.broker.job_timeout_s:g}) must be more than twice "
+                          f"workers.stuck_after_s ({cfg.workers.stuck_after_s:g}): a job that comes to a worker while "
+                          "a batch runs waits for that batch and then its own, each up to stuck_after_s, and would be "
+                          "taken from a worker that is only busy")
     if cfg.ingest.drain_pause_s and cfg.ingest.drain_pause_s >= cfg.ingest.drain_timeout_s:
         raise ConfigError(f"ingest.drain_pause_s ({cfg.ingest.drain_pause_s:g}) must be less than ingest.drain_timeout_s "
                           f"({cfg.ingest.drain_timeout_s:g}): a stream that waits for a pause that long has no time "

@@ -34,10 +34,12 @@ from structlog.testing import capture_logs
 
 from broker import jobs as wire
 from broker.broker import SHARE_WINDOW_S, Broker
-from broker.jobs import OK, REALTIME, Job, JobResult
+from broker.jobs import FAILED, OK, REALTIME, Job, JobResult
+from broker.queue import job_key
 from config import settings
 from config.settings import Config
 from metrics.registry import ProcessMetrics
+from metrics.registry import endpoint as metrics_endpoint
 from protocol import messages as m
 from shm import RingPool, reclaim
 from streamasr.service import free_ports
@@ -745,6 +747,96 @@ def test_a_job_sent_to_workers_already_gone_is_not_given_up_on(cluster: Cluster)
         worker.close(linger=0)
 
 
+class SilentWorker(threading.Thread):
+    """A worker that registers, heartbeats and takes jobs, and never answers them: what a worker
+    is to the broker when it cannot read the JOBS messages it is sent (a broker of another version)."""
+
+    def __init__(self, cfg: Config, identity: bytes, capacity: int) -> None:
+        super().__init__(daemon=True)
+        self.cfg = cfg
+        self.identity = identity
+        self.capacity = capacity
+        self.received: list[int] = []  # the ids of the jobs it was sent, each time it was sent one
+        self._stop_event = threading.Event()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(2)
+
+    def run(self) -> None:
+        endpoint = self.cfg.broker_worker_endpoint
+        jobs = _replaced(endpoint, self.identity, {"capacity": self.capacity, "pid": 1, "model": "null"})
+        heartbeats = zmq.Context.instance().socket(zmq.DEALER)
+        heartbeats.setsockopt(zmq.IDENTITY, wire.heartbeat_identity(self.identity))
+        heartbeats.setsockopt(zmq.LINGER, 0)
+        heartbeats.connect(endpoint)
+        try:
+            while not self._stop_event.is_set():
+                heartbeats.send(wire.HEARTBEAT)
+                while heartbeats.poll(0):
+                    heartbeats.recv_multipart()
+                if jobs.poll(HEARTBEAT_MS):
+                    kind, body = jobs.recv_multipart()
+                    if kind == wire.JOBS:
+                        self.received += [job.job_id for job in wire.unpack_jobs(body)]
+        finally:
+            jobs.close(linger=0)
+            heartbeats.close(linger=0)
+
+
+def test_jobs_a_heartbeating_worker_never_answers_are_taken_back_then_failed(cluster: Cluster) -> None:
+    """A worker that keeps heartbeating but never answers the jobs it holds (it could not read
+    their JOBS message) would hold them, and its credit, for ever, and their ingest would wait for
+    the finals for ever. Past `[broker] job_timeout_s` the broker takes each back, logging it
+    (naming worker and job) and counting it as an error, and re-queues it once: the only worker
+    there, its credit returned, is sent it again, and the second time the job is answered FAILED."""
+    cluster.cfg = replace(cluster.cfg, workers=replace(cluster.cfg.workers, stuck_after_s=0.2))
+    cluster.configure_broker(job_timeout_s=2.0)  # more than twice stuck_after_s
+    snapshots = zmq.Context.instance().socket(zmq.SUB)  # the collector's end of the broker's metrics
+    snapshots.setsockopt(zmq.SUBSCRIBE, b"")
+    snapshots.setsockopt(zmq.LINGER, 0)
+    cluster.cfg.run_path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    snapshots.bind(metrics_endpoint(cluster.cfg))
+    cluster.start_broker()
+    cluster.ingest = FakeIngest(cluster.cfg)
+    cluster.ingest.start()
+    identity = b"worker-7-1"
+    worker = SilentWorker(cluster.cfg, identity, capacity=2)
+    worker.start()
+    try:
+        cluster.wait_workers(1)
+        jobs = cluster.jobs(2)
+        cluster.ingest.submit(jobs)
+        wait_for(lambda: len(cluster.ingest.answers()) >= 2, 30, "both jobs answered")
+        answers = cluster.ingest.answers()
+        assert sorted((r.job_id, r.status) for r in answers) == [(j.job_id, FAILED) for j in jobs]
+        assert all("never answered it" in (r.error or "") for r in answers), answers
+        assert sorted(worker.received) == sorted(2 * [j.job_id for j in jobs])  # sent again once, not for ever
+        status = cluster.status()
+        # the worker is still served, its credit back
+        assert [(w["id"], w["inflight"]) for w in status["workers"]] == [(identity.decode(), 0)]
+        events = cluster.log_events("broker")
+        overdue = [e for e in events if e["event"] == "broker.job_overdue"]
+        assert sorted((e["job"], e["worker"], e["level"]) for e in overdue) == \
+            sorted(2 * [(j.job_id, identity.decode(), "warning") for j in jobs])
+        assert sorted(e["job"] for e in events if e["event"] == "broker.job_given_up") == [j.job_id for j in jobs]
+
+        def counted() -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
+            while snapshots.poll(100):
+                counters = {(name, tuple(sorted(labels.items()))): value
+                            for name, labels, value in msgpack.unpackb(snapshots.recv())["counters"]}
+                if ("errors_total", (("code", "internal"),)) in counters:
+                    return counters
+            return None
+
+        counters = wait_for(counted, 10, "the broker's errors_total")
+        assert counters[("errors_total", (("code", "internal"),))] == 4  # each job taken back twice
+        assert counters[("jobs_total", (("kind", "final"), ("status", "failed")))] == 2
+    finally:
+        worker.stop()
+        snapshots.close(linger=0)
+
+
 @pytest.mark.parametrize(("name", "value"), [("started", "soon"), ("finished", math.inf), ("finished", 1e300), ("status", 9),
                                            ("row", "more"), ("row", "fewer")])
 def test_a_malformed_done_row_returns_its_credit_and_spoils_no_figure(cluster: Cluster, name: str, value: Any) -> None:
@@ -1072,5 +1164,44 @@ def test_a_worker_that_said_goodbye_before_its_connection_closed_has_left_not_be
             wait_for(checked, 10, "the broker to find the worker's connection closed")
         events = [e["event"] for e in logs if e["event"].startswith("broker.worker_")]
         assert events == ["broker.worker_left"], events
+    finally:
+        broker.close()
+
+
+def test_a_worker_whose_goodbye_comes_while_the_broker_dispatches_to_it_has_left_not_been_lost(tmp_path: Path) -> None:
+    """The worker says LEAVING and closes its sockets after the broker's loop last read them; the
+    loop then sends it a job, which finds the connection closed. The goodbye is waiting unread:
+    the worker has left, and the job it handed back (never started) counts no loss, which would
+    bring it nearer to being given up. The broker runs in this process, so the send comes
+    exactly between the two."""
+    cfg = settings.load(None, {"run_dir": str(tmp_path / "run")})
+    cfg.run_path.mkdir(parents=True)
+    broker = Broker(cfg)
+    broker._worker_sock.bind(cfg.broker_worker_endpoint)
+    ident = b"worker-3-1"
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, ident)
+    sock.connect(cfg.broker_worker_endpoint)
+    now = time.monotonic()
+    held, sent_later = (Job(job_id=i, ingest=0, stream="s", shm="shm", slot=0, generation=1, start=0, end=SAMPLES,
+                            final=True, priority=REALTIME, deadline=now + 60, seg=i, created=now) for i in (1, 2))
+    try:
+        sock.send_multipart([wire.READY, wire.pack({"capacity": 2, "pid": 1, "model": "null"})])
+        assert broker._worker_sock.poll(5000), "the broker heard nothing"
+        broker._on_worker(broker._worker_sock.recv_multipart(), time.monotonic())
+        broker.dispatcher.submit([held], now)
+        broker._dispatch(now)
+        assert sock.poll(5000) and wire.unpack_jobs(sock.recv_multipart()[1]) == [held]
+        sock.send_multipart([wire.LEAVING])
+        sock.close(linger=1000)
+        # until the broker's socket has seen the connection close, what it sends goes out as ever
+        wait_for(lambda: not broker._send(broker._worker_sock, ident, [wire.HEARTBEAT]), 10, "the connection closed")
+        broker.dispatcher.submit([sent_later], now)
+        with capture_logs() as logs:
+            broker._dispatch(time.monotonic())
+        events = [e["event"] for e in logs if e["event"].startswith("broker.worker_")]
+        assert events == ["broker.worker_left"], events
+        assert broker.dispatcher._losses == {}
+        assert job_key(held) in broker.dispatcher.queue and job_key(sent_later) in broker.dispatcher.queue
     finally:
         broker.close()

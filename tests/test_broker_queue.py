@@ -325,7 +325,7 @@ def test_a_job_whose_workers_keep_being_lost_is_failed_not_requeued() -> None:
     with capture_logs() as logs:
         [failed] = d.remove_worker(b"b", NOW)
     assert (failed.job_id, failed.ingest, failed.status) == (poison.job_id, poison.ingest, FAILED)
-    assert failed.error == "held by 2 workers that were lost while decoding it (it may crash or hang the model)"
+    assert failed.error == "held by 2 workers that were lost, or never answered it, while it was theirs (it may crash or hang the model)"
     assert [(e["event"], e["log_level"], e["job"], e["workers_lost"]) for e in logs] == \
         [("broker.job_given_up", "warning", poison.job_id, 2)]
     assert len(d.queue) == 0 and d.expired == 0  # not counted as expired: it was tried, and failed
@@ -336,6 +336,51 @@ def test_a_job_whose_workers_keep_being_lost_is_failed_not_requeued() -> None:
     d.submit([other], NOW)
     _held_by_new_worker(d, b"c", other)
     assert d.remove_worker(b"c", NOW) == [] and job_key(other) in d.queue
+
+
+def test_a_job_kept_unanswered_past_the_limit_is_taken_back_as_from_a_lost_worker() -> None:
+    """A worker that holds a job and never answers it (it could not read the JOBS message) while
+    it answers others: past the limit the job is taken back, its credit returned, and re-queued
+    with one loss counted; kept unanswered again, it is answered FAILED, not handed round for
+    ever. Time the broker did not listen is not the worker's: its answers may wait unread."""
+    d = Dispatcher(queue())
+    stuck, other = job("s", final=True), job("t", final=True)
+    d.submit([stuck, other], NOW)
+    d.add_worker(b"a", capacity=2, now=NOW)
+    assert len(d.dispatch(NOW)[0][b"a"]) == 2
+    assert d.overdue(NOW + 10, 10.0) == []
+    d.excuse(5.0)
+    assert d.overdue(NOW + 14, 10.0) == []
+    assert len(d.complete(b"a", [done(other)])) == 1
+    assert [(ident, j.job_id, held) for ident, j, held in d.overdue(NOW + 16, 10.0)] == [(b"a", stuck.job_id, 11.0)]
+    assert d.take_back(b"a", [stuck], NOW + 16) == []  # the first time: re-queued, at the front
+    assert d.workers[b"a"].free == 2 and job_key(stuck) in d.queue and d._losses == {job_key(stuck): 1}
+    assert [j.job_id for j in d.dispatch(NOW + 16)[0][b"a"]] == [stuck.job_id]
+    with capture_logs() as logs:
+        [failed] = d.take_back(b"a", [stuck], NOW + 27)
+    assert (failed.job_id, failed.status) == (stuck.job_id, FAILED) and "never answered it" in (failed.error or "")
+    assert [(e["event"], e["job"]) for e in logs] == [("broker.job_given_up", stuck.job_id)]
+    assert d.workers[b"a"].free == 2 and len(d.queue) == 0 and d.overdue(NOW + 100, 10.0) == []
+    assert d.complete(b"a", [done(stuck)]) == []  # answered after all: a duplicate, not counted again
+    assert (d._losses, d._requeued) == ({}, set())
+
+
+@pytest.mark.parametrize(("stuck_after_s", "taken"), [(60.0, True), (0.0, False)])
+def test_the_broker_takes_back_jobs_held_past_its_limit_only_while_the_workers_watchdog_is_on(
+        stuck_after_s: float, taken: bool) -> None:
+    """With the watchdog off a model call may run any length: no limit could tell a long one from
+    a job that will never be answered, so the broker takes none back."""
+    broker = Broker(settings.load(None, {"workers": {"stuck_after_s": stuck_after_s}}))
+    try:
+        d = broker.dispatcher
+        d.add_worker(b"w", capacity=1, now=NOW)
+        j = job("s", final=True)
+        d.submit([j], NOW)
+        d.dispatch(NOW)
+        broker._take_back_overdue(NOW + broker.cfg.broker.job_timeout_s + 1)
+        assert (job_key(j) in d.queue, job_key(j) in d.workers[b"w"].inflight) == (taken, not taken)
+    finally:
+        broker.close()
 
 
 def test_a_final_the_broker_gives_up_on_is_counted_as_a_final() -> None:
@@ -467,6 +512,7 @@ def _simulate(seed: int) -> None:
         for ident, jobs in sent.items():
             held.setdefault(ident, []).extend(jobs)
             assert len(d.workers[ident].inflight) <= d.workers[ident].capacity
+            assert d.workers[ident].sent.keys() == d.workers[ident].inflight.keys()
         return bool(sent or expired)
 
     for _ in range(300):
@@ -496,6 +542,15 @@ def _simulate(seed: int) -> None:
                 {key for key in due if losses[key] == MAX_WORKER_LOSSES}, f"seed {seed}"
             count(answers)
             alive.discard(ident)
+        elif op < 0.53:  # kept past the broker's limit: taken back, though the worker may still answer
+            overdue = d.overdue(now, 1.0)
+            due = {job_key(j) for _, j, _ in overdue if job_key(j) not in counted}
+            for key in due:
+                losses[key] = losses.get(key, 0) + 1
+            answers = [a for ident, j, _ in overdue for a in d.take_back(ident, [j], now)]
+            assert {job_key(r) for r in answers if r.status == FAILED} == \
+                {key for key in due if losses[key] == MAX_WORKER_LOSSES}, f"seed {seed}"
+            count(answers)
         elif op < 0.75:
             dispatch()
         elif busy := [ident for ident, jobs in held.items() if jobs]:

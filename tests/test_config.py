@@ -40,6 +40,8 @@ def test_the_embedded_default_and_its_file_agree() -> None:
     ({"ingest": {"stall_after_s": math.inf}}, "ingest.stall_after_s must be a finite number, not inf"),
     ({"broker": {"stall_after_s": 1e10}}, "broker.stall_after_s must be between 0 and 86400.0, not 10000000000.0"),
     ({"workers": {"stuck_after_s": 1e10}}, "workers.stuck_after_s must be between 0 and 86400.0, not 10000000000.0"),
+    # a job that comes to a worker while a batch runs waits for it and then its own: taken back from a busy worker
+    ({"broker": {"job_timeout_s": 120}}, "broker.job_timeout_s (120) must be more than twice workers.stuck_after_s (60)"),
     # finite, so past the inf check, but a second of it at 16 kHz is not: sizing the ring raised OverflowError
     ({"vad": {"max_segment_s": 1e305}}, "vad.max_segment_s must be between 1 and 30.0, not 1e+305"),
     # Whisper hears 30 s at once: a longer final could lose its end
