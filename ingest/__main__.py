@@ -12,7 +12,7 @@ parser = argparse.ArgumentParser(prog="python -m ingest")
 parser.add_argument("--config", default=None, help="TOML config (default: $STREAMASR_CONFIG or the embedded default)")
 parser.add_argument("--index", type=int, default=0, help="this process's index: picks its port and shm segment")
 args = parser.parse_args()
-end_with_parent()
+end_with_parent(stopped_first=True)
 cfg = settings.load(args.config)
 log = configure(f"ingest-{args.index}", cfg.log_level, ingest=args.index)
 try:

@@ -14,13 +14,11 @@ removes the file: a new service counts from zero, which Prometheus reads as the 
 
 from __future__ import annotations
 
-import http.client
 import math
 import os
 import re
 import threading
 import time
-import xmlrpc.client
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +36,7 @@ from config.settings import Config
 from metrics.names import PREFIX, SPECS
 from metrics.registry import SNAPSHOT_VERSION, endpoint
 from protocol.socketfiles import Lost, SocketFiles, endpoint_in_use
-from streamasr import service
+from streamasr import service, supervised
 
 STALE_AFTER_S = 10.0  # a process not heard from this long is dropped (its counters carried)
 SILENT_AFTER_S = 3.0  # shown as silent after this long: it publishes every second
@@ -553,7 +551,7 @@ class Collector:
             return [], service.socket_gone(self.cfg, pid) if pid is not None else ""
         try:
             return list(service.processes(self.cfg)), ""
-        except (OSError, xmlrpc.client.Error, http.client.HTTPException) as exc:  # the last: not HTTP at all
+        except supervised.RPC_ERRORS as exc:
             return [], f"{type(exc).__name__}: {exc}"
 
     def _read_resources(self, pids: set[int]) -> dict[int, dict[str, Any]]:

@@ -28,7 +28,6 @@ from typing import Any
 
 import psutil
 import zmq
-from supervisor.xmlrpc import SupervisorTransport, UnixStreamHTTPConnection
 
 from config import settings
 from config.settings import Config
@@ -43,7 +42,6 @@ SUPERVISORD_CONF = HOME / "supervisord.conf"
 DRAIN_EXIT_S = 2.0  # an ingest's time to close its sockets and unlink its rings once a drain ends
 STOP_SLACK_S = 5.0  # supervisord's own shutdown, beyond its programs' stop times
 STARTING_WAIT_S = 600.0  # `stop` of an instance still starting: how long a model export may take before it is up
-SUPERVISOR_TIMEOUT_S = 2.0  # supervisord answers its process list at once; longer is a supervisord that will not
 FDS_CEILING = 1 << 20  # the most `serve` raises the soft limit on open files to
 FDS_SPARE = 64  # an ingest's descriptors besides its clients' and workers' connections: sockets, shm, logs, threads (about 30 idle)
 CLAIM_FD = 3  # where supervisord keeps the instance's claim: it closes 5 and up when SIGHUP reloads it, and 3 and up in its programs
@@ -393,32 +391,11 @@ def front_door(address: str, msg: m.ClientMessage, timeout: float = 2.0, curve: 
         sock.close()
 
 
-class _UnixConnection(UnixStreamHTTPConnection):
-    """supervisor's HTTP over a unix socket, with the connection's timeout: its own waits forever."""
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(self.socketfile)
-
-
 def processes(cfg: Config) -> list[dict[str, Any]]:
-    """supervisord's view of each program, over its unix socket. One that does not answer within
-    SUPERVISOR_TIMEOUT_S raises TimeoutError, rather than hold the caller (the dashboard's one
-    collecting thread, `status`) for as long as it says nothing."""
-    sock = cfg.run_path / "supervisor.sock"
-    transport = SupervisorTransport(None, None, f"unix://{sock}")
-
-    def connection() -> _UnixConnection:
-        conn = _UnixConnection("localhost", timeout=SUPERVISOR_TIMEOUT_S)
-        conn.socketfile = str(sock)
-        return conn
-
-    transport._get_connection = connection
-    try:
-        return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=transport).supervisor.getAllProcessInfo()
-    finally:
-        transport.close()
+    """supervisord's view of each program, over its unix socket (TimeoutError: one that does not
+    answer, see `supervised.rpc`)."""
+    with supervised.rpc(cfg.run_path / "supervisor.sock") as supervisor:
+        return supervisor.getAllProcessInfo()
 
 
 def _age_s(pid: int | None) -> float:

@@ -1,20 +1,35 @@
-"""What every service program does first under its supervisor."""
+"""What every service program does first under its supervisor, and how one talks to supervisord."""
 
 from __future__ import annotations
 
 import ctypes
+import http.client
 import os
 import signal
+import socket
+import xmlrpc.client
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from supervisor.xmlrpc import Faults, SupervisorTransport, UnixStreamHTTPConnection
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 SUPERVISORD_PID = "STREAMASR_SUPERVISORD_PID"  # set by `serve` for the programs of the supervisord it becomes
+SUPERVISOR_TIMEOUT_S = 2.0  # supervisord answers at once; longer is a supervisord that will not
+# What asking supervisord can fail with: its socket gone or refusing, a timeout, an unknown name
+# (Fault), and something not HTTP at all listening there.
+RPC_ERRORS = (OSError, xmlrpc.client.Error, http.client.HTTPException)
 
 
-def end_with_parent() -> None:
+def end_with_parent(stopped_first: bool = False) -> None:
     """Have the kernel send SIGTERM when the parent (supervisord) dies, so the program stops as
     on `streamasr stop` (the ingest drains, shm is unlinked). Killed outright, supervisord would
     otherwise leave its programs serving with no one to stop them: `status` and `stop` find no
-    instance, and `serve` cannot bind its addresses."""
+    instance, and `serve` cannot bind its addresses. Stop at once, too, where the stop signal
+    supervisord sent came before this program was running to take it (`_stop_missed`;
+    `stopped_first`: the program supervisord stops first when it shuts down, the ingest)."""
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
@@ -22,5 +37,58 @@ def end_with_parent() -> None:
     # take seconds) is gone already, and the program is another's child now. `serve` names the
     # supervisord it becomes; a program started otherwise (by hand) has only the kernel's word.
     parent = os.environ.get(SUPERVISORD_PID)
-    if parent and os.getppid() != int(parent):
+    if (parent and os.getppid() != int(parent)) or _stop_missed(stopped_first):
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _stop_missed(stopped_first: bool) -> bool:
+    """The stop signal supervisord sent this process went astray: sent in the instant between
+    supervisord's fork and the exec of the program (a SIGTERM to supervisord just as it starts its
+    programs, or restarts one that crashed; a `supervisorctl stop` then), it reached supervisord's
+    own handler, still installed in the child, and the exec dropped it. The program would serve on
+    until supervisord SIGKILLs it at its stopwaitsecs, and an ingest killed so leaves its shm
+    segment behind. Asked once this process runs: a stop signal sent from here on reaches it.
+
+    A supervisord shutting down answers nothing, this process's state included: it has sent, or
+    is about to send, its stop to the program it stops first (`stopped_first`), which stops now;
+    the others wait for theirs, an ingest's drain may need them. False where supervisord cannot
+    be asked (a program started by hand, its socket deleted): only its signal will tell."""
+    url, group, name = (os.environ.get(var) for var in ("SUPERVISOR_SERVER_URL", "SUPERVISOR_GROUP_NAME", "SUPERVISOR_PROCESS_NAME"))
+    if not (url and url.startswith("unix://") and group and name):
+        return False
+    try:
+        with rpc(Path(url.removeprefix("unix://"))) as supervisor:
+            info = supervisor.getProcessInfo(f"{group}:{name}")
+    except xmlrpc.client.Fault as fault:
+        return stopped_first and fault.faultCode == Faults.SHUTDOWN_STATE
+    except RPC_ERRORS:
+        return False
+    return info["pid"] == os.getpid() and info["statename"] == "STOPPING"
+
+
+class _UnixConnection(UnixStreamHTTPConnection):
+    """supervisor's HTTP over a unix socket, with the connection's timeout: its own waits forever."""
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.socketfile)
+
+
+@contextmanager
+def rpc(sock: Path) -> Iterator[Any]:
+    """supervisord's `supervisor` XML-RPC namespace over its unix socket `sock`. A call it does not
+    answer within SUPERVISOR_TIMEOUT_S raises TimeoutError, rather than hold the caller (the
+    dashboard's one collecting thread, `status`, a program starting) for as long as it says nothing."""
+    transport = SupervisorTransport(None, None, f"unix://{sock}")
+
+    def connection() -> _UnixConnection:
+        conn = _UnixConnection("localhost", timeout=SUPERVISOR_TIMEOUT_S)
+        conn.socketfile = str(sock)
+        return conn
+
+    transport._get_connection = connection
+    try:
+        yield xmlrpc.client.ServerProxy("http://127.0.0.1", transport=transport).supervisor
+    finally:
+        transport.close()

@@ -393,6 +393,38 @@ def test_a_killed_supervisord_takes_its_programs_with_it(tmp_path: Path, when: s
         pool.reclaim(instance)  # one killed as it started cannot unlink its own
 
 
+def test_a_sigterm_to_serve_as_its_programs_start_leaves_none_running_and_no_shm(tmp_path: Path) -> None:
+    """SIGTERM to `serve` (an operator's `kill`, systemd stopping the unit, a container stopped) as
+    soon as its supervisord is up: it starts its programs and stops them in the same instant, and
+    the stop it sent the ingest, still between fork and exec, was lost: the ingest served on until
+    supervisord SIGKILLed it 12 s later, and its shm segment stayed in /dev/shm (`streamasr stop`
+    reclaims such a segment; a plain SIGTERM has no one to). Once `serve` has exited, no program of
+    the instance runs, none had to be killed, and no segment is left."""
+    instance = f"startstop{uuid.uuid4().hex[:8]}"
+    config = tmp_path / "streamasr.toml"
+    run = tmp_path / "run"
+    _one_worker_config(config, instance, run)
+    serve = _started("serve", "--config", str(config), "--model", "null")
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "supervisord.pid").exists() and serve.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert (run / "supervisord.pid").exists(), "supervisord did not start"
+        serve.send_signal(signal.SIGTERM)  # `serve` became supervisord
+        assert serve.wait(service.stop_timeout()) == 0
+        assert not pool.segments(instance)
+        running = [" ".join(p.info["cmdline"]) for p in psutil.process_iter(["cmdline"])
+                   if str(run / "config.toml") in " ".join(p.info["cmdline"] or [])]
+        assert not running, running
+        killed = [line for line in (run / "supervisord.log").read_text().splitlines() if "SIGKILL" in line]
+        assert not killed, killed
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+        pool.reclaim(instance)
+
+
 def test_stop_sees_supervisord_exit_before_its_parent_reaps_it(tmp_path: Path) -> None:
     """`serve` started by a program that reaps its children only when it next looks (a script's
     Popen, a process manager between its polls): supervisord stays a zombie until then. `stop`
@@ -416,8 +448,7 @@ def test_stop_sees_supervisord_exit_before_its_parent_reaps_it(tmp_path: Path) -
 
 
 def test_stop_leaves_no_shm_of_an_ingest_supervisord_had_to_kill(tmp_path: Path) -> None:
-    """An ingest that does not stop within its stopwaitsecs (frozen here; a hung drain, or a SIGTERM
-    supervisord sent while it was still spawning the process, which never reaches it) is SIGKILLed
+    """An ingest that does not stop within its stopwaitsecs (frozen here; a hung drain) is SIGKILLed
     and cannot unlink its shm segment: its rings (983 MB of RAM with the defaults) stayed in
     /dev/shm until the instance was served again. `stop` leaves none behind."""
     instance = f"frozen{uuid.uuid4().hex[:8]}"
