@@ -113,7 +113,8 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
     return remote.run(args.files, server=args.server or cfg.front_door, offline=args.offline, as_json=args.json,
-                      language=args.language, curve=curve, parallel=args.parallel)
+                      language=args.language, curve=curve, parallel=args.parallel,
+                      open_timeout=remote.OPEN_TIMEOUT_S if args.open_timeout is None else args.open_timeout)
 
 
 def cmd_top(args: argparse.Namespace) -> int:
@@ -187,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parallel", type=flag_in_range(int, 1, MAX_THREADS, "files"), metavar="N",
                    help="without --local: files streamed at once, the others as those end (default and most: the "
                         "streams the service lets a client open, [ingest] max_streams_per_client)")
+    p.add_argument("--open-timeout", type=flag_in_range(float, 0, MAX_WATCH_S, "seconds"),
+                   metavar="SECONDS", help="without --local: how long a file the service has no room for (its open refused "
+                                           "overloaded or too_many_streams) waits for room before it fails (default 300; "
+                                           "0: fails at once)")
     p.add_argument("--model", help="with --local: whisper-tiny.en, whisper-base or a model directory (default: the config's)")
     p.add_argument("--language", help="language code, e.g. en, zh, EN-us (default: detect, or English for .en models; one the model lacks is refused)")
     p.add_argument("--precision", choices=["fp32", "int8"], help="with --local (default: the config's)")

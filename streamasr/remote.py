@@ -5,15 +5,17 @@ Each file is one stream on one shared Client, and a fixed number of files are in
 takes the next file when its last one is done. A file's sender thread reads its audio block by
 block and paces it at wall-clock rate (as a microphone would deliver it) or, offline, pushes it
 as fast as the server's credit allows; the thread that took the file turns its events into
-output lines with client-side latencies. A file is opened when its stream starts, and only the
-blocks on their way are held, so a day of recordings streams in the memory, and the threads,
-of the streams open at once.
+output lines with client-side latencies. A file the service has no room for yet (its open
+refused as busy) waits for a place, asking again, for up to `--open-timeout`. A file is opened
+when its stream starts, and only the blocks on their way are held, so a day of recordings
+streams in the memory, and the threads, of the streams open at once.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 import threading
 import time
@@ -28,7 +30,7 @@ import soxr
 import zmq
 
 from client.client import Client, Stream
-from client.core import ServerError
+from client.core import MAX_REOPEN_S, REOPEN_CODES, REOPEN_S, ServerError, StreamError
 from protocol.auth import Curve
 from protocol.messages import MAX_CHANNELS, OVERLOADED, RATES, Closed, ErrorMsg, Final, Partial, ProtocolError, ServerMessage
 from speech.audio import RAW_SUFFIXES, not_a_file, to_mono
@@ -39,6 +41,7 @@ OFFLINE_BLOCK_MS = 1000  # audio an offline stream reads and queues at a time: f
 EVENT_TIMEOUT_S = 120.0  # longest silence from the server before a stream is given up
 CREDIT_TIMEOUT_S = 120.0  # longest an offline stream waits for the window to move
 STALL_POLL_S = 0.5  # how often a stream's reader, waiting for events, looks whether its sender gave up for lack of credit
+OPEN_TIMEOUT_S = 300.0  # how long a file waits for the service to take its stream (`--open-timeout`)
 
 
 class Reader:
@@ -129,6 +132,12 @@ class Output:
         self.as_json = as_json
         self.lock = threading.Lock()
 
+    def say(self, line: str) -> None:
+        """A line on stderr, whole among the other threads' lines."""
+        with self.lock:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+
     def json(self, obj: dict) -> None:
         if self.as_json:
             with self.lock:
@@ -147,9 +156,11 @@ def run(
     frame_ms: int = 100,
     curve: Curve | None = None,
     parallel: int | None = None,
+    open_timeout: float = OPEN_TIMEOUT_S,
 ) -> int:
     """Transcribe `files` on the service at `server`, `parallel` at a time (None: as many as the
-    service lets a client open); 0 when every file was transcribed, else 1."""
+    service lets a client open), each waiting up to `open_timeout` for the service to have room
+    for its stream; 0 when every file was transcribed, else 1."""
     jobs: list[Job] = []
     failed = False
     for path in files:
@@ -177,7 +188,7 @@ def run(
         places = min(parallel or allowed, allowed, len(jobs))
         # a thread per place, not per file: each takes the next file once done with its last (its `closed` frees the ingest's place)
         with ThreadPoolExecutor(places, thread_name_prefix="transcribe") as pool:
-            done = [pool.submit(_stream, client, job, offline, language, partials, frame_ms, output) for job in jobs]
+            done = [pool.submit(_stream, client, job, offline, language, partials, frame_ms, open_timeout, output) for job in jobs]
             for future in done:
                 future.result()  # a fault of this code, not of a file: raised rather than lost
     for job in jobs:
@@ -200,7 +211,7 @@ def run(
 
 
 def _stream(client: Client, job: Job, offline: bool, language: str | None, partials: bool, frame_ms: int,
-            output: Output) -> None:
+            open_timeout: float, output: Output) -> None:
     """Open the file, then its stream; send on a helper thread while this one reads events until `closed`."""
     try:
         reader = Reader(job.file)
@@ -209,8 +220,7 @@ def _stream(client: Client, job: Job, offline: bool, language: str | None, parti
         return
     with reader:
         try:
-            job.stream = client.open(rate=reader.rate, channels=reader.channels, language=language,
-                                     partials=partials, priority="batch" if offline else "realtime")
+            job.stream = _open(client, job, reader, offline, language, partials, open_timeout, output)
         except (ServerError, TimeoutError, ValueError) as exc:  # ValueError: an open the protocol does not allow (--language)
             job.error = f"cannot open a stream: {exc}"
             return
@@ -225,6 +235,39 @@ def _stream(client: Client, job: Job, offline: bool, language: str | None, parti
         finally:
             sender.join()
     job.wall_s = time.monotonic() - job.started
+
+
+def _open(client: Client, job: Job, reader: Reader, offline: bool, language: str | None, partials: bool,
+          open_timeout: float, output: Output) -> Stream:
+    """Open the file's stream. One refused for room (`overloaded`: a realtime open past the
+    service's admission limits; `too_many_streams`: the service is full) is asked again, after a
+    wait growing as the client's re-opens after a loss do, jittered so that files waiting together
+    do not ask together, until `open_timeout` has passed: a place frees as other streams end, and
+    a folder of recordings on a busy service must not fail the files that came a moment too soon.
+    Any other refusal is final at once (a language the model lacks is refused again; an ingest
+    shutting down is left for another one by the client itself)."""
+    deadline = time.monotonic() + open_timeout
+    delay = REOPEN_S
+    tries = 0
+    while True:
+        try:
+            return client.open(rate=reader.rate, channels=reader.channels, language=language,
+                               partials=partials, priority="batch" if offline else "realtime")
+        except StreamError as exc:
+            if exc.code not in REOPEN_CODES:
+                raise
+            tries += 1
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if tries == 1:  # --open-timeout 0: no wait asked for
+                    raise
+                raise StreamError(exc.code, f"{exc.message} (still refused after waiting {open_timeout:g} s, "
+                                            f"{tries} tries)", exc.stream) from None
+            if tries == 1:  # once per file: the tries that follow say nothing new
+                output.say(f"{job.file}: the service has no room for the stream ({exc}); "
+                           f"waiting up to {open_timeout:g} s for room")
+            time.sleep(min(random.uniform(delay / 2, delay), left))
+            delay = min(delay * 2, MAX_REOPEN_S)
 
 
 def _send(job: Job, reader: Reader, offline: bool, frame_ms: int) -> None:

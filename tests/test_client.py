@@ -30,6 +30,7 @@ from protocol.messages import (
     BAD_FORMAT,
     INTERNAL,
     OVERLOADED,
+    TOO_MANY_STREAMS,
     UNKNOWN_MODEL,
     UNKNOWN_STREAM,
     Ack,
@@ -412,6 +413,80 @@ def test_transcribe_streams_a_bounded_number_of_files_at_once(service_factory, t
     assert done.returncode == 0 and len(done.stdout.splitlines()) == 3, done
     refused = svc.cli("transcribe", "--server", svc.address, "--parallel", "0", files[0])
     assert refused.returncode == 2 and "files must be 1 to" in refused.stderr, refused
+
+
+def short_files(tmp_path: Path, count: int) -> list[str]:
+    """`count` recordings of a second of speech, each its own file."""
+    files = []
+    for i in range(count):
+        path = tmp_path / f"call-{i}.wav"
+        soundfile.write(path, goforward()[:RATE], RATE, subtype="PCM_16")
+        files.append(str(path))
+    return files
+
+
+@pytest.mark.parametrize("limit, offline, code, said", [
+    ({"admit_max_realtime_streams": 1}, False, OVERLOADED, "admit_max_realtime_streams"),
+    ({"max_streams": 1}, True, TOO_MANY_STREAMS, "stream limit"),  # full: batch streams are refused too
+])
+def test_transcribe_waits_for_room_on_a_busy_service(service_factory, tmp_path, capsys, limit: dict[str, int],
+                                                     offline: bool, code: str, said: str) -> None:
+    """A folder of recordings on a busy service: an open the service refuses for room (past its
+    realtime admission cap, `overloaded`; past its stream limit, `too_many_streams`) is asked again
+    until another file's stream ends and frees a place, rather than failing the file at once; each
+    file that waits says so once on stderr, however many times it was refused."""
+    svc = service_factory(model="null", workers=1, ingest=limit)
+    files = short_files(tmp_path, 3)
+    out = io.StringIO()
+    done = remote.run(files, svc.address, offline=offline, as_json=True, language=None, out=out, parallel=3)
+    err = capsys.readouterr().err.splitlines()
+    assert done == 0, err
+    summaries = [line for line in map(json.loads, out.getvalue().splitlines()) if line["type"] == "summary"]
+    assert [s["file"] for s in summaries] == files, summaries
+    assert all(s["audio_s"] == pytest.approx(1.0, abs=0.001) for s in summaries), summaries
+    # the three opened at once, one place: files waited, and each said so once
+    waited = [line.partition(":")[0] for line in err]
+    assert waited and len(set(waited)) == len(waited), err
+    assert all(f"no room for the stream ({code}: " in line and said in line and line.endswith("waiting up to 300 s for room")
+               for line in err), err
+    refused = [e for e in svc.events("ingest-0") if e["event"] == "ingest.open_refused"]
+    assert refused and all(e["code"] == code for e in refused), refused  # the service refused them meanwhile
+
+
+def test_transcribe_gives_up_on_room_after_its_open_timeout(service_factory, tmp_path) -> None:
+    """A file the service keeps refusing for load fails once `--open-timeout` has passed, saying
+    why and for how long it waited; `--open-timeout 0` fails it at the first refusal; `--offline`
+    (priority batch) is not refused for load at all."""
+    # the place is held by a stream sending nothing: not closed as idle while the commands run
+    svc = service_factory(model="null", workers=1, ingest={"admit_max_realtime_streams": 1, "idle_timeout_s": 600})
+    [path] = short_files(tmp_path, 1)
+    with Client(svc.address) as client:
+        held = client.open()  # the one realtime place, for the whole test
+        failed = svc.cli("transcribe", "--server", svc.address, "--open-timeout", "2", path)
+        assert failed.returncode == 1 and failed.stdout == "", failed
+        waited, gave_up = failed.stderr.splitlines()
+        assert waited == (f"{path}: the service has no room for the stream (overloaded: the service admits 1 realtime "
+                          f"streams at a time (ingest.admit_max_realtime_streams); try again later or open with priority "
+                          f"batch); waiting up to 2 s for room"), failed.stderr
+        assert gave_up.startswith(f"{path}: cannot open a stream: overloaded: the service admits 1 realtime streams"), gave_up
+        assert "(still refused after waiting 2 s, " in gave_up and gave_up.endswith(" tries)"), gave_up
+        at_once = svc.cli("transcribe", "--server", svc.address, "--open-timeout", "0", path)
+        assert at_once.returncode == 1 and "waiting" not in at_once.stderr, at_once
+        assert at_once.stderr.startswith(f"{path}: cannot open a stream: overloaded: "), at_once.stderr
+        batch = svc.cli("transcribe", "--server", svc.address, "--offline", "--open-timeout", "0", path)
+        assert (batch.returncode, batch.stderr) == (0, "") and batch.stdout.strip(), batch
+        held.end()
+        assert isinstance(drain(held)[-1], Closed)
+
+
+def test_transcribe_fails_a_file_refused_for_anything_but_room_at_once(service, capsys) -> None:
+    """An open refused for what waiting cannot cure (a language the model does not transcribe) is
+    not asked again: the file fails at the first refusal, with no word of waiting for room."""
+    path = utterance("goforward").path
+    done = remote.run([path], service.address, offline=False, as_json=False, language="fr", out=io.StringIO())
+    err = capsys.readouterr().err.splitlines()
+    assert done == 1 and len(err) == 1, err
+    assert err[0].startswith(f"{path}: cannot open a stream: unknown_language: language 'fr' is not one"), err
 
 
 PEAK_RSS = ("import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]); "
