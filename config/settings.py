@@ -197,6 +197,8 @@ class WorkerConfig:
     # A backend call running this long is taken as hung (a native deadlock, a GPU hang): the
     # worker logs `worker.stuck` and exits, so its jobs go to another worker and supervisord
     # starts a new one. Far above any real batch (a tiny.en final takes ~0.35 s on CPU); 0 = never.
+    # The worker's main loop not turning this long outside a call (a deadlock, a blocking call)
+    # ends it too, with every thread's stack in its log: one timer watches both (workers/worker.py).
     stuck_after_s: float = setting(60.0, hi=MAX_WATCH_S)
 
 

@@ -7,6 +7,10 @@ that serves nobody. The loop pushes back a timer of faulthandler's as it turns; 
 thread that needs no GIL, and once the loop has not turned for the limit it writes every
 thread's stack to stderr (which supervisord keeps in the program's log) and exits the process
 with status 1, so supervisord starts it again and its peers recover as from a crash.
+
+The timer is one per process. A worker has two loops, its IO thread's and its main thread's: the
+IO thread pushes the timer back only when the main loop has turned since the last push (see
+`pushed`), so the one timer ends the process when either loop stops.
 """
 
 from __future__ import annotations
@@ -35,6 +39,11 @@ class StallWatch:
         if self.limit_s > 0 and now - self._pushed >= PUSH_EVERY_S:
             faulthandler.dump_traceback_later(self._timer_s, exit=True, file=2)
             self._pushed = now
+
+    @property
+    def pushed(self) -> float:
+        """When the timer was last pushed back (-inf: never)."""
+        return self._pushed
 
     def stop(self) -> None:
         """The loop has ended: a process shutting down is not stuck."""

@@ -1,17 +1,24 @@
-"""A serving loop that stops turning ends its process (the ingest's and the broker's loops)."""
+"""A serving loop that stops turning ends its process (the ingest's, the broker's and a worker's loops)."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from broker import jobs as wire
+from broker.jobs import OK
 from shm import reclaim
+from shm.pool import SHM_DIR
 from streamasr.service import free_ports
+from test_worker import FakeBroker, job, segment_with_audio
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,3 +136,52 @@ def test_the_broker_s_and_the_ingest_s_own_loops_are_ended_when_they_stop_turnin
     assert "stuck now" in done.stdout and "the call returned" not in done.stdout
     assert f"Timeout ({timer})!" in done.stderr, done.stderr[-2000:]
     assert 'File "<string>", line 17 in call' in done.stderr  # the loop's stack, at the stuck call
+
+
+def test_a_worker_whose_main_loop_blocks_outside_its_model_is_ended_while_it_heartbeats(tmp_path: Path) -> None:
+    """A real worker (null model), the broker's worker socket played by the test. The worker idles
+    longer than its switch and answers a job; then a job names a segment that is a FIFO: opening it
+    to map it blocks the main thread for good, outside the model, while the IO thread heartbeats
+    on, so the broker would take the worker for alive. The worker is ended with status 1 and every
+    thread's stack in its log, the main thread's at the open; its heartbeats stop with it, and the
+    broker takes its jobs back as from any lost worker. The switch: `[workers] stuck_after_s`,
+    the push interval and two of the main loop's one-second idle wake-ups."""
+    instance = f"t{uuid.uuid4().hex[:8]}"
+    audio, ring = segment_with_audio(f"streamasr.{instance}.ingest0")
+    blocking = f"streamasr.{instance}.ingest1"
+    os.mkfifo(SHM_DIR / blocking)  # opened to read, a FIFO waits for a writer that never comes
+    log_path = tmp_path / "worker.log"
+    with log_path.open("wb") as log_file:
+        broker = FakeBroker({"workers": {"stuck_after_s": 0.5}, "broker": {"heartbeat_ms": 100}}, stderr=log_file)
+    heard: list[bytes] = []
+    try:
+        ready = broker.receive(wire.READY, 30)
+        assert ready, "the worker never registered"
+        assert broker.receive(wire.DONE, 5.0) is None  # idle, heartbeats answered, past the switch's 3.5 s
+        assert broker.proc.poll() is None, "an idle worker was ended"
+        broker.sock.send_multipart([ready[0], wire.JOBS, wire.pack_jobs([job(audio, 0, ring.generation, 0, 100, 1)])])
+        done = broker.receive(wire.DONE, 30)
+        assert done and [row[2] for row in wire.unpack(done[2])] == [OK]
+        stuck = job(audio, 0, ring.generation, 0, 100, 2)
+        broker.sock.send_multipart([ready[0], wire.JOBS, wire.pack_jobs([replace(stuck, shm=blocking)])])
+        deadline = time.monotonic() + 30  # the main thread blocks for ever: running out is a miss
+        while broker.proc.poll() is None and time.monotonic() < deadline:
+            if broker.sock.poll(100):
+                frames = broker.sock.recv_multipart()
+                heard.append(frames[1])
+                if frames[1] == wire.HEARTBEAT:
+                    broker.sock.send_multipart([frames[0], wire.HEARTBEAT])
+        status = broker.proc.poll()
+    finally:
+        if broker.proc.poll() is None:
+            broker.proc.kill()  # blocked in open(), it retries after a SIGTERM's handler and blocks again
+        broker.close()
+        del ring
+        audio.close()
+        reclaim(instance)
+    text = log_path.read_text()
+    assert status == 1, ("the worker lived on with its main loop blocked", text[-2000:])
+    assert wire.HEARTBEAT in heard and wire.DONE not in heard  # heartbeats went on, the job was never answered
+    assert "Timeout (0:00:03.500000)!" in text, text[-2000:]
+    assert re.search(r'shm/pool\.py", line \d+ in attach\n', text), text[-2000:]  # the main thread, at the open
+    assert "worker.stuck" not in text  # no model call was running

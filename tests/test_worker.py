@@ -4,6 +4,7 @@ its result sockets to the ingests; and the watchdog that ends a worker stuck in 
 from __future__ import annotations
 
 import gc
+import math
 import os
 import shutil
 import subprocess
@@ -14,7 +15,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Sequence
+from typing import IO, Any, Sequence
 
 import msgpack
 import numpy as np
@@ -330,17 +331,18 @@ def test_a_segment_read_by_a_batch_the_backend_failed_on_is_unmapped_when_releas
 class FakeBroker:
     """A real worker process (null model) and the broker's worker socket, played by the test."""
 
-    def __init__(self) -> None:
+    def __init__(self, overrides: dict[str, Any] | None = None, stderr: IO[bytes] | int = subprocess.DEVNULL) -> None:
+        """`overrides`: config sections beside the model's; `stderr`: where the worker's log goes."""
         self.run = Path(tempfile.mkdtemp(prefix="sasr-"))  # short: ipc paths are limited to about 100 bytes
         self.cfg = settings.load(None, {"run_dir": str(self.run), "instance": f"t{uuid.uuid4().hex[:8]}",
-                                        "model": {"name": "null", "backend": "null"}})
+                                        "model": {"name": "null", "backend": "null"}, **(overrides or {})})
         config_file = self.run / "config.toml"
         config_file.write_text(settings.dump(self.cfg))
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.bind(self.cfg.broker_worker_endpoint)
         self.proc = subprocess.Popen([sys.executable, "-m", "workers", "--index", "0", "--config", str(config_file)],
-                                     cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                     cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
 
     def receive(self, kind: bytes | None, seconds: float) -> list[bytes] | None:
         """The next message of `kind` from the worker within `seconds`, heartbeats answered meanwhile."""
@@ -498,6 +500,21 @@ def test_watchdog_never_fires_for_calls_that_end_nor_when_off(pool: RingPool) ->
     clock.now += 1e9
     assert not off.check()
     assert exits.statuses == []
+
+
+def test_the_main_loop_counts_as_turning_after_a_turn_and_inside_a_backend_call(pool: RingPool) -> None:
+    """What the IO thread asks before it pushes its switch back: has the main loop turned since
+    the last push? A call counts as the loop's turn (`check` bounds it); a loop that stopped after
+    one does not."""
+    dog = Watchdog(120.0)
+    assert dog.turning(since=-math.inf)  # the first push, before the loop starts
+    assert not dog.turning(since=10.0)
+    dog.turned(11.0)
+    assert dog.turning(since=10.0) and not dog.turning(since=12.0)
+    dog.begin(12.5, [job(pool, 0, 1, 0, 100)])
+    assert dog.turning(since=1000.0)
+    dog.end()
+    assert not dog.turning(since=13.0)
 
 
 def test_process_is_watched_for_the_length_of_its_backend_call(pool: RingPool, worker: Worker) -> None:
@@ -664,8 +681,9 @@ def test_a_stuck_worker_exits_at_once_with_its_own_status() -> None:
 
 def test_a_worker_stuck_holding_the_gil_is_ended_by_the_dead_man_s_switch() -> None:
     """A call that never releases the GIL stops the IO thread and its `check` with it; the switch
-    that thread re-arms on every tick runs without the GIL and ends the process, with every
-    thread's stack on stderr. The call here is libc's sleep through ctypes.PyDLL, which keeps the GIL."""
+    that thread re-arms on its ticks while the main loop turns runs without the GIL and ends the
+    process, with every thread's stack on stderr. The call here is libc's sleep through
+    ctypes.PyDLL, which keeps the GIL."""
     script = (
         "import ctypes, sys, time, uuid, tempfile, zmq\n"
         "from config import settings\n"
@@ -675,8 +693,12 @@ def test_a_worker_stuck_holding_the_gil_is_ended_by_the_dead_man_s_switch() -> N
         "ctx = zmq.Context()\n"
         "pipe = ctx.socket(zmq.PAIR)\n"
         "pipe.bind(_PIPE)\n"
-        "Heartbeats(ctx, cfg, b'worker-test', Watchdog(cfg.workers.stuck_after_s)).start()\n"
-        "time.sleep(3.0)\n"  # longer than the switch: ticks keep pushing it back while the GIL is free
+        "dog = Watchdog(cfg.workers.stuck_after_s)\n"
+        "Heartbeats(ctx, cfg, b'worker-test', dog).start()\n"
+        "end = time.monotonic() + 5.0\n"  # longer than the switch: ticks keep pushing it back while the loop turns
+        "while time.monotonic() < end:\n"
+        "    dog.turned(time.monotonic())\n"
+        "    time.sleep(0.05)\n"
         "print('holding the GIL', flush=True)\n"
         "ctypes.PyDLL(None).sleep(60)\n"
         "print('the call returned', flush=True)\n"
@@ -685,8 +707,9 @@ def test_a_worker_stuck_holding_the_gil_is_ended_by_the_dead_man_s_switch() -> N
                           env={**os.environ, "PYTHONPATH": str(ROOT)})  # the call sleeps 60 s: a timeout is a miss
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert "holding the GIL" in done.stdout and "the call returned" not in done.stdout
-    assert "Timeout (0:00:01.540000)!" in done.stderr  # stuck_after_s, the stall watch's push interval and two 20 ms ticks
-    assert 'File "<string>", line 12 in <module>' in done.stderr  # the main thread's stack, at the stuck call
+    # stuck_after_s, the stall watch's push interval and two of the main loop's one-second idle wake-ups
+    assert "Timeout (0:00:03.500000)!" in done.stderr
+    assert 'File "<string>", line 16 in <module>' in done.stderr  # the main thread's stack, at the stuck call
 
 
 def test_the_dead_man_s_switch_is_disarmed_when_the_io_thread_stops() -> None:
@@ -705,7 +728,7 @@ def test_the_dead_man_s_switch_is_disarmed_when_the_io_thread_stops() -> None:
         "time.sleep(0.5)\n"
         "pipe.send(STOP)\n"
         "io.join(5)\n"
-        "time.sleep(3.0)\n"  # past the switch's 1.2 s
+        "time.sleep(4.0)\n"  # past the switch's 3.2 s
         "print('still here', flush=True)\n"
     )
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=40,

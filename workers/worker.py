@@ -9,8 +9,9 @@ IO thread owns a second socket, for heartbeats only (its identity is the job soc
 `+hb`), so heartbeats keep flowing while a batch is inside the model (a call may take a second,
 longer than the broker's patience). When the broker falls silent the IO thread reconnects
 Paranoid-Pirate style and tells the main thread to register again. The IO thread is also the
-main thread's watchdog: heartbeats that outlive a hung backend call would keep its jobs held
-forever, so past `[workers] stuck_after_s` it ends the process (see Watchdog).
+main thread's watchdog: heartbeats that outlive a hung backend call, or a main loop blocked
+outside it, would keep its jobs held forever, so past `[workers] stuck_after_s` it ends the
+process (see Watchdog).
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ def _exit_now(status: int) -> None:
 
 
 class Watchdog:
-    """Ends a worker whose backend call has run longer than `stuck_after_s` (0: never).
+    """Ends a worker whose backend call has run longer than `stuck_after_s`, or whose main loop
+    has not turned for that long outside a call (0: never).
 
     A hung native call (a deadlock in the runtime, a GPU hang) cannot be interrupted, and the IO
     thread keeps heartbeating meanwhile: the broker would take the worker for alive and its jobs
@@ -107,6 +109,16 @@ class Watchdog:
     the IO thread's ticks also push back a StallWatch (metrics/stallwatch.py) set to the same
     limit: a timer in C that needs no GIL, which then writes every thread's stack to stderr and
     exits with status 1.
+
+    The main loop blocked outside a call (a deadlock, a blocking call that never returns) lets
+    the IO thread heartbeat on, and its jobs wait and its credit comes back for jobs that never
+    run. The loop stamps each turn (`turned`), and the IO thread pushes that timer back only when
+    the loop has turned since the last push, or is inside a call (`turning`): a call is the
+    loop's turn, bounded by `check`, so the loop's watch is paused for it. The limit is the
+    same: one timer serves both threads, and a turn outside a call (jobs read, audio fetched,
+    results sent) is far shorter than any call. A blocked loop thus ends the process as the
+    broker's and the ingest's do, with every thread's stack in its log, the main thread's at
+    the blocking call.
     """
 
     def __init__(self, stuck_after_s: float, exit_process: Callable[[int], object] = _exit_now,
@@ -116,6 +128,7 @@ class Watchdog:
         self._clock = clock
         self._jobs: Sequence[Job] = ()
         self._started: float | None = None  # start of the call in progress (None: none)
+        self._turned = -math.inf  # the main loop's last turn (time.monotonic())
 
     def begin(self, started: float, jobs: Sequence[Job]) -> None:
         """Main thread, before a backend call (`started` on the watchdog's clock): two stores,
@@ -126,6 +139,15 @@ class Watchdog:
     def end(self) -> None:
         """Main thread, after the call, however it ended."""
         self._started = None
+
+    def turned(self, now: float) -> None:
+        """Main thread, on every turn of its loop (`now`: time.monotonic()): one store."""
+        self._turned = now
+
+    def turning(self, since: float) -> bool:
+        """IO thread: whether the main loop has turned since `since` (time.monotonic()) or is
+        inside a backend call, which `check` bounds."""
+        return self._started is not None or self._turned >= since
 
     def check(self) -> bool:
         """IO thread: fire if the call in progress has run past the limit. Returns whether it
@@ -165,8 +187,11 @@ class Heartbeats(threading.Thread):
         self._pipe = ctx.socket(zmq.PAIR)
         self._pipe.connect(_PIPE)
         self._watchdog = watchdog
-        # for a call that holds the GIL, which stops this thread and its watch with it
-        self._stall = StallWatch(watchdog.stuck_after_s if watchdog else 0, wakes_every_s=self._interval_s / 2)
+        # For a call that holds the GIL, which stops this thread and its watch with it, and for a
+        # main loop that stops turning (see Watchdog). The timer is pushed back on this thread's
+        # ticks after a turn of the main loop, so it allows for the longer of their idle sleeps.
+        self._stall = StallWatch(watchdog.stuck_after_s if watchdog else 0,
+                                 wakes_every_s=max(self._interval_s / 2, POOL_CHECK_S))
         self.failed: BaseException | None = None
 
     def run(self) -> None:
@@ -203,7 +228,8 @@ class Heartbeats(threading.Thread):
             now = time.monotonic()
             if self._watchdog is not None:
                 self._watchdog.check()  # first: the broker's state does not matter to a hung call
-            self._stall.turned(now)
+            if self._watchdog is not None and self._watchdog.turning(since=self._stall.pushed):
+                self._stall.turned(now)
             if self._pipe in events and self._pipe.recv() == STOP:
                 if sock is not None:
                     sock.close(linger=0)
@@ -453,6 +479,7 @@ class Worker:
         while not stop.stopping:
             poller.register(link.sock, zmq.POLLIN | (zmq.POLLOUT if link.outbox else 0))
             now = time.monotonic()
+            self.watchdog.turned(now)  # wakes at least every POOL_CHECK_S, so an idle loop turns too
             wait = checked + POOL_CHECK_S - now
             if (timeout := self._batcher.timeout(now)) is not None:
                 wait = min(wait, timeout)
