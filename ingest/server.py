@@ -17,10 +17,12 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import structlog
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from broker import jobs as j
 from broker.jobs import REALTIME
@@ -55,6 +57,10 @@ VAD_ROUND_S = 0.010
 # room back by then.
 SHM_WAIT_S = 5.0
 GONE_KEEP_S = 60.0  # how long messages of a closed connection, still queued, are dropped unread
+# A connection ZeroMQ reports closed is asked whether it is gone (`_sweep`) this long after the
+# report at the soonest: the report can come before the ROUTER has let go of the connection,
+# while a send to it still passes.
+SUSPECT_WAIT_S = 0.5
 # Messages queued for one client connection: a client that leaves this many unread has stopped
 # reading, and its connection is taken as gone (`_send`).
 CLIENT_QUEUE = 100_000
@@ -63,6 +69,19 @@ CLIENT_QUEUE = 100_000
 # once more, as a service held to its limits holds at most them). Past twice the limits it is
 # refused as a new stream is, and retried by its client: an `offset` alone is no pass past them.
 RESUME_HEADROOM = 2.0
+# While the broker stays away the ingest reconnects each patience (3 s by default), and says it is
+# still away at most this often: a line each patience was some 1,200 lines an hour from each ingest.
+BROKER_AWAY_REPEAT_S = 60.0
+
+
+@dataclass(slots=True)
+class _BrokerAway:
+    """The broker found lost: when it was last heard, when the ingest last said it is away, and
+    how often it has reconnected since it found it lost."""
+
+    since: float
+    told: float
+    reconnects: int = 0
 
 
 class IngestServer:
@@ -91,6 +110,9 @@ class IngestServer:
         self.clients.setsockopt(zmq.LINGER, 0)
         self.clients.setsockopt(zmq.HEARTBEAT_IVL, m.CLIENT_HEARTBEAT_MS)  # a client gone without a FIN is let go
         self.clients.setsockopt(zmq.HEARTBEAT_TIMEOUT, m.CLIENT_HEARTBEAT_TIMEOUT_MS)
+        # A connection closed while the ingest has nothing to send on it (a client that opened and
+        # died, a dialler that hung up before its audio) fails no send: ZeroMQ tells it only here.
+        self.disconnects = self.clients.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         cfg.run_path.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.results = self.ctx.socket(zmq.PULL)
         self.results.setsockopt(zmq.LINGER, 0)
@@ -100,9 +122,11 @@ class IngestServer:
         self.broker: zmq.Socket | None = None
         self.sessions: dict[str, Session] = {}
         self.per_client: dict[bytes, int] = {}
+        self.fds: dict[bytes, int] = {}  # the file descriptor of each connection with open streams: see _on_disconnects
         self.gone: dict[bytes, float] = {}  # connections a send found closed, and when: see _drop_gone
         self.throttle = Throttle()  # the refusal lines of each client
         self.newly_gone = False  # one was found since the last _drop_gone
+        self.suspects: dict[bytes, float] = {}  # connections that may be closed, and since when: see _on_disconnects
         self.owner: dict[int, str] = {}  # job id -> session key
         self.scratch: dict[str, np.ndarray] = {}  # per-session VAD chunk buffer for ring wrap-around
         self.dirty: set[str] = set()  # streams to step this iteration
@@ -111,6 +135,7 @@ class IngestServer:
         self.vad_urgent: set[str] = set()  # those of vad_due whose chunks could start or end a segment
         self.hb_interval = cfg.broker.heartbeat_ms / 1000
         self.broker_seen = time.monotonic()
+        self.broker_away: _BrokerAway | None = None  # set from `ingest.broker_lost` until the broker is heard again
         self.hb_sent = 0.0
         self.load = 0.0  # the broker's admission figures, from its heartbeats: see _open
         self.busy = 0.0
@@ -160,6 +185,9 @@ class IngestServer:
         """One broker message; one the ingest cannot read (a broker of another version, say) is
         logged and dropped, never the process's end."""
         self.broker_seen = time.monotonic()
+        if (away := self.broker_away) is not None:
+            self.broker_away = None
+            self.log.info("ingest.broker_back", away_s=round(self.broker_seen - away.since, 1), reconnects=away.reconnects)
         try:
             self._handle_broker(frames)
         except Exception as exc:
@@ -215,9 +243,16 @@ class IngestServer:
         if now - self.broker_seen > self.hb_interval * self.cfg.broker.liveness:
             # whether the broker's socket file is there tells a broker down from one whose file was deleted
             endpoint = self.cfg.broker_ingest_endpoint
-            self.log.warning("ingest.broker_lost", silent_s=round(now - self.broker_seen, 2), endpoint=endpoint,
-                             socket_file=socket_file_state(endpoint))
+            if (away := self.broker_away) is None:
+                self.log.warning("ingest.broker_lost", silent_s=round(now - self.broker_seen, 2), endpoint=endpoint,
+                                 socket_file=socket_file_state(endpoint))
+                away = self.broker_away = _BrokerAway(since=self.broker_seen, told=now)
+            elif now - away.told >= BROKER_AWAY_REPEAT_S:
+                away.told = now
+                self.log.warning("ingest.broker_still_away", away_s=round(now - away.since, 1), reconnects=away.reconnects,
+                                 endpoint=endpoint, socket_file=socket_file_state(endpoint))
             self._connect_broker()
+            away.reconnects += 1
 
     def _check_socket_files(self) -> None:
         for lost in self.socket_files.check():
@@ -267,7 +302,7 @@ class IngestServer:
                 session.accept_audio(msg)
                 self._changed(session.key)
         elif isinstance(msg, m.Open):
-            self._open(ident, msg)
+            self._open(ident, msg, frames[1].get(zmq.SRCFD))
         elif isinstance(msg, m.End):
             session = self._session(ident, msg.stream, None)
             if session is not None:
@@ -287,7 +322,7 @@ class IngestServer:
             return None
         return session
 
-    def _open(self, ident: bytes, msg: m.Open) -> None:
+    def _open(self, ident: bytes, msg: m.Open, fd: int) -> None:
         key = f"{ident.hex()}/{msg.stream}"
 
         def refuse(code: str, message: str) -> None:
@@ -340,6 +375,7 @@ class IngestServer:
         self.sessions[key] = session
         self.scratch[key] = np.empty(CHUNK, np.float32)
         self.per_client[ident] = self.per_client.get(ident, 0) + 1
+        self.fds[ident] = fd
         self.vad.add(key)
         session.log.info("ingest.stream_opened", rate=msg.rate, encoding=msg.encoding, channels=msg.channels,
                          priority=msg.priority, language=msg.language, partials=msg.partials, offset=msg.offset)
@@ -391,6 +427,19 @@ class IngestServer:
             if s.closed:
                 self.dirty.discard(s.key)
                 self._release(s)
+
+    def _on_disconnects(self) -> None:
+        """Connections ZeroMQ closed: the client closed it or died, or it answered no ping. An
+        event names only the connection's file descriptor, which a new connection may have taken
+        since: the connections with open streams that came on that descriptor are suspects, asked
+        by a sweep whether they are gone (`_sweep`). Read before the clients' messages, so that a
+        new connection on the descriptor is seldom among them."""
+        fds: set[int] = set()
+        _drain(self.disconnects, lambda frames: fds.add(int(parse_monitor_message(frames)["value"])))
+        now = time.monotonic()
+        for ident, fd in self.fds.items():
+            if fd in fds and ident not in self.gone:
+                self.suspects.setdefault(ident, now)
 
     # ------------------------------------------------------------------ per-iteration work
 
@@ -492,12 +541,23 @@ class IngestServer:
             self.per_client[s.client] = left
         else:
             self.per_client.pop(s.client, None)
+            self.fds.pop(s.client, None)
 
     def _sweep(self, now: float) -> None:
         """Close streams whose client went quiet: their accepted audio is still transcribed. Forget
-        closed connections after GONE_KEEP_S: what they sent before closing is read by then."""
+        closed connections after GONE_KEEP_S: what they sent before closing is read by then.
+
+        Each suspect connection (`_on_disconnects`) is sent its last ack again, SUSPECT_WAIT_S
+        after it was reported at the soonest: a closed one fails that send, and its streams are
+        dropped as the flush ends (`_send`, `_drop_gone`); one alive takes it as the ack of a resend."""
         for ident in [i for i, at in self.gone.items() if now - at > GONE_KEEP_S]:
             del self.gone[ident]
+        for ident in [i for i, at in self.suspects.items() if now - at >= SUSPECT_WAIT_S]:
+            del self.suspects[ident]
+            asked = next((s for s in self.sessions.values() if s.client == ident and not s.abandoned), None)
+            if asked is not None:
+                asked.ack_again()
+                self.dirty.add(asked.key)
         for key, s in self.sessions.items():
             if not s.ending and s.check_idle(now):
                 s.log.warning("ingest.stream_idle", idle_s=round(now - s.last_activity, 1))
@@ -542,6 +602,7 @@ class IngestServer:
         poller.register(self.broker, zmq.POLLIN)
         poller.register(self.vad.signal, zmq.POLLIN)
         poller.register(self.results, zmq.POLLIN)
+        poller.register(self.disconnects, zmq.POLLIN)
         self.metrics.set("shm_rings_total", self.pool.slots)
         self._publish_gauges()
         self.metrics.start()
@@ -579,6 +640,8 @@ class IngestServer:
                 _drain(self.broker, self._on_broker)
             if self.dirty:  # results go out before the clients' frames are taken: they waited longest
                 self._flush()
+            if self.disconnects in events:
+                self._on_disconnects()
             if self.clients in events:
                 _drain(self.clients, self._on_client, copy=False)
             if self.vad.signal in events:
@@ -611,6 +674,8 @@ class IngestServer:
             self._send(s.client, s.closed_message("shutdown", durable=s.durable()))  # from where its finals are owed
             s.log.error("ingest.stream_abandoned_at_shutdown", pending_jobs=len(s.inflight), **s.figures())
         self.vad.close()
+        self.clients.disable_monitor()
+        self.disconnects.close(linger=0)
         self.clients.close(linger=CLOSE_LINGER_MS)
         self.results.close(linger=0)
         self.broker.close(linger=0)

@@ -489,6 +489,11 @@ class Session:
                          durable=self.durable())
         return None
 
+    def ack_again(self) -> None:
+        """Make the next `due_ack` go out though nothing moved, as for a resend: nothing new to a
+        client still there, and a send that fails on a closed connection."""
+        self.resent = True
+
     def check_idle(self, now: float) -> bool:
         """Whether the client sent no audio for `ingest.idle_timeout_s` while it had room to: it is gone.
 

@@ -23,6 +23,7 @@ import numpy as np
 import psutil
 import pytest
 import zmq
+from structlog.testing import capture_logs
 from zmq.utils.monitor import recv_monitor_message
 
 from conftest import ROOT
@@ -72,12 +73,14 @@ def server(tmp_path: Path) -> Iterator[IngestServer]:
     yield from _server(tmp_path)
 
 
-def _server(tmp_path: Path) -> Iterator[IngestServer]:
+def _server(tmp_path: Path, **ingest: float) -> Iterator[IngestServer]:
+    """`ingest`: settings of its [ingest] table beside the ports and the short drain."""
     base = free_ports(2)
     instance = f"test{uuid.uuid4().hex[:8]}"
     cfg = settings.load(None, {
         "instance": instance, "run_dir": str(tmp_path / instance),
-        "ingest": {"address": f"tcp://127.0.0.1:{base}", "port_base": base + 1, "drain_timeout_s": 1.0, "drain_pause_s": 0.5},
+        "ingest": {"address": f"tcp://127.0.0.1:{base}", "port_base": base + 1, "drain_timeout_s": 1.0, "drain_pause_s": 0.5,
+                   **ingest},
         "shm": {"streams_per_ingest": 4, "ring_seconds": 26.0},  # the smallest rings settings allow
     })
     server = IngestServer(cfg, 0)
@@ -182,6 +185,71 @@ def test_a_broker_away_never_blocks_the_loop(server: IngestServer) -> None:
     assert {ident for ident, *_ in got} == {b"ingest-0"}
     assert [kind for _, kind, _ in got] == [jobs.READY] + [jobs.HEARTBEAT] * 2000
     assert all(jobs.unpack(body)["streams"] == 0 for _, _, body in got[1:])
+
+
+def test_a_broker_away_for_long_is_said_once_a_minute(server: IngestServer) -> None:
+    """While the broker stays away the ingest reconnects each patience (3 s), and it wrote
+    `ingest.broker_lost` each time: a broker down for an hour made some 1,200 warnings of each
+    ingest. It says the broker is lost once, then that it is still away at most once a minute,
+    with how long and after how many reconnects, and once that it is back. No broker here;
+    the loop's clock is stepped through ten minutes rather than waited."""
+    patience = server.hb_interval * server.cfg.broker.liveness
+    start = time.monotonic()
+    with capture_logs() as logs:
+        for turn in range(1, 201):  # each a patience on from the last: the broker is given up for lost each time
+            server._heartbeat(start + turn * (patience + 0.001))
+        server._on_broker([jobs.HEARTBEAT, jobs.pack({})])  # the broker is back
+    told = [e for e in logs if e["event"].startswith("ingest.broker_")]
+    lost, *still, back = told
+    assert lost["event"] == "ingest.broker_lost" and lost["log_level"] == "warning", lost
+    assert lost["endpoint"] == server.cfg.broker_ingest_endpoint and lost["socket_file"] == "missing", lost
+    assert {e["event"] for e in still} == {"ingest.broker_still_away"} and len(still) >= 9, told
+    assert all(e["log_level"] == "warning" and e["socket_file"] == "missing" for e in still), still
+    away = [0.0] + [e["away_s"] for e in still]
+    assert all(later - earlier >= ingest_server.BROKER_AWAY_REPEAT_S - 1 for earlier, later in zip(away, away[1:])), away
+    assert [e["reconnects"] for e in still] == sorted({e["reconnects"] for e in still}), still
+    assert back["event"] == "ingest.broker_back" and back["log_level"] == "info" and back["reconnects"] == 200, back
+
+
+def test_a_broker_stopped_is_said_lost_once_and_back_once(tmp_path: Path) -> None:
+    """An ingest process whose broker is not there (stopped, or not started yet) says so once,
+    reconnects each patience without a line each, and says once, with how long it was away and
+    how many reconnects, when the broker is heard again. The heartbeats are short here (a
+    patience of 0.1 s), and the broker is away for ten patiences and its own start."""
+    base = free_ports(2)
+    instance = f"test{uuid.uuid4().hex[:8]}"
+    cfg = settings.load(None, {
+        "instance": instance, "run_dir": str(tmp_path / instance),
+        "ingest": {"address": f"tcp://127.0.0.1:{base}", "port_base": base + 1},
+        "broker": {"heartbeat_ms": 50, "liveness": 2},
+    })
+    config = tmp_path / "service.toml"
+    config.write_text(settings.dump(cfg))
+    log = tmp_path / "ingest.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def events(name: str) -> list[dict]:
+        return [e for line in log.read_text().splitlines() if line.startswith("{") and (e := json.loads(line))["event"] == name]
+
+    with log.open("w") as err:
+        ingest = subprocess.Popen([sys.executable, "-m", "ingest", "--config", str(config)], cwd=ROOT, stderr=err, env=env)
+    broker = None
+    try:
+        wait_for(lambda: events("ingest.broker_lost"), 60, "the ingest to find the broker lost")
+        time.sleep(1.0)  # ten patiences with the broker away
+        broker = subprocess.Popen([sys.executable, "-m", "broker", "--config", str(config)], cwd=ROOT, stderr=subprocess.DEVNULL,
+                                  env=env)
+        [back] = wait_for(lambda: events("ingest.broker_back"), 60, "the ingest to hear the broker again")
+    finally:
+        for proc in (broker, ingest):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(30)
+        pool.reclaim(instance)
+    [lost] = events("ingest.broker_lost")
+    assert lost["level"] == "warning" and lost["endpoint"] == cfg.broker_ingest_endpoint and lost["socket_file"] == "missing", lost
+    assert back["level"] == "info" and back["reconnects"] >= 3 and back["away_s"] > 1.0, back
+    assert len(events("ingest.broker_still_away")) <= back["away_s"] // ingest_server.BROKER_AWAY_REPEAT_S
 
 
 @contextmanager
@@ -453,6 +521,83 @@ def test_a_closed_connection_s_streams_are_dropped_and_their_rings_kept_until_th
         got = serve_until(server, other, lambda got: any(isinstance(a, m.Ack) for a in got))
         assert [type(a) for a in got] == [m.Ready, m.Ack] and got[1].samples == FRAME, got
     results.close()
+
+
+def _answer(sock: zmq.Socket) -> m.ServerMessage:
+    assert sock.poll(10_000), "the ingest did not answer"
+    return m.decode_server(sock.recv_multipart())
+
+
+def test_streams_of_a_connection_closed_before_their_audio_give_their_rings_back_at_once(tmp_path: Path) -> None:
+    """A client that opens streams and closes its connection before it sends them audio (it died,
+    a dialler hung up at once) fails no send: the ingest has nothing to say to it. Its streams
+    held their rings until the idle timeout, and rings are an ingest's capacity: a run of such
+    short calls turned every new stream away. One stream that took silence, acknowledged, owes
+    its client nothing either. They are dropped once the connection is closed, and the next
+    client's opens are taken. The idle timeout is an hour here: nothing else frees the rings."""
+    made = _server(tmp_path, idle_timeout_s=3600.0)
+    server = next(made)
+    slots = server.pool.slots
+    taken: list[str] = []
+    failed: list[BaseException] = []
+
+    def open_stream(sock: zmq.Socket, stream: str) -> bool:
+        sock.send_multipart(m.encode(m.Open(stream=stream)))
+        answer = _answer(sock)
+        if isinstance(answer, m.ErrorMsg) and answer.code == m.TOO_MANY_STREAMS:
+            return False  # the rings are still held: asked again, as a client told "try again later" does
+        assert isinstance(answer, m.Ready) and answer.stream == stream, answer
+        return True
+
+    def clients() -> None:
+        try:
+            with client_socket(server) as gone:
+                for i in range(slots):
+                    assert open_stream(gone, f"a{i}")
+                gone.send_multipart(m.encode(m.Audio(stream="a0", seq=0, data=bytes(2 * FRAME))))
+                ack = _answer(gone)
+                assert isinstance(ack, m.Ack) and ack.samples == FRAME, ack
+            with client_socket(server) as sock:
+                for i in range(slots):
+                    wait_for(lambda: open_stream(sock, f"b{i}"), 30, f"a ring for stream b{i}")
+                    taken.append(f"b{i}")
+        except BaseException as exc:  # told by the test's thread, once the ingest has stopped
+            failed.append(exc)
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)  # the ingest drains and stops
+
+    talker = threading.Thread(target=clients, daemon=True)
+    try:
+        talker.start()
+        with StopSignal() as stop:
+            server.run(stop)
+        talker.join(10)
+    finally:
+        next(made, None)  # the fixture's end: closed, and its shm checked
+    assert not failed, failed
+    assert taken == [f"b{i}" for i in range(slots)]
+
+
+def test_a_connection_still_there_asked_whether_it_is_gone_keeps_its_streams(server: IngestServer) -> None:
+    """ZeroMQ reports a closed connection by its file descriptor only, which a new connection may
+    have taken by the time the report is read: that one is asked too, sent its last ack again. A
+    connection still there takes it as the ack of a resend, and keeps its streams."""
+    with client_socket(server) as sock:
+        sock.send_multipart(m.encode(m.Open(stream="a")))
+        serve_until(server, sock, bool)
+        sock.send_multipart(m.encode(m.Audio(stream="a", seq=0, data=bytes(2 * FRAME))))
+        [ack] = serve_until(server, sock, bool)
+        assert isinstance(ack, m.Ack) and ack.seq == 0, ack
+        [session] = server.sessions.values()
+        # as a report of its descriptor leaves it, SUSPECT_WAIT_S ago
+        server.suspects[session.client] = time.monotonic() - ingest_server.SUSPECT_WAIT_S
+        server._sweep(time.monotonic())
+        [again] = serve_until(server, sock, bool)
+        assert again == ack
+        assert not server.gone and not session.abandoned and server.sessions == {session.key: session}
+        sock.send_multipart(m.encode(m.Audio(stream="a", seq=1, data=bytes(2 * FRAME))))
+        [ack] = serve_until(server, sock, bool)
+        assert isinstance(ack, m.Ack) and ack.seq == 1 and ack.samples == 2 * FRAME, ack
 
 
 def _rss_mb() -> float:
