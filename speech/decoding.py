@@ -7,6 +7,9 @@ sampled step, the timestamp rules (pairs, monotonic, first timestamp <= 1.0 s, t
 forced when their summed probability beats every text token), at most 224 sampled tokens,
 average log-probability and the no-speech probability at the SOT position.
 
+A partial may not end at a segment it opened more than PARTIAL_OPEN_END_S before its audio's
+end: Whisper leaves such words to a next window, which a partial never has.
+
 A decode on the full window (a final, a long-form window, a partial there) samples at most
 `window_token_cap` tokens for its audio's length, and one that reaches it is a loop. Unless it
 is a partial, Whisper's temperature fallback then decodes it again by sampling, best of
@@ -63,6 +66,13 @@ WINDOW_TOKENS_PER_S = 15
 # of rounds, not a time, so the text is the same however busy the machine (docs/PERFORMANCE.md,
 # "Loops and the temperature fallback").
 FALLBACK_ROUNDS = 3
+# A partial may not open a segment and end there (two timestamps, or its first, then the end of
+# text) unless the segment opens within this many seconds of its audio's end: Whisper leaves the
+# words after such a timestamp to the next 30 s window, which a partial never decodes, so a
+# partial of a long segment stopped there, short of words already heard, for seconds on end
+# (docs/PERFORMANCE.md, "A partial that opens a segment and stops"). Within it the rest is a word
+# cut off or the pause that will end the segment.
+PARTIAL_OPEN_END_S = 1.0
 # A final whose decode opens a segment and stops there (two timestamps, then the end of text) is
 # decoded on from that timestamp, as Whisper's transcribe seeks: at most this many times more,
 # and not for a rest shorter than MIN_REST_S.
@@ -317,9 +327,19 @@ class WhisperDecoder:
             self._best = np.empty(n, np.int64)
         return self._logprobs[:n], self._exp[:n], self._col[:n]
 
-    def _filter(self, logits: np.ndarray, rows: list[_Row], ts_on: list[bool], first: list[bool]) -> np.ndarray:
-        """Apply Whisper's logit filters in place to (n, V) logits; returns log-probabilities, in a
-        buffer the next step overwrites."""
+    def _open_end(self, req: DecodeRequest) -> int:
+        """The first timestamp token at which `req` may open a segment and end its text (see
+        PARTIAL_OPEN_END_S): 0, any, but for a partial with timestamps."""
+        if not req.partial or not req.timestamps:
+            return 0
+        duration = np.asarray(req.audio).shape[-1] / SAMPLE_RATE
+        return self.ts_begin + max(0, math.ceil((duration - PARTIAL_OPEN_END_S) / TIME_PRECISION))
+
+    def _filter(self, logits: np.ndarray, rows: list[_Row], ts_on: list[bool], first: list[bool],
+                open_ends: list[int]) -> np.ndarray:
+        """Apply Whisper's logit filters in place to (n, V) logits, and a partial's rule against
+        ending at a segment it opened (`open_ends`, from `_open_end`); returns log-probabilities,
+        in a buffer the next step overwrites."""
         logits[:, self.suppress] = -np.inf
         tb = self.ts_begin
         for k, row in enumerate(rows):
@@ -335,6 +355,8 @@ class WhisperDecoder:
             if last_ts:
                 if penult_ts:
                     logits[k, tb:] = -np.inf
+                    if seq[-1] < open_ends[k]:  # a segment opened before the audio's last second: its words
+                        logits[k, self.tk.eot] = -np.inf
                 else:
                     logits[k, : self.tk.eot] = -np.inf
             stamps = [x for x in seq if x >= tb]
@@ -487,12 +509,14 @@ class WhisperDecoder:
         generator of `rngs` (`_draw`)."""
         rows = [_Row(req=i, tokens=list(forced[i]), n_forced=len(forced[i])) for i in range(len(reqs))]
         ts_on = [r.timestamps for r in reqs]
+        open_ends = [self._open_end(r) for r in reqs]
         active = list(range(len(reqs)))
         capped = [False] * len(reqs)
         n_sampled = 0
         while active:
             cur = [rows[i] for i in active]
-            lp = self._filter(logits, cur, [ts_on[i] for i in active], [n_sampled == 0] * len(active))
+            lp = self._filter(logits, cur, [ts_on[i] for i in active], [n_sampled == 0] * len(active),
+                              [open_ends[i] for i in active])
             if rngs is None:
                 nxt = lp.argmax(axis=-1, out=self._best[: len(active)])
             else:
@@ -523,6 +547,7 @@ class WhisperDecoder:
     def _beam(self, reqs, group: Group, logits, forced, max_new, beam):
         n = len(reqs)
         ts_on = [r.timestamps for r in reqs]
+        open_ends = [self._open_end(r) for r in reqs]
         # every request starts with `beam` copies of its hypothesis; only the first expands at step 0
         rep = self.io.take(group, [i for i in range(n) for _ in range(beam)])
         logits = np.take(logits, rep, axis=0, out=self.io.logits(0, n * beam), mode="clip")
@@ -533,7 +558,8 @@ class WhisperDecoder:
         n_sampled = 0
         while active:
             flat = [b for i in active for b in beams[i]]
-            lp = self._filter(logits, flat, [ts_on[b.req] for b in flat], [n_sampled == 0] * len(flat))
+            lp = self._filter(logits, flat, [ts_on[b.req] for b in flat], [n_sampled == 0] * len(flat),
+                              [open_ends[b.req] for b in flat])
             new_rows_idx, feed, still = [], [], []
             for a, i in enumerate(active):
                 cands: dict[tuple, tuple[float, int, int]] = {}
