@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from broker.broker import Broker
 from config import settings
 from streamasr import logs
-from streamasr.supervised import end_with_parent
+from streamasr.supervised import claim_port_early, end_with_parent
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,6 +18,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = settings.load(args.config)
     log = logs.configure("broker", cfg.log_level)
     try:
+        claim_port_early(cfg.ingest.address)  # the front door
+        from broker.broker import Broker  # after the port's check, as the ingest's (supervised.claim_port_early)
+
         Broker(cfg).run()
     except Exception:
         log.exception("broker.crashed")

@@ -203,6 +203,14 @@ class WorkerConfig:
 
 
 @dataclass(frozen=True)
+class SupervisorConfig:
+    # supervisord gives a program up (FATAL) once it failed to start `startretries` times in a row,
+    # about a minute; the causes are often passing (a port held for a while, a mount not yet up), so
+    # the `revive` event listener starts it again this long after, for as long as it fails; 0 = never.
+    fatal_retry_s: float = setting(30.0, hi=MAX_WATCH_S)
+
+
+@dataclass(frozen=True)
 class MetricsConfig:
     dashboard_port: int = setting(7780, hi=65535)  # the ops page and /metrics, on localhost
 
@@ -219,6 +227,7 @@ class Config:
     broker: BrokerConfig = field(default_factory=BrokerConfig)
     workers: WorkerConfig = field(default_factory=WorkerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
 
     @property
     def run_path(self) -> Path:

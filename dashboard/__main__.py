@@ -10,11 +10,8 @@ from types import FrameType
 from typing import Any
 
 from config import settings
-from dashboard.server import Dashboard
-from metrics.collector import Collector
-from protocol.socketfiles import Lost
 from streamasr import logs
-from streamasr.supervised import end_with_parent
+from streamasr.supervised import claim_port_early, end_with_parent
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,15 +22,27 @@ def main(argv: list[str] | None = None) -> int:
     end_with_parent()
     cfg = settings.load(args.config)
     log = logs.configure("dashboard", cfg.log_level)
+    port = cfg.metrics.dashboard_port if args.port is None else args.port
     try:
-        return serve(cfg, args.port, log)
+        if port:  # 0: any free port
+            claim_port_early(f"tcp://127.0.0.1:{port}")
+    except OSError as exc:
+        log.error("dashboard.refused", reason=str(exc))
+        return 1
+    try:
+        return serve(cfg, port, log)
     except Exception:
         log.exception("dashboard.crashed")  # one JSON line with the traceback, as the broker's, workers' and ingests'
         return 1
 
 
-def serve(cfg: settings.Config, port_flag: int | None, log: Any) -> int:
+def serve(cfg: settings.Config, port: int, log: Any) -> int:
     """Collect and serve until SIGTERM, SIGINT or SIGHUP; 1 when the collector or the port is refused."""
+    # imported once the port is checked (supervised.claim_port_early)
+    from dashboard.server import Dashboard
+    from metrics.collector import Collector
+    from protocol.socketfiles import Lost
+
     def socket_lost(lost: Lost) -> None:  # on the collector's thread
         if lost.restored:
             log.warning("dashboard.socket_restored", path=lost.path, why=lost.why)
@@ -48,7 +57,6 @@ def serve(cfg: settings.Config, port_flag: int | None, log: Any) -> int:
         return 1
     if collector.state_unreadable:  # counters that restarted processes carried start again from their live values
         log.warning("dashboard.state_ignored", path=str(cfg.metrics_state_path), reason=collector.state_unreadable)
-    port = cfg.metrics.dashboard_port if port_flag is None else port_flag
     try:
         dashboard = Dashboard(collector, port=port)
     except OSError as exc:  # the port taken since `serve` checked it: said, not a traceback

@@ -4,9 +4,8 @@ import argparse
 import sys
 
 from config import settings
-from ingest.server import main
 from streamasr.logs import configure
-from streamasr.supervised import end_with_parent
+from streamasr.supervised import claim_port_early, end_with_parent
 
 parser = argparse.ArgumentParser(prog="python -m ingest")
 parser.add_argument("--config", default=None, help="TOML config (default: $STREAMASR_CONFIG or the embedded default)")
@@ -16,6 +15,9 @@ end_with_parent(stopped_first=True)
 cfg = settings.load(args.config)
 log = configure(f"ingest-{args.index}", cfg.log_level, ingest=args.index)
 try:
+    claim_port_early(cfg.ingest_endpoint(args.index))
+    from ingest.server import main  # after the port's check: its imports take a second (ONNX Runtime)
+
     main(cfg, args.index)
 except Exception:
     log.exception("ingest.crashed")  # one JSON line with the traceback, as the broker's and workers' crashes

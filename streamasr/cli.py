@@ -62,6 +62,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"instance {report['instance']}  address {report['address']}  {state}")
         for p in report.get("processes", []):
             print(f"  {p['name']:<12} {p['state']:<9} pid {p['pid']:<7} up {p['uptime_s']} s")
+            if "why" in p:
+                print(f"    {p['why']}")
         for w in report.get("workers", []):
             print(f"  worker {w.get('id')}: model {w.get('model')}, in flight {w.get('inflight')}, done {w.get('jobs_done')}")
         for i in report.get("ingests", []):
@@ -76,10 +78,15 @@ def cmd_status(args: argparse.Namespace) -> int:
                 if report["stream_share"] and report["stream_share"] == report.get("stream_share_prior") else ""
             print(f"  admission: {report['realtime']} realtime streams{cap}, realtime wait {report['load']:.2f} s, "
                   f"workers {100 * report['busy']:.0f} % busy, {100 * report['stream_share']:.0f} % per speaking stream{prior}")
+        if given_up := service.given_up(report):
+            retry_s = service.saved_config(cfg).supervisor.fatal_retry_s
+            print(f"  degraded: supervisord gave up starting {', '.join(given_up)} (FATAL); "
+                  + (f"started again every {retry_s:g} s ([supervisor] fatal_retry_s)" if retry_s else
+                     "not started again ([supervisor] fatal_retry_s = 0): `supervisorctl start` it once its cause is gone"))
         for key in ("supervisor_error", "run_dir_error", "broker_error"):
             if key in report:
                 print(f"  {key.replace('_', ' ')}: {report[key]}")
-    return 0 if report.get("ready") else 1
+    return 0 if report.get("ready") and not service.given_up(report) else 1
 
 
 def cmd_stop(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ import configparser
 import contextlib
 import errno
 import fcntl
+import json
 import os
 import resource
 import signal
@@ -42,6 +43,8 @@ SUPERVISORD_CONF = HOME / "supervisord.conf"
 DRAIN_EXIT_S = 2.0  # an ingest's time to close its sockets and unlink its rings once a drain ends
 STOP_SLACK_S = 5.0  # supervisord's own shutdown, beyond its programs' stop times
 STARTING_WAIT_S = 600.0  # `stop` of an instance still starting: how long a model export may take before it is up
+LAST_WORDS_BYTES = 65_536  # the end of a log read for its last line: one crash's traceback, JSON-escaped, fits
+LAST_WORDS_CHARS = 300  # of that line, what `status` shows
 FDS_CEILING = 1 << 20  # the most `serve` raises the soft limit on open files to
 FDS_SPARE = 64  # an ingest's descriptors besides its clients' and workers' connections: sockets, shm, logs, threads (about 30 idle)
 CLAIM_FD = 3  # where supervisord keeps the instance's claim: it closes 5 and up when SIGHUP reloads it, and 3 and up in its programs
@@ -51,12 +54,12 @@ RUN_DIR_LOCK_FD = 4  # where it keeps its lock on the run directory (`lock_run_d
 
 
 def stop_waits() -> dict[str, float]:
-    """Each program's `stopwaitsecs` in supervisord.conf: how long supervisord lets it stop
-    before it SIGKILLs it (supervisord's default, 10 s, where none is set)."""
+    """Each program's (and event listener's) `stopwaitsecs` in supervisord.conf: how long
+    supervisord lets it stop before it SIGKILLs it (supervisord's default, 10 s, where none is set)."""
     conf = configparser.RawConfigParser()
     conf.read(SUPERVISORD_CONF)
-    return {name.removeprefix("program:"): conf.getfloat(name, "stopwaitsecs", fallback=10.0)
-            for name in conf.sections() if name.startswith("program:")}
+    return {name.partition(":")[2]: conf.getfloat(name, "stopwaitsecs", fallback=10.0)
+            for name in conf.sections() if name.startswith(("program:", "eventlistener:"))}
 
 
 def stop_timeout() -> float:
@@ -391,11 +394,44 @@ def front_door(address: str, msg: m.ClientMessage, timeout: float = 2.0, curve: 
         sock.close()
 
 
+
+
 def processes(cfg: Config) -> list[dict[str, Any]]:
     """supervisord's view of each program, over its unix socket (TimeoutError: one that does not
     answer, see `supervised.rpc`)."""
     with supervised.rpc(cfg.run_path / "supervisor.sock") as supervisor:
         return supervisor.getAllProcessInfo()
+
+
+def last_words(cfg: Config, name: str) -> str:
+    """What process `name` said last in its log: a JSON line's event and its reason, error or the
+    last line of its traceback (a program that failed at start said why there); "" for no log."""
+    try:
+        with open(cfg.run_path / "logs" / f"{name}.log", "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - LAST_WORDS_BYTES))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    line = next((line for line in reversed(lines) if line.strip()), "")
+    try:
+        event = json.loads(line)
+    except ValueError:  # not a log line of ours: an interpreter that failed before logging, say
+        return line[:LAST_WORDS_CHARS]
+    if not isinstance(event, dict):
+        return line[:LAST_WORDS_CHARS]
+    said = event.get("reason") or event.get("error") or str(event.get("exception", "")).strip().rpartition("\n")[2]
+    name = str(event.get("event", ""))
+    return (f"{name}: {said}" if said else name or line)[:LAST_WORDS_CHARS]
+
+
+def given_up_why(cfg: Config, info: dict[str, Any]) -> str:
+    """Why supervisord gave up process `info` (a row of its list): its own words, the last exit
+    status, and the process's last words in its log."""
+    why = info.get("spawnerr") or info.get("description") or "gave up starting it"
+    if info.get("exitstatus"):
+        why += f", exit status {info['exitstatus']}"
+    said = last_words(cfg, info["name"])
+    return f"{why}; its log ends: {said}" if said else why
 
 
 def _age_s(pid: int | None) -> float:
@@ -447,7 +483,7 @@ def deleted_files(cfg: Config, uptimes: dict[str, float], supervisord_bound: boo
 def saved_config(cfg: Config) -> Config:
     """`cfg`, describing its running instance as that was started, from its run directory: its
     `[ingest]` (the front door `serve --address` sets, its ingest processes, the server's CURVE
-    keys), its workers and its dashboard port. The rest is the caller's own, its client key
+    keys), its workers, its dashboard port and how often it starts a program given up on again. The rest is the caller's own, its client key
     included: that is the caller's identity, not the service's."""
     saved = cfg.run_path / "config.toml"
     if supervisord_pid(cfg) is None or not saved.is_file():
@@ -457,7 +493,7 @@ def saved_config(cfg: Config) -> Config:
     except settings.ConfigError:  # not TOML: the caller's own settings are the best guess left
         return cfg
     return replace(cfg, ingest=replace(started.ingest, curve_client_key=cfg.ingest.curve_client_key),
-                   workers=started.workers, metrics=started.metrics)
+                   workers=started.workers, metrics=started.metrics, supervisor=started.supervisor)
 
 
 def status(cfg: Config) -> dict[str, Any]:
@@ -480,7 +516,8 @@ def status(cfg: Config) -> dict[str, Any]:
     else:
         try:
             report["processes"] = [
-                {"name": p["name"], "group": p["group"], "state": p["statename"], "pid": p["pid"], "uptime_s": p["now"] - p["start"] if p["pid"] else 0}
+                {"name": p["name"], "group": p["group"], "state": p["statename"], "pid": p["pid"], "uptime_s": p["now"] - p["start"] if p["pid"] else 0,
+                 **({"why": given_up_why(cfg, p)} if p["statename"] == "FATAL" else {})}
                 for p in processes(cfg)
             ]
         except FileNotFoundError:
@@ -507,6 +544,12 @@ def status(cfg: Config) -> dict[str, Any]:
     return report
 
 
+def given_up(report: dict[str, Any]) -> list[str]:
+    """The processes supervisord gave up starting (FATAL): the instance serves without them until
+    `revive` starts them again (`[supervisor] fatal_retry_s`)."""
+    return [p["name"] for p in report.get("processes", []) if p["state"] == "FATAL"]
+
+
 def complete(report: dict[str, Any]) -> bool:
     """Every ingest process and worker the instance runs has registered with the broker, and no
     ingest is shutting down: one that drains is on its way out (a restart), not serving."""
@@ -520,13 +563,13 @@ def serving_ingests(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def wait_ready(cfg: Config, timeout: float) -> dict[str, Any]:
-    """The report once the service is ready with its whole pool registered, or at `timeout`:
-    the front door is ready with one ingest and one worker, and a script that waits to send load
-    wants it spread over all of them."""
+    """The report once the service is ready with its whole pool registered and no program given
+    up on, or at `timeout`: the front door is ready with one ingest and one worker, and a script
+    that waits to send load wants it spread over all of them."""
     deadline = time.monotonic() + timeout
     while True:
         report = status(cfg)
-        if (report.get("ready") and complete(report)) or time.monotonic() > deadline:
+        if (report.get("ready") and complete(report) and not given_up(report)) or time.monotonic() > deadline:
             return report
         time.sleep(0.25)
 

@@ -29,7 +29,7 @@ def end_with_parent(stopped_first: bool = False) -> None:
     otherwise leave its programs serving with no one to stop them: `status` and `stop` find no
     instance, and `serve` cannot bind its addresses. Stop at once, too, where the stop signal
     supervisord sent came before this program was running to take it (`_stop_missed`;
-    `stopped_first`: the program supervisord stops first when it shuts down, the ingest)."""
+    `stopped_first`: those supervisord stops first when it shuts down, the revive listener and the ingests)."""
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
@@ -73,6 +73,25 @@ class _UnixConnection(UnixStreamHTTPConnection):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(self.timeout)
         self.sock.connect(self.socketfile)
+
+
+def claim_port_early(endpoint: str) -> None:
+    """Raise OSError (EADDRINUSE, naming `endpoint`) when another process holds `endpoint`'s TCP
+    port, before a program's heavy imports: an ingest's take a second or more (ONNX Runtime), and
+    a program that fails later than its `startsecs` counts as started, so supervisord starts it
+    again at once, for ever, a core spent on imports, and never gives it up for `revive`
+    (streamasr/revive.py) to start again once the port is free. Failing first, its start fails,
+    retried with supervisord's backoff. The port is bound as ZeroMQ binds it (SO_REUSEADDR: a
+    port in TIME_WAIT is free) and let go at once; one taken after this is the bind's to find."""
+    if not endpoint.startswith("tcp://"):
+        return
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("" if host == "*" else host, int(port)))
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot bind {endpoint}: {exc.strerror}") from None
 
 
 @contextmanager

@@ -582,4 +582,4 @@ def test_restarts_count_a_process_that_crashed_before_it_published_and_the_dashb
     os.kill(dashboard, signal.SIGKILL)
     wait_for(lambda: running("dashboard:dashboard", dashboard), timeout=30, what="supervisord to restart the dashboard")
     counted = wait_for(lambda: (r := restarts()) and "dashboard" in r and r, timeout=30, what="the new dashboard's count")
-    assert counted == {"broker": 0, "dashboard": 1, "ingest": 0, "worker": 2}
+    assert counted == {"broker": 0, "dashboard": 1, "ingest": 0, "revive": 0, "worker": 2}

@@ -8,12 +8,16 @@ only decodes and the comparison is exact.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import json
 import os
 import resource
 import signal
+import socket
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -440,3 +444,70 @@ def test_a_sighup_to_a_program_stops_it_cleanly_and_supervisord_starts_it_again(
     wait_for(lambda: svc.status(service.cfg).get("ready"), 60, "the service ready again")
     result = StreamClient(service.address, read_wav(speech_files()[0]), speed=None, timeout=60).run()
     assert result.errors == [] and result.closed is not None and result.closed.reason == "end" and result.text, result
+
+
+# ---------------------------------------------------------------- programs supervisord gave up on
+
+GIVE_UP_WAIT_S = 300  # supervisord's ten tries, a second more apart each (55 s of waits), on a busy machine
+RETRY_S = 20.0  # [supervisor] fatal_retry_s here: long enough to look at the FATAL program before it is started again
+
+
+@contextlib.contextmanager
+def port_held_from(service: Service, program: str, port: int) -> Iterator[None]:
+    """Kill `program` and listen on its TCP port before supervisord's next start of it can bind it
+    (another process holding it for a while: a scanner, a container restarting); let it go after."""
+    held = socket.socket()
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ's listeners: the kernel still refuses them the port
+    try:
+        while True:  # the program started again in time and bound it first: once more
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid_of(service, program), signal.SIGKILL)
+            with contextlib.suppress(AssertionError):
+                wait_for(lambda: _bound(held, port), 5, f"{program}'s port", interval=0.01)
+                break
+        held.listen()
+        yield
+    finally:
+        held.close()
+
+
+def _bound(sock: socket.socket, port: int) -> bool:
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        return False
+    return True
+
+
+def given_up_report(service: Service, program: str) -> dict[str, Any]:
+    """`status` once supervisord has given `program` up (FATAL): run as an operator would."""
+    wait_for(lambda: program in svc.given_up(svc.status(service.cfg)), GIVE_UP_WAIT_S, f"supervisord to give {program} up", interval=0.5)
+    return json.loads(service.cli("status", "--json").stdout)
+
+
+def test_a_program_given_up_on_is_shown_and_started_again_once_its_port_is_free(service_factory: Any) -> None:
+    """Another process held the broker's port for longer than supervisord's ten tries (about a
+    minute, the broker failing within a second each time): supervisord put it in FATAL and never
+    started it again, the instance down for good. `status` and the dashboard name it FATAL with
+    its last words, and `revive` starts it again, logged, once the port is free."""
+    service = service_factory(model="null", workers=1, supervisor={"fatal_retry_s": RETRY_S})
+    with port_held_from(service, "broker", int(service.cfg.ingest.address.rpartition(":")[2])):
+        report = given_up_report(service, "broker")
+        broker = next(p for p in report["processes"] if p["name"] == "broker")
+        assert broker["state"] == "FATAL" and "Address already in use" in broker["why"], broker
+        text = service.cli("status")
+        assert text.returncode == 1 and "supervisord gave up starting broker (FATAL)" in text.stdout, text.stdout
+        url = f"http://127.0.0.1:{service.cfg.metrics.dashboard_port}/api/snapshot"
+
+        def shown() -> dict[str, Any] | None:
+            with urllib.request.urlopen(url, timeout=5) as reply:
+                rows = json.loads(reply.read())["processes"]
+            return next((p for p in rows if p["name"] == "broker" and p["state"] == "FATAL"), None)
+
+        assert "Address already in use" in wait_for(shown, 30, "the dashboard to show the broker FATAL")["why"]
+    report = svc.wait_ready(service.cfg, GIVE_UP_WAIT_S + RETRY_S)
+    assert report["ready"] and svc.complete(report) and not svc.given_up(report), report
+    restarts = [e for e in service.events("revive") if e["event"] == "revive.restart"]
+    assert restarts and restarts[0]["program"] == "broker" and restarts[0]["fatal_s"] >= RETRY_S, restarts
+    assert "Address already in use" in restarts[0]["why"], restarts
+

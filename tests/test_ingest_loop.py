@@ -6,9 +6,11 @@ sockets on loopback and real shm, and no broker or workers: their absence is the
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -601,7 +603,9 @@ def test_a_connection_still_there_asked_whether_it_is_gone_keeps_its_streams(ser
 
 
 def _rss_mb() -> float:
-    """This process's resident memory: the ingest under test runs in it."""
+    """This process's resident memory: the ingest under test runs in it. What was freed is given
+    back first (malloc_trim), so the test's own messages, sent and gone, do not count."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
 
@@ -618,13 +622,17 @@ def test_a_client_that_never_reads_its_refusals_cannot_fill_the_ingest_s_memory(
     sock.linger = 0
     sock.setsockopt(zmq.RCVHWM, 1)  # it reads nothing: the answers queue in the ingest
     sock.setsockopt(zmq.RCVBUF, 4096)
+    sock.setsockopt(zmq.SNDHWM, 20)  # the 130 MB sent wait in the ingest, if anywhere, not in the sender's queue
     sock.connect(server.endpoint)
     try:
         before = _rss_mb()
         for i in range(1000):
-            sock.send(hostile[i % 2])
-            if i % 50 == 49:
-                _drain(server.clients, server._on_client, copy=False)
+            while True:
+                try:
+                    sock.send(hostile[i % 2], zmq.NOBLOCK)
+                    break
+                except zmq.Again:  # the ingest, in this thread, reads them
+                    _drain(server.clients, server._on_client, copy=False)
         wait_for(lambda: (_drain(server.clients, server._on_client, copy=False), not server.clients.poll(100))[1],
                  what="the messages read")
         grown = _rss_mb() - before
@@ -637,10 +645,9 @@ def test_a_client_that_never_reads_its_refusals_cannot_fill_the_ingest_s_memory(
         sock.close()
 
 
-def test_an_ingest_that_crashes_says_so_in_one_json_line_with_its_traceback(tmp_path: Path) -> None:
-    """Its log is read as JSON lines (`jq` over the run directory's logs): a crash must be one
-    more such line, `ingest.crashed` with the traceback, as the broker's and workers' are, not a
-    bare Python traceback that stops `jq` at its first line."""
+def _lone_ingest_config(tmp_path: Path) -> tuple[int, str, Path]:
+    """A config for one ingest process run by hand: its front door's port (the ingest's is the
+    next), its instance name and the config file."""
     base = free_ports(2)
     instance = f"test{uuid.uuid4().hex[:8]}"
     config = tmp_path / "ingest.toml"
@@ -648,6 +655,14 @@ def test_an_ingest_that_crashes_says_so_in_one_json_line_with_its_traceback(tmp_
         "instance": instance, "run_dir": str(tmp_path / instance),
         "ingest": {"address": f"tcp://127.0.0.1:{base}", "port_base": base + 1},
     })))
+    return base, instance, config
+
+
+def test_an_ingest_that_crashes_says_so_in_one_json_line_with_its_traceback(tmp_path: Path) -> None:
+    """Its log is read as JSON lines (`jq` over the run directory's logs): a crash must be one
+    more such line, `ingest.crashed` with the traceback, as the broker's and workers' are, not a
+    bare Python traceback that stops `jq` at its first line."""
+    base, instance, config = _lone_ingest_config(tmp_path)
     taken = zmq.Context.instance().socket(zmq.ROUTER)  # another program took the ingest's port
     taken.linger = 0
     taken.bind(f"tcp://127.0.0.1:{base + 1}")
@@ -662,3 +677,24 @@ def test_an_ingest_that_crashes_says_so_in_one_json_line_with_its_traceback(tmp_
     [crash] = [e for e in events if e["event"] == "ingest.crashed"]
     assert crash["level"] == "error" and crash["ingest"] == 0
     assert "Traceback" in crash["exception"] and "Address already in use" in crash["exception"]
+
+
+def test_an_ingest_whose_port_is_held_fails_its_start_before_its_imports(tmp_path: Path) -> None:
+    """A program that fails later than supervisord's `startsecs` (1 s) counts as started and is
+    started again at once, for ever, never given up for `revive` to start again once its cause is
+    gone: an ingest whose port another process held spent about 2 s importing ONNX Runtime each
+    time before its bind failed, a core spent crash-looping. It tries its port first."""
+    base, instance, config = _lone_ingest_config(tmp_path)
+    with socket.socket() as taken:  # another program's listening socket on the ingest's port
+        taken.bind(("127.0.0.1", base + 1))
+        taken.listen()
+        proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "ingest", "--config", str(config)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+    pool.reclaim(instance)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    imported = [line.rpartition("|")[2].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    assert "structlog" in imported  # -X importtime reports the imports: this is no vacuous check
+    assert not any(name.startswith(("onnxruntime", "ingest.server", "shm")) for name in imported), \
+        "the ingest loaded its model runtime before finding its port held"
+    [crash] = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{") and '"ingest.crashed"' in line]
+    assert f"cannot bind tcp://127.0.0.1:{base + 1}: Address already in use" in crash["exception"]

@@ -80,7 +80,7 @@ def test_systemd_tmpfiles_ages_out_nothing_of_a_serving_instance(service_factory
         rules.unlink()
     assert files() == before
     report = _report(service)
-    assert {p["name"] for p in report["processes"]} == {"broker", "dashboard", "ingest-0", "worker-0"}, report
+    assert {p["name"] for p in report["processes"]} == {"broker", "dashboard", "ingest-0", "revive", "worker-0"}, report
     assert "run_dir_error" not in report and "supervisor_error" not in report, report
 
 

@@ -105,7 +105,7 @@ function render(s) {
   fillTable("#processes", s.processes, (row, p) => {
     row.dataset.process = p.name;
     cell(row, p.name);
-    cell(row, p.state, `state-${p.state}`);
+    cell(row, p.state, `state-${p.state}`).title = p.why ?? "";  // FATAL: why supervisord gave up on it
     cell(row, p.pid ?? "–");
     cell(row, duration(p.uptime_s));
     cell(row, number(p.cpu_percent, 1));
