@@ -86,6 +86,7 @@ class JobResult:
     started: float = 0.0  # time.monotonic() when the backend call began
     finished: float = 0.0
     error: str | None = None
+    language: str = ""  # the language the decode transcribed in: the job's, or the one detected ("" with no decode)
 
     def to_wire(self) -> tuple[Any, ...]:
         return _RESULT_ROW(self)

@@ -62,8 +62,14 @@ GONE_KEEP_S = 60.0  # how long messages of a closed connection, still queued, ar
 # while a send to it still passes.
 SUSPECT_WAIT_S = 0.5
 # Messages queued for one client connection: a client that leaves this many unread has stopped
-# reading, and its connection is taken as gone (`_send`).
-CLIENT_QUEUE = 100_000
+# reading, and its connection is taken as gone (`_send`). A client streaming live is sent some 13
+# messages a second a stream (an ack per 100 ms of audio, a partial per 500 ms of speech, its
+# finals): at `max_streams_per_client` (64) streams, 10,000 is over 10 s of its answers unread,
+# beside what its own socket and the kernel's buffers hold. A connection that never reads, but
+# sends what is refused as fast as it can, has the ingest hold this many answers for it until it
+# closes: 2 MB of the usual refusals (~200 bytes each, with ZeroMQ's share), 5 MB of the largest;
+# 100,000 were 20-50 MB a connection, and a few hundred such clients took gigabytes.
+CLIENT_QUEUE = 10_000
 # A realtime stream resuming at an offset was admitted before its ingest died: it is not new load,
 # but the figures may count it where it was until the broker hears that ingest is gone (at most
 # once more, as a service held to its limits holds at most them). Past twice the limits it is

@@ -87,6 +87,11 @@ class Session:
         self.next_segment = 0
         self.next_final = 0  # index of the next final to send
         self.previous_text = opened.resume_text or ""  # a resumed stream is prompted as if never interrupted
+        # Opened without a language, each final detects its segment's on the whole segment, and the
+        # partials after it are decoded in the language the latest one heard: a partial detects on
+        # the little audio it has (a second of German is heard as English, Vietnamese, Thai), and
+        # partials detecting each for itself flip from one language to another.
+        self.heard_language: str | None = None
         self.ending = False
         self.closed = False
         self.abandoned = False  # its connection is closed: see abandon
@@ -346,7 +351,7 @@ class Session:
             priority=self.priority,
             deadline=now + deadline_ms / 1000,
             seg=seg.index,
-            language=self.opened.language,
+            language=self.opened.language if final else self.opened.language or self.heard_language,
             prompt=prompt,
             prefix=None if final else seg.stabilizer.committed or None,  # a final is decoded free: see stabilizer
             created=now,
@@ -409,6 +414,8 @@ class Session:
                 text, revised = "", bool(seg.stabilizer.committed)
             else:
                 text, revised = seg.stabilizer.finalize(res.text.strip())
+                if res.text.strip() and res.language:  # words heard: their language is the stream's partials' from now on
+                    self.heard_language = res.language
             if revised:
                 self.metrics.inc("finals_revised_total")
             seg.result = m.Final(stream=self.opened.stream, seg=seg.index, text=text, start=self._time(seg.start),

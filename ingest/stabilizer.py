@@ -33,12 +33,23 @@ _SCALES = {"thousand": 10**3, "million": 10**6, "billion": 10**9}
 # CJK symbols and punctuation, kana, CJK ideographs (and extension A, compatibility), fullwidth forms
 _SPACELESS = "\u3000-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff00-\uffef"
 _WORD = re.compile(f"(\\s*)([{_SPACELESS}]|[^\\s{_SPACELESS}]+)")
+_SPACELESS_CHAR = re.compile(f"[{_SPACELESS}]")
 
 
 def words(text: str) -> list[str]:
     """`text` as words, each with the one space that went before it, if any: joined, they are the
     text with its spaces made single (a Chinese text gains none)."""
     return [(" " if space else "") + word for space, word in _WORD.findall(text)]
+
+
+def joined(texts: list[str]) -> str:
+    """Texts one after another (a stream's finals) as one text: a space between two, none between
+    two of a script written without spaces (Chinese, Japanese), as Whisper's own text has none there."""
+    out = ""
+    for text in filter(None, (t.strip() for t in texts)):
+        out += "" if not out or (_SPACELESS_CHAR.fullmatch(out[-1]) and _SPACELESS_CHAR.fullmatch(text[0])) else " "
+        out += text
+    return out
 
 
 def _text(words: list[str]) -> str:

@@ -31,6 +31,7 @@ import zmq
 
 from client.client import Client, Stream
 from client.core import MAX_REOPEN_S, REOPEN_CODES, REOPEN_S, ServerError, StreamError
+from ingest.stabilizer import joined
 from protocol.auth import Curve
 from protocol.messages import MAX_CHANNELS, OVERLOADED, RATES, Closed, ErrorMsg, Final, Partial, ProtocolError, ServerMessage
 from speech.audio import RAW_SUFFIXES, not_a_file, to_mono
@@ -199,7 +200,7 @@ def run(
                 continue  # cut short: its transcript would pass for the whole file's
             # a segment the service could not transcribe still had its final (what its partials agreed
             # on) and the stream went on: the transcript is the file's, with that error said
-        text = " ".join(job.finals)
+        text = joined(job.finals)  # Chinese or Japanese finals follow each other with no space, as in `--local`
         if as_json:
             audio_s = job.closed.audio_s if job.closed is not None else job.seconds
             output.json({"type": "summary", "file": job.file, "text": text, "segments": len(job.finals),

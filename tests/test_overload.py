@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,10 +20,11 @@ import zmq
 
 from broker import figures
 from config import settings
+from metrics import allocwatch
 from protocol import messages as m
 from shm import pool
 from streamasr import service as svc
-from streaming import StreamClient, StreamResult, hello, read_wav, speech_files, stream_many, wait_for
+from streaming import CARDS, StreamClient, StreamResult, hello, read_wav, speech_files, stream_many, wait_for
 
 GAP = np.zeros(8_000, np.int16).tobytes()
 
@@ -330,6 +332,85 @@ def test_realtime_stream_cap_counts_the_streams_of_every_ingest(service_factory:
             sock.close()
 
 
+def _serving(service: Any) -> dict[str, int]:
+    """The pids of the processes that mark what they hold on SIGUSR1 (metrics.allocwatch)."""
+    return {p["name"]: p["pid"] for p in svc.processes(service.cfg) if p["name"].startswith(("broker", "ingest", "worker"))}
+
+
+def _mark(pids: dict[str, int]) -> None:
+    for pid in pids.values():
+        os.kill(pid, signal.SIGUSR1)
+
+
+def _held_growth(directory: Path, pids: dict[str, int]) -> dict[str, tuple[int, list[dict]]]:
+    """Per process, the blocks it held more at its third mark than at its second, and the lines
+    holding most of what it kept since its first."""
+    reports = {name: [directory / f"{name}-{k}.json" for k in (1, 2)] for name in pids}
+    wait_for(lambda: all(f.exists() for files in reports.values() for f in files), 30, "the marks' reports")
+    growth = {}
+    for name, files in reports.items():
+        second, third = (json.loads(f.read_text()) for f in files)
+        growth[name] = (third["blocks"] - second["blocks"], third["top"])
+    return growth
+
+
+def test_a_long_stream_leaves_nothing_behind_per_segment(service_factory: Any, monkeypatch: pytest.MonkeyPatch,
+                                                        tmp_path: Path) -> None:
+    """A broadcast stream runs for days, one segment every few seconds: what the broker, the
+    ingest and the worker hold must not grow with its segments (its finals, partials, jobs,
+    acks). One batch stream of 900 short utterances, each followed by a pause the VAD ends it at;
+    each serving process marks what it holds three times along it. Between the last two marks
+    hundreds of segments pass: what grows there is in flight (a VAD round, a batch), far below
+    a block per segment, which anything kept per segment, job or ack costs."""
+    monkeypatch.setenv(allocwatch.ENV, str(tmp_path))  # before the start: the processes inherit it
+    service = service_factory(model="null", workers=1)
+    pids = _serving(service)
+    unit = read_wav(CARDS / "001.wav") + np.zeros(11_200, np.int16).tobytes()  # 0.7 s of silence ends each one
+    pcm = unit * 900
+    marks = [len(pcm) // 2 * k // 100 for k in (15, 45, 95)]
+    finals_at: list[int] = []
+
+    def mark(client: StreamClient, sent: int) -> None:
+        if len(finals_at) < len(marks) and sent >= marks[len(finals_at)]:
+            finals_at.append(len(client.result.finals))
+            _mark(pids)
+
+    result = StreamClient(service.address, pcm, priority="batch", speed=None, timeout=600, on_progress=mark).run()
+    assert result.errors == [] and len(result.finals) == 900, (result.errors, len(result.finals))
+    segments = finals_at[2] - finals_at[1]
+    assert segments >= 300, finals_at
+    for name, (growth, top) in _held_growth(tmp_path, pids).items():
+        assert growth < segments / 2, (name, segments, growth, top)
+
+
+def test_connections_that_come_and_go_leave_nothing_behind(service_factory: Any, monkeypatch: pytest.MonkeyPatch,
+                                                          tmp_path: Path) -> None:
+    """A call centre opens thousands of short connections an hour, each a hello at the front door
+    and a stream on an ingest: what the broker, the ingest and the worker hold must not grow with
+    them (per client counts, sessions, job owners, VAD rows). 1,100 connections, each one call
+    transcribed and closed; growth between the marks at the 300th and the last is in flight (a
+    VAD round), far below a block a connection."""
+    monkeypatch.setenv(allocwatch.ENV, str(tmp_path))
+    service = service_factory(model="null", workers=1)
+    pids = _serving(service)
+    call = read_wav(CARDS / "001.wav") + np.zeros(11_200, np.int16).tobytes()
+    for i in range(1, 1101):
+        sock = _dealer(hello(service.address).ingest)
+        assert isinstance(_open(sock, "call", priority="batch"), m.Ready)
+        for seq, at in enumerate(range(0, len(call), 3200)):
+            sock.send_multipart(m.encode(m.Audio(stream="call", seq=seq, data=call[at:at + 3200])))
+        sock.send_multipart(m.encode(m.End(stream="call")))
+        msg: m.ServerMessage | None = None
+        while sock.poll(30_000) and not isinstance(msg := m.decode_server(sock.recv_multipart()), m.Closed):
+            assert not isinstance(msg, m.ErrorMsg), msg
+        assert isinstance(msg, m.Closed), f"call {i} not closed: {msg}"
+        sock.close()
+        if i in (100, 300, 1100):
+            _mark(pids)
+    for name, (growth, top) in _held_growth(tmp_path, pids).items():
+        assert growth < 800 / 2, (name, growth, top)
+
+
 def test_soak_returns_to_baseline(service_factory: Any) -> None:
     """Rounds of streams, some abandoned mid-way: fds, shm and rings come back to where they were.
 
@@ -374,3 +455,91 @@ def test_soak_returns_to_baseline(service_factory: Any) -> None:
     assert pool.segments(service.cfg.instance) == segments
     growth = {n: round((after[n].memory_info().rss - rss[n]) / 2**20, 1) for n in rss}
     print(f"soak: 80 streams + 10 abandoned; RSS growth MiB {growth}")
+
+
+def _ingest_idle(proc: psutil.Process) -> bool:
+    """The ingest spent under a tenth of the last second on the CPU: what was sent to it is read."""
+    before = proc.cpu_times()
+    time.sleep(1.0)
+    after = proc.cpu_times()
+    return (after.user + after.system) - (before.user + before.system) < 0.1
+
+
+def test_clients_that_never_read_their_refusals_hold_a_bounded_share_of_the_ingest_s_memory(service_factory: Any) -> None:
+    """Every refused message is answered, and the answers wait in the ingest for a connection
+    that does not read them, up to the queue it is allowed (CLIENT_QUEUE), until the connection
+    closes. A few connections that flood refused messages (a rate no stream has, each answered
+    `bad_format`) and never read must leave the ingest, which serves every other stream, within a
+    small multiple of its memory before them, and a stream transcribed meanwhile must not notice."""
+    service = service_factory(model="null", workers=2)
+    pcm = read_wav(speech_files()[1])
+    stream_many(service.address, {f"w{i}": pcm for i in range(2)}, speed=None)  # warm-up: lazy imports, pools, sockets
+    [ingest] = [psutil.Process(p["pid"]) for p in svc.processes(service.cfg) if p["group"] == "ingest"]
+    wait_for(lambda: _ingest_idle(ingest), 30, "the ingest idle")
+    baseline = ingest.memory_info().rss
+
+    good: dict[str, StreamResult] = {}
+    runner = threading.Thread(target=lambda: good.update(r=StreamClient(service.address, pcm, "good", speed=1.0).run()))
+    runner.start()
+    welcome = hello(service.address)
+    bad = m.encode(m.Open(stream="b", rate="r" * 100))  # answered `bad_format`, in as many bytes
+    flooders: list[zmq.Socket] = []
+    try:
+        for _ in range(8):
+            sock = _dealer(welcome.ingest)
+            sock.setsockopt(zmq.RCVHWM, 1)  # it reads nothing: the answers queue in the ingest
+            sock.setsockopt(zmq.RCVBUF, 4096)
+            sock.setsockopt(zmq.SNDTIMEO, 60_000)
+            flooders.append(sock)
+        for _ in range(600):
+            for sock in flooders:
+                for _ in range(100):
+                    sock.send_multipart(bad)
+        wait_for(lambda: _ingest_idle(ingest), 120, "the ingest done with the flood")
+        grown = ingest.memory_info().rss / baseline
+        runner.join(120)
+    finally:
+        for sock in flooders:
+            sock.close()
+    print(f"8 connections x 60,000 refused messages, never read: ingest RSS {baseline / 2**20:.0f} MiB -> x{grown:.2f}")
+    # 480,000 answers of 168 bytes, all queued (60,000 a connection, under the 100,000 once allowed),
+    # took the ingest to 1.8 times its memory; at most 10,000 a connection, 1.1-1.2 times
+    assert grown < 1.4, f"the ingest grew to {grown:.1f} times its memory for 8 connections' unread refusals"
+    result = good["r"]
+    assert result.errors == [] and result.closed is not None and result.closed.reason == "end" and result.finals, result
+
+
+def test_a_client_that_pauses_its_reads_for_seconds_keeps_its_streams(service_factory: Any) -> None:
+    """A client with as many streams as it may open on a connection, each sent 100 ms of audio
+    every 100 ms, reads nothing for 8 s (a stall of its receiving thread): the answers owed to it
+    meanwhile (acks, partials) must fit in what the ingest queues for it, so that its streams go
+    on and end as asked, with nothing missing. Its socket holds one message and its receive
+    buffer 4 kB: what it leaves unread waits in the ingest (its queue, and the kernel's send buffer)."""
+    service = service_factory(model="null", workers=2)
+    welcome = hello(service.address)
+    streams = [f"p{i}" for i in range(welcome.limits["max_streams_per_client"])]
+    sock = _dealer(welcome.ingest)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.setsockopt(zmq.RCVBUF, 4096)
+    frame = read_wav(speech_files()[1])[:3200]
+    try:
+        for sid in streams:
+            assert isinstance(_open(sock, sid, priority="batch"), m.Ready), sid
+        got: list[m.ServerMessage] = []
+        start = time.monotonic()
+        for seq in range(80):  # 8 s of audio on each stream, read by no one
+            for sid in streams:
+                sock.send_multipart(m.encode(m.Audio(stream=sid, seq=seq, data=frame)))
+            time.sleep(max(0.0, start + (seq + 1) * 0.1 - time.monotonic()))
+        for sid in streams:
+            sock.send_multipart(m.encode(m.End(stream=sid)))
+        while sum(isinstance(a, m.Closed) for a in got) < len(streams):
+            assert sock.poll(30_000), f"{len(streams) - sum(isinstance(a, m.Closed) for a in got)} streams never closed"
+            got.append(m.decode_server(sock.recv_multipart()))
+    finally:
+        sock.close()
+    print(f"{len(streams)} streams, reads paused 8 s: {len(got)} answers")
+    assert [a for a in got if isinstance(a, m.ErrorMsg)] == []
+    assert {a.stream: a.reason for a in got if isinstance(a, m.Closed)} == dict.fromkeys(streams, "end")
+    heard = {a.stream: round(a.audio_s, 3) for a in got if isinstance(a, m.Closed)}
+    assert heard == dict.fromkeys(streams, 8.0), heard  # every frame taken

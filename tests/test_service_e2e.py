@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
+import soxr
 import zmq
 
 from ingest.stabilizer import keys
@@ -183,7 +184,12 @@ class RawClient:
     def stream_file(self, stream: str, path: str, frame_s: float = 0.1, pace: float = 0.0) -> int:
         """Open `stream` and send the file's frames; returns the number of input frames sent."""
         audio, rate = sf.read(path, dtype="int16")
-        self.send(m.Open(stream=stream, rate=rate))
+        return self.stream_audio(stream, audio, rate, frame_s=frame_s, pace=pace)
+
+    def stream_audio(self, stream: str, audio: np.ndarray, rate: int, offset: int = 0, frame_s: float = 0.1,
+                     pace: float = 0.0) -> int:
+        """Open `stream` (resuming at `offset`) and send 16-bit mono `audio`; returns its input frames."""
+        self.send(m.Open(stream=stream, rate=rate, offset=offset))
         assert isinstance(self.recv(), m.Ready)
         step = int(rate * frame_s)
         for seq, i in enumerate(range(0, len(audio), step)):
@@ -368,3 +374,43 @@ def test_worker_back_from_the_dead_does_not_duplicate_results(null_svc) -> None:
     closed = events[-1]
     assert isinstance(closed, m.Closed) and closed.segments == len(finals)
     client.close()
+
+
+def _resumed_at(null_svc, stream: str, audio: np.ndarray, rate: int, offset: int) -> list[m.ServerMessage]:
+    """Every event of `audio` streamed as a stream resumed at `offset`, acks included, up to `closed`."""
+    client = RawClient(null_svc.address)
+    client.stream_audio(stream, audio, rate, offset=offset)
+    client.send(m.End(stream=stream))
+    events = [client.recv(60, skip_acks=False)]
+    while not isinstance(events[-1], m.Closed):
+        events.append(client.recv(60, skip_acks=False))
+    client.close()
+    return events
+
+
+@pytest.mark.parametrize("rate", [16_000, 44_100])
+def test_a_stream_resumed_days_in_keeps_exact_times_and_positions(null_svc, rate: int) -> None:
+    """A broadcast stream days old counts past 2^31 and 2^32 input frames (37 and 75 h at 16 kHz):
+    resumed there (docs/PROTOCOL.md, resuming), its finals' times are those of the same audio at
+    offset 0 shifted by the offset, to the microsecond, and its acks, finals and `closed` count
+    every frame from the offset on."""
+    card, _ = sf.read(FILES[5], dtype="int16")
+    audio = np.tile(np.concatenate([card, np.zeros(16_000, np.int16)]), 3)  # a card read out, a second of silence
+    if rate != 16_000:
+        audio = np.round(soxr.resample(audio.astype(np.float32), 16_000, rate)).astype(np.int16)
+    base = [e for e in _resumed_at(null_svc, f"at0-{rate}", audio, rate, 0) if isinstance(e, (m.Final, m.Closed))]
+    assert len(base) >= 4, base  # a final per card, then `closed`
+    for offset in (2**31 + 7, 2**32 + 3, 2**40 + 11):
+        events = _resumed_at(null_svc, f"far{offset}-{rate}", audio, rate, offset)
+        far = [e for e in events if isinstance(e, (m.Final, m.Closed))]
+        assert len(far) == len(base), (offset, far, base)
+        for e, b in zip(far[:-1], base):
+            assert (e.start - offset / rate, e.end - offset / rate) == pytest.approx((b.start, b.end), abs=1e-6), (offset, e, b)
+            # where the VAD had got when the final went out: at least the segment's end, less the
+            # VAD's 32 ms chunk grid and an input frame of rounding
+            assert e.end - offset / rate - 0.033 <= (e.durable - offset) / rate <= len(audio) / rate, (offset, e)
+        assert (far[-1].durable - offset, far[-1].audio_s) == (base[-1].durable, base[-1].audio_s), (offset, far[-1], base[-1])
+        acks = [e for e in events if isinstance(e, m.Ack)]
+        assert acks and acks[-1].samples == offset + len(audio), (offset, acks[-1])
+        for a in acks:
+            assert offset <= a.durable <= a.samples <= a.window, (offset, a)

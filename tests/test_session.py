@@ -504,6 +504,29 @@ def test_a_segment_of_noise_gets_an_empty_final_in_order(long_pool: RingPool) ->
     assert closed[0].durable == s.in_frames  # every final out: a client resuming now would resend nothing
 
 
+@pytest.mark.parametrize("opened", [None, "de"])
+def test_partials_take_the_language_the_last_final_was_heard_in(long_pool: RingPool, opened: str | None) -> None:
+    """Opened without a language, a segment's partials are decoded in the language the latest
+    final with words was heard in (a partial detecting on its second of audio may hear German as
+    Vietnamese); each final still detects its own. A final judged no speech tells nothing. A
+    language the client gave is every job's."""
+    s = session(long_pool, language=opened)
+
+    def asked(seg: int, final: bool) -> set[str | None]:
+        return {j.language for j in s.jobs_out if j.seg == seg and j.final == final}
+
+    feed(s, [0.0] * 5 + [0.9] * 20)
+    answer(s, final=False, text="Guten Morgen")
+    feed(s, [0.0] * 20)
+    assert asked(0, final=False) == asked(0, final=True) == {opened}
+    answer(s, final=True, text="Guten Morgen, wie geht es?", language="de")
+    feed(s, [0.9] * 20 + [0.0] * 20)
+    assert (asked(1, final=False), asked(1, final=True)) == ({"de"}, {opened})
+    answer(s, final=True, text="Danke.", no_speech_prob=0.9, avg_logprob=-1.5, language="en")  # probably noise
+    feed(s, [0.9] * 20)
+    assert asked(2, final=False) == {"de"}
+
+
 @pytest.mark.parametrize("heard", [[], ["turn left now", "turn left now please"]], ids=["no partials", "partials"])
 def test_a_final_that_failed_for_good_is_sent_after_its_error(long_pool: RingPool, heard: list[str]) -> None:
     """A segment whose final cannot be decoded still gets its final, after an error naming it,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ingest.stabilizer import LocalAgreement, keys
+from ingest.stabilizer import LocalAgreement, joined, keys
 
 
 def test_commits_what_two_hypotheses_agree_on() -> None:
@@ -133,6 +133,15 @@ def test_a_language_written_without_spaces_commits_character_by_character() -> N
     la = LocalAgreement()
     la.update("東京 Tower は")
     assert la.update("東京 Tower は高い") == ("東京 Tower は高い", "東京 Tower は")
+
+
+def test_finals_of_a_language_written_without_spaces_join_without_one() -> None:
+    """A stream's transcript is its finals one after another: a space between English ones, none
+    between Chinese or Japanese ones (Whisper's own text has none there)."""
+    assert joined(["今日はいい天気ですね。", " 公園に行きましょう。"]) == "今日はいい天気ですね。公園に行きましょう。"
+    assert joined(["你好", "谢谢"]) == "你好谢谢"
+    assert joined(["Go forward.", "", "Turn left."]) == "Go forward. Turn left."
+    assert joined(["Das ist 5", "おはよう"]) == "Das ist 5 おはよう"
 
 
 def test_punctuation_after_the_last_word_does_not_make_it_committable() -> None:

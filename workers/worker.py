@@ -594,7 +594,7 @@ class Worker:
                 job_id=job.job_id, ingest=job.ingest, text=out.text,
                 segments=[(s.start, s.end, s.text) for s in out.segments],
                 avg_logprob=out.avg_logprob, no_speech_prob=out.no_speech_prob,
-                worker=self.identity, batch_size=len(taken), started=started, finished=finished,
+                worker=self.identity, batch_size=len(taken), started=started, finished=finished, language=out.language,
             ))
         log.debug("worker.batch", size=len(taken), seconds=round(finished - started, 4))
         return results
