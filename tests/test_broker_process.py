@@ -993,7 +993,7 @@ def _ingest_link(cfg: Config, sessions: dict[str, _Session]) -> Any:
     ingest.cfg, ingest.index, ingest.endpoint = cfg, 0, cfg.ingest_endpoint(0)
     ingest.ctx = zmq.Context.instance()
     ingest.log = structlog.get_logger()
-    ingest.broker, ingest.hb_interval, ingest.hb_sent = None, HEARTBEAT_MS / 1000, 0.0
+    ingest.broker, ingest.hb_interval, ingest.hb_sent, ingest.broker_away = None, HEARTBEAT_MS / 1000, 0.0, None
     ingest.owner = {job_id: key for key, s in sessions.items() for job_id in s.inflight}
     ingest.sessions, ingest.dirty, ingest.admitted, ingest.figures_window_s = sessions, set(), deque(), 5.0
     ingest.pool, ingest.draining = _PoolInUse(), False
