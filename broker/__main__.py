@@ -2,30 +2,23 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
+from typing import Any
 
-from config import settings
-from streamasr import logs
-from streamasr.supervised import claim_port_early, end_with_parent
+from config.settings import Config
+from streamasr import supervised
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m broker", description=__doc__)
-    parser.add_argument("--config", help=f"TOML config (default: ${settings.CONFIG_ENV}, then built-in defaults)")
-    args = parser.parse_args(argv)
-    end_with_parent()
-    cfg = settings.load(args.config)
-    log = logs.configure("broker", cfg.log_level)
-    try:
-        claim_port_early(cfg.ingest.address)  # the front door
-        from broker.broker import Broker  # after the port's check, as the ingest's (supervised.claim_port_early)
+    args = supervised.arguments("broker", __doc__).parse_args(argv)
+    return supervised.run("broker", args.config, serve)
 
-        Broker(cfg).run()
-    except Exception:
-        log.exception("broker.crashed")
-        return 1
-    return 0
+
+def serve(cfg: Config, _log: Any) -> None:
+    supervised.claim_port_early(cfg.ingest.address)  # the front door
+    from broker.broker import Broker  # after the port's check, as the ingest's (supervised.claim_port_early)
+
+    Broker(cfg).run()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import io
 import logging
 import threading
 import time
@@ -18,14 +19,17 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
+import soundfile
 
 from protocol.messages import (
     BAD_FORMAT,
+    G711_SUBTYPES,
     MAX_F32_SAMPLE,
     MAX_PROMPT_CHARS,
     NOT_READY,
     OUT_OF_ORDER,
     OVERLOADED,
+    SAMPLE_BYTES,
     TOO_MANY_STREAMS,
     UNKNOWN_STREAM,
     Ack,
@@ -48,7 +52,6 @@ from protocol.messages import (
 
 log = logging.getLogger(__name__)
 
-SAMPLE_BYTES = {"pcm_s16le": 2, "f32le": 4}
 LOCAL_HOSTS = ("127.0.0.1", "0.0.0.0", "localhost", "*")
 CLOSED = "closed"  # StreamError code for a stream that ended or a client that was closed
 LOST = "connection_lost"  # StreamError code when the service could not be reached again to resume
@@ -134,9 +137,11 @@ def _host(endpoint: str) -> str | None:
 def to_pcm(pcm: bytes | bytearray | memoryview | np.ndarray, encoding: str, channels: int) -> bytes:
     """`pcm` as interleaved bytes in `encoding`; the caller may reuse its buffer afterwards.
 
-    bytes are taken as already encoded (and not copied); arrays may be float (-1..1) or int16,
-    shaped (frames,) interleaved or (frames, channels). Raises ValueError for audio the server
-    would refuse: not whole frames, or f32le samples that are NaN, infinite or beyond ±MAX_F32_SAMPLE.
+    bytes are taken as already encoded (and not copied): G.711 codes from a telephony source go
+    out as they came. Arrays may be float (-1..1) or int16, shaped (frames,) interleaved or
+    (frames, channels); for pcm_mulaw and pcm_alaw they are made 16-bit, then encoded by
+    libsndfile. Raises ValueError for audio the server would refuse: not whole frames, or f32le
+    samples that are NaN, infinite or beyond ±MAX_F32_SAMPLE.
     """
     width = SAMPLE_BYTES[encoding]
     if isinstance(pcm, np.ndarray):
@@ -150,10 +155,10 @@ def to_pcm(pcm: bytes | bytearray | memoryview | np.ndarray, encoding: str, chan
             else:
                 out = (np.clip(pcm, -1.0, 1.0) * 32767.0).round().astype("<i2")
         elif pcm.dtype == np.int16:
-            out = pcm.astype("<i2") if encoding == "pcm_s16le" else (pcm / np.float32(32768.0)).astype("<f4")
+            out = (pcm / np.float32(32768.0)).astype("<f4") if encoding == "f32le" else pcm.astype("<i2")
         else:
             raise ValueError(f"audio arrays must be float or int16, not {pcm.dtype}")
-        data = out.tobytes()
+        data = g711_encode(out, encoding) if encoding in G711_SUBTYPES else out.tobytes()
     elif isinstance(pcm, bytes):
         data = pcm
     else:
@@ -167,6 +172,14 @@ def to_pcm(pcm: bytes | bytearray | memoryview | np.ndarray, encoding: str, chan
         if not (samples.min() >= -MAX_F32_SAMPLE and samples.max() <= MAX_F32_SAMPLE):
             raise ValueError(f"f32le samples must be finite and within ±{MAX_F32_SAMPLE:g} (full scale is ±1)")
     return data
+
+
+def g711_encode(s16: np.ndarray, encoding: str) -> bytes:
+    """16-bit samples (any shape, interleaved in row order) as the G.711 codes of `encoding`, by libsndfile."""
+    buf = io.BytesIO()
+    # each sample is encoded alone: one channel of them all is the same bytes, and the rate is not stored
+    soundfile.write(buf, s16.reshape(-1), 8000, format="RAW", subtype=G711_SUBTYPES[encoding])
+    return buf.getvalue()
 
 
 def check_open(msg: Open) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import signal
 import sys
 import threading
@@ -10,30 +9,25 @@ from types import FrameType
 from typing import Any
 
 from config import settings
-from streamasr import logs
-from streamasr.supervised import claim_port_early, end_with_parent
+from streamasr import supervised
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dashboard", description=__doc__)
-    parser.add_argument("--config", help="TOML config file (default: $STREAMASR_CONFIG, else the embedded default)")
+    parser = supervised.arguments("dashboard", __doc__)
     parser.add_argument("--port", type=settings.flag_in_range(int, 0, 65535, "port"), default=None, help="port on 127.0.0.1 (default: the config's metrics.dashboard_port; 0 = any free)")
     args = parser.parse_args(argv)
-    end_with_parent()
-    cfg = settings.load(args.config)
-    log = logs.configure("dashboard", cfg.log_level)
-    port = cfg.metrics.dashboard_port if args.port is None else args.port
-    try:
-        if port:  # 0: any free port
-            claim_port_early(f"tcp://127.0.0.1:{port}")
-    except OSError as exc:
-        log.error("dashboard.refused", reason=str(exc))
-        return 1
-    try:
+
+    def claim_and_serve(cfg: settings.Config, log: Any) -> int:
+        port = cfg.metrics.dashboard_port if args.port is None else args.port
+        try:
+            if port:  # 0: any free port
+                supervised.claim_port_early(f"tcp://127.0.0.1:{port}")
+        except OSError as exc:
+            log.error("dashboard.refused", reason=str(exc))
+            return 1
         return serve(cfg, port, log)
-    except Exception:
-        log.exception("dashboard.crashed")  # one JSON line with the traceback, as the broker's, workers' and ingests'
-        return 1
+
+    return supervised.run("dashboard", args.config, claim_and_serve)
 
 
 def serve(cfg: settings.Config, port: int, log: Any) -> int:

@@ -5,35 +5,61 @@ Converting once at the edge means VAD, the shm rings and Whisper never see anoth
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
+import soundfile
 import soxr
 
-from protocol.messages import MAX_F32_SAMPLE, RATES
+from protocol.messages import ENCODINGS, G711_SUBTYPES, MAX_F32_SAMPLE, RATES
 
 TARGET_RATE = 16000
-ENCODINGS = ("pcm_s16le", "f32le")
 
-_DTYPES = {"pcm_s16le": np.dtype("<i2"), "f32le": np.dtype("<f4")}
+_DTYPES = {"pcm_s16le": np.dtype("<i2"), "f32le": np.dtype("<f4"), "pcm_mulaw": np.dtype("u1"), "pcm_alaw": np.dtype("u1")}
 S16_SCALE = np.float32(1 / 32768)
+_INDEX_SLOTS = np.dtype(np.intp).itemsize // np.dtype(np.float32).itemsize  # float32 slots an index takes
+
+
+def _g711_table(encoding: str) -> np.ndarray:
+    """Float32 level of each of the 256 codes of a G.711 encoding, on the pcm_s16le scale.
+
+    libsndfile expands the codes (to 16 bits, as G.711 defines them): no companding formula of
+    our own to get wrong.
+    """
+    levels, _ = soundfile.read(io.BytesIO(bytes(range(256))), format="RAW", subtype=G711_SUBTYPES[encoding],
+                               samplerate=8000, channels=1, dtype="int16")
+    return levels.astype(np.float32) * S16_SCALE
+
+
+_TABLES = {encoding: _g711_table(encoding) for encoding in G711_SUBTYPES}
 
 
 class AudioFormatError(ValueError):
     """The client's audio does not match the format it declared."""
 
 
-def buffer_len(frames: int, channels: int) -> int:
-    """Samples of the kept buffer `decode_pcm` needs for a frame: one lane, and a second to add
-    the other channels from."""
-    return frames * min(channels, 2)
+def buffer_len(frames: int, channels: int, encoding: str) -> int:
+    """Samples of the kept buffer `decode_pcm` needs for a frame: one lane, a second to add the
+    other channels from and, for G.711, one lane's codes as the intp indices numpy's `take` reads
+    (given any other type, it would convert them into an array of its own), 8-byte aligned."""
+    if encoding not in _TABLES:
+        return frames * min(channels, 2)
+    return _index_start(frames, channels) + frames * _INDEX_SLOTS
+
+
+def _index_start(frames: int, channels: int) -> int:
+    """Where a G.711 frame's indices begin in the kept buffer: past the lanes, 8-byte aligned."""
+    lanes = frames * min(channels, 2)
+    return lanes + -lanes % _INDEX_SLOTS
 
 
 def decode_pcm(payload: bytes | memoryview, encoding: str, channels: int, out: np.ndarray | None = None) -> np.ndarray:
-    """Interleaved little-endian PCM to float32 mono in [-1, 1] (for s16).
+    """Interleaved little-endian PCM, or G.711 codes, to float32 mono in [-1, 1] (for s16 and G.711).
 
     Mono f32le comes back as a read-only view of `payload`; anything else is converted into
-    `out` when given, a stream's kept buffer at least as long as the frame (twice, for several
-    channels: one lane at a time is converted into the second half and added), so no frame costs
-    an array. Each step is a copy or an operation on float32 alone: numpy's mean, or a mixed-type
+    `out` when given, a stream's kept buffer of at least `buffer_len` samples (several channels:
+    one lane at a time is converted into the second lane and added), so no frame costs an array.
+    Each step is a copy or an operation on float32 alone: numpy's mean, or a mixed-type
     operation, would cast through buffers of its own.
     """
     dtype = _DTYPES.get(encoding)
@@ -53,19 +79,33 @@ def decode_pcm(payload: bytes | memoryview, encoding: str, channels: int, out: n
     if channels == 1 and encoding == "f32le":
         return raw.astype(np.float32, copy=False)
     frames = len(raw) // channels
-    kept = np.empty(buffer_len(frames, channels), np.float32) if out is None else out
+    kept = np.empty(buffer_len(frames, channels, encoding), np.float32) if out is None else out
     mono = kept[:frames]
     lanes = raw.reshape(frames, channels)
-    np.copyto(mono, lanes[:, 0], casting="same_kind")
+    table = _TABLES.get(encoding)
+    index = None
+    if table is not None:
+        start = _index_start(frames, channels)
+        index = kept[start: start + frames * _INDEX_SLOTS].view(np.intp)
+    _convert(mono, lanes[:, 0], table, index)
     if channels > 1:
         lane = kept[frames: 2 * frames]
         for c in range(1, channels):
-            np.copyto(lane, lanes[:, c], casting="same_kind")
+            _convert(lane, lanes[:, c], table, index)
             mono += lane
     scale = (S16_SCALE if encoding == "pcm_s16le" else np.float32(1)) / np.float32(channels)
     if scale != 1:
         mono *= scale
     return mono
+
+
+def _convert(dst: np.ndarray, src: np.ndarray, table: np.ndarray | None, index: np.ndarray | None) -> None:
+    """One lane into `dst` as float32: copied, or its G.711 codes looked up in `table` through `index`."""
+    if table is None:
+        np.copyto(dst, src, casting="same_kind")
+        return
+    np.copyto(index, src, casting="safe")
+    np.take(table, index, out=dst, mode="clip")  # "clip": "raise" would buffer `out`; codes are 0..255 anyway
 
 
 class Resampler:

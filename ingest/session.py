@@ -69,10 +69,10 @@ class Session:
         self.priority = BATCH if opened.priority == "batch" else REALTIME
         self.resampler = Resampler(opened.rate)
         self.segmenter = Segmenter(cfg.vad, SAMPLE_RATE)
-        self.bytes_per_frame = opened.channels * (2 if opened.encoding == "pcm_s16le" else 4)
+        self.bytes_per_frame = opened.channels * m.SAMPLE_BYTES[opened.encoding]
         # The common case, 16 kHz mono 16-bit, is converted straight into the ring, and mono float
-        # is read where it arrived; anything else is converted (mixed down) into this buffer,
-        # grown to the largest frame (two lanes of it for several channels), before the resampler.
+        # is read where it arrived; anything else is converted (mixed down, G.711 looked up) into
+        # this buffer, grown to the largest frame (see buffer_len), before the resampler.
         mono = opened.channels == 1
         self.direct_s16 = mono and opened.encoding == "pcm_s16le" and opened.rate == SAMPLE_RATE
         self.pcm: np.ndarray | None = None if self.direct_s16 or (mono and opened.encoding == "f32le") else np.empty(0, np.float32)
@@ -174,7 +174,7 @@ class Session:
         if self.direct_s16:
             self.ring.write(np.frombuffer(msg.data, dtype="<i2"), scale=S16_SCALE)
         else:
-            if self.pcm is not None and (size := buffer_len(frames, self.opened.channels)) > len(self.pcm):
+            if self.pcm is not None and (size := buffer_len(frames, self.opened.channels, self.opened.encoding)) > len(self.pcm):
                 self.pcm = np.empty(size, np.float32)
             try:
                 pcm = decode_pcm(msg.data, self.opened.encoding, self.opened.channels, out=self.pcm)

@@ -525,7 +525,7 @@ class Collector:
         now = time.monotonic()
         with self._lock:
             # one that supervisord still runs under the same pid is hung, not gone: kept, to be shown SILENT
-            running = {(p["name"], p["pid"]) for p in self._supervisor if p.get("statename") == "RUNNING"}
+            running = {(p["name"], p["pid"]) for p in self._supervisor if p.get("statename") in service.UP_STATES}
             for inc in [i for i in self._live.values() if now - i.seen > self.stale_after and (i.process, i.pid) not in running]:
                 self._retire(inc)
             publishing = {i.process: i.pid for i in self._live.values()}
@@ -701,12 +701,12 @@ class Collector:
                                "pid": p["pid"] or None, "uptime_s": (p["now"] - p["start"]) if p["pid"] else None,
                                "last_seen_s": None,
                                # given up on: why, as `status` says it (its log's last line, read only then)
-                               **({"why": service.given_up_why(self.cfg, p)} if p["statename"] == "FATAL" else {})}
+                               **({"why": service.given_up_why(self.cfg, p)} if p["statename"] in service.FAILED_STATES else {})}
         for inc in self._live.values():
             silent = now - inc.seen
             row = rows.setdefault(inc.process, {"name": inc.process, "program": program_of(inc.process), "state": "RUNNING",
                                                 "pid": inc.pid, "uptime_s": time.time() - inc.started})
-            if silent > SILENT_AFTER_S and row["state"] == "RUNNING" and row["pid"] == inc.pid:
+            if silent > SILENT_AFTER_S and row["state"] in service.UP_STATES and row["pid"] == inc.pid:
                 row["state"] = "SILENT"  # supervisord sees it run, but a process that stopped publishing is hung
             row["last_seen_s"] = round(silent, 1)
         for row in rows.values():

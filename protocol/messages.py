@@ -15,7 +15,13 @@ import msgpack
 VERSION = 1
 RATES = (8000, 16000, 22050, 44100, 48000)
 MAX_CHANNELS = 8
-ENCODINGS = ("pcm_s16le", "f32le")
+# Bytes per sample of each `open.encoding`. pcm_mulaw and pcm_alaw are G.711 (one byte per
+# sample), what telephony sends (Twilio Media Streams, Asterisk and FreeSWITCH `ulaw`/`alaw`),
+# taken as it arrives; named as FFmpeg names the codecs, and as other streaming ASR APIs do.
+SAMPLE_BYTES = {"pcm_s16le": 2, "f32le": 4, "pcm_mulaw": 1, "pcm_alaw": 1}
+ENCODINGS = tuple(SAMPLE_BYTES)
+# libsndfile's subtype for each G.711 encoding: the ingest decodes, and the client encodes, through it
+G711_SUBTYPES = {"pcm_mulaw": "ULAW", "pcm_alaw": "ALAW"}
 PRIORITIES = ("realtime", "batch")
 MAX_STREAM_ID = 64
 MAX_PROMPT_CHARS = 1000

@@ -398,6 +398,7 @@ class RunSpec:
     drain_s: float
     ramp_s: float = 0.0
     rate: int = 16000  # the clients' sample rate
+    encoding: str = "pcm_s16le"  # the clients' `open.encoding`
     admit_limit_s: float | None = None  # the started service's ingest.admit_max_load_s (unknown for --server)
     precision: str | None = None  # the started service's model settings (unknown for --server)
     partial_precision: str | None = None
@@ -472,7 +473,7 @@ def summarize(spec: RunSpec, results: list[dict[str, Any]], t0: float, wall_end:
     summary = {
         "config": {"streams": spec.streams, "duration_s": spec.duration_s, "mode": "offline" if spec.offline else "realtime",
                    "model": spec.model, "workers": spec.workers, "max_batch": spec.max_batch, "frame_ms": spec.frame_ms,
-                   "rate": spec.rate, "ramp_s": spec.ramp_s, "client_processes": processes,
+                   "rate": spec.rate, "encoding": spec.encoding, "ramp_s": spec.ramp_s, "client_processes": processes,
                    "precision": spec.precision, "partial_precision": spec.partial_precision,
                    "partial_window": spec.partial_window},
         "streams": {"requested": spec.streams, "opened": len(opened), "refused": refused, "closed": len(closed),
@@ -546,6 +547,7 @@ def run_load(target: Target, spec: RunSpec, clips: list[Clip]) -> tuple[dict[str
             plan = Plan(address=target.address, tag=tag, first=first, count=count, clips=clips,
                         duration_s=spec.duration_s, frame_ms=spec.frame_ms, offline=spec.offline, gap_s=GAP_S,
                         drain_s=spec.drain_s, ramp_s=spec.ramp_s, total=spec.streams, rate=spec.rate,
+                        encoding=spec.encoding,
                         curve=[key.decode() for key in target.curve] if target.curve else None)
             first += count
             proc = subprocess.Popen([sys.executable, "-m", "streamasr.loadgen"], cwd=ROOT, stdin=subprocess.PIPE,
@@ -616,7 +618,8 @@ def print_report(s: dict[str, Any], out: Any = sys.stdout) -> None:
     c = s["config"]
     w = print
     w(f"\n{c['streams']} streams x {c['duration_s']:g} s {c['mode']}, model {c['model']}, workers {c['workers'] or '?'}, "
-      f"max batch {c['max_batch'] or '?'}, frame {c['frame_ms']:g} ms at {c['rate'] / 1000:g} kHz, {c['client_processes']} client processes"
+      f"max batch {c['max_batch'] or '?'}, frame {c['frame_ms']:g} ms at {c['rate'] / 1000:g} kHz {c['encoding']}, "
+      f"{c['client_processes']} client processes"
       + (f", {c['precision']}, {c['partial_precision']} {c['partial_window']}-window partials" if c.get("precision") and c["model"] != "null" else "")
       + (f", opened over {c['ramp_s']:g} s" if c["ramp_s"] else ""), file=out)
     st = s["streams"]
@@ -762,7 +765,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--clients", type=int, help="client processes (default 2, fewer for fewer streams)")
     p.add_argument("--frame-ms", type=float, default=20.0, help="audio per message in real-time mode")
     p.add_argument("--rate", type=int, choices=m.RATES, default=16000,
-                   help="the clients' sample rate (16-bit mono); other rates make the ingest resample")
+                   help="the clients' sample rate (mono); other rates make the ingest resample")
+    p.add_argument("--encoding", choices=m.ENCODINGS, default="pcm_s16le",
+                   help="how the clients encode their samples: pcm_mulaw and pcm_alaw are G.711, one byte a sample, "
+                        "as telephony sends them (with --rate 8000), which the ingest decodes")
     p.add_argument("--ramp", type=float, default=0.0, metavar="SECONDS",
                    help="real-time only: stream i of N opens at i x SECONDS / N, and admission control refuses what does "
                         "not fit; a refused open is counted by its error code and not retried (0: open all at once, "
@@ -912,6 +918,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in counts:
             spec = RunSpec(n, args.duration, args.offline, args.frame_ms, args.clients, model, workers,
                            (args.max_batch or cfg.model.max_batch) if cfg else served_batch, args.drain, args.ramp, args.rate,
+                           encoding=args.encoding,
                            admit_limit_s=cfg.ingest.admit_max_load_s if cfg else None,
                            precision=cfg.model.precision if cfg else None,
                            partial_precision=cfg.model.partials_precision if cfg else None,

@@ -27,9 +27,10 @@ import numpy as np
 import zmq
 
 from client.client import handshake
-from client.core import StreamCore, ingest_endpoint, limits_from
+from client.core import StreamCore, ingest_endpoint, limits_from, to_pcm
 from protocol.auth import apply_client_curve
 from protocol.messages import (
+    SAMPLE_BYTES,
     Ack,
     Audio,
     Closed,
@@ -44,7 +45,6 @@ from protocol.messages import (
     encode,
 )
 
-SAMPLE_BYTES = 2  # pcm_s16le mono
 OPEN_TIMEOUT_S = 30.0
 LEAD_MAX_S = 2.0  # streams begin with up to this much silence so their segments do not end in lockstep
 GOLDEN = 0.6180339887498949
@@ -75,6 +75,7 @@ class Plan:
     ramp_s: float = 0.0  # stream i of `total` opens at t0 + i * ramp_s / total; 0: all open before t0
     total: int = 1  # streams over all client processes
     rate: int = 16000  # what the streams send: other rates make the ingest resample
+    encoding: str = "pcm_s16le"  # how they send it: pcm_mulaw and pcm_alaw make the ingest decode G.711
     curve: list[str] | None = None  # a CURVE service's public key and the client's secret key, z85
 
     def to_wire(self) -> dict[str, Any]:
@@ -109,12 +110,28 @@ def load_clips(clips: list[Clip], rate: int) -> list[np.ndarray]:
     return [(np.clip(resample(load_audio(c.path), SAMPLE_RATE, rate), -1.0, 1.0) * 32767.0).astype("<i2") for c in clips]
 
 
-def stream_audio(lead_s: float, order: list[int], pcm: list[np.ndarray], gap_s: float, rate: int) -> bytes:
-    gap = np.zeros(int(gap_s * rate), dtype="<i2")
-    parts = [np.zeros(int(lead_s * rate), dtype="<i2")]
+@dataclass(frozen=True)
+class Encoded:
+    """The clips and the longest silence a playlist needs, encoded once as the client library
+    encodes audio, so every stream's bytes are slices of these."""
+
+    clips: list[bytes]
+    silence: bytes  # LEAD_MAX_S or a gap, whichever is longer: silence is not all zero bytes in G.711
+    width: int  # bytes per sample
+
+
+def encode_clips(pcm: list[np.ndarray], rate: int, gap_s: float, encoding: str) -> Encoded:
+    silence = np.zeros(int(max(LEAD_MAX_S, gap_s) * rate), dtype="<i2")
+    return Encoded([to_pcm(p, encoding, 1) for p in pcm], to_pcm(silence, encoding, 1), SAMPLE_BYTES[encoding])
+
+
+def stream_audio(lead_s: float, order: list[int], audio: Encoded, gap_s: float, rate: int) -> bytes:
+    """One stream's bytes: its lead-in silence, then each clip of its playlist and a gap."""
+    gap = audio.silence[: int(gap_s * rate) * audio.width]
+    parts = [audio.silence[: int(lead_s * rate) * audio.width]]
     for c in order:
-        parts += [pcm[c], gap]
-    return np.concatenate(parts).tobytes()
+        parts += [audio.clips[c], gap]
+    return b"".join(parts)
 
 
 @dataclass(eq=False)
@@ -166,15 +183,16 @@ class LoadClient:
         self.packer = msgpack.Packer(use_bin_type=True)
         pcm = load_clips(plan.clips, plan.rate)
         durations = [len(p) / plan.rate for p in pcm]
+        encoded = encode_clips(pcm, plan.rate, plan.gap_s, plan.encoding)
         self.streams: list[Stream] = []
         for i in range(plan.first, plan.first + plan.count):
             lead, order = playlist(i, plan.clips, plan.duration_s, plan.gap_s, durations)
             core = StreamCore(f"{plan.tag}-{i}", priority="batch" if plan.offline else "realtime",
-                              frame_bytes=SAMPLE_BYTES, limits=limits, rate=plan.rate)
-            audio = memoryview(stream_audio(lead, order, pcm, plan.gap_s, plan.rate))
+                              frame_bytes=encoded.width, limits=limits, rate=plan.rate)
+            audio = memoryview(stream_audio(lead, order, encoded, plan.gap_s, plan.rate))
             self.streams.append(Stream(core.stream, core, audio, [plan.clips[c].reference for c in order]))
         self.by_id = {s.sid: s for s in self.streams}
-        self.frame_bytes = max(1, round(plan.frame_ms * plan.rate / 1000)) * SAMPLE_BYTES
+        self.frame_bytes = max(1, round(plan.frame_ms * plan.rate / 1000)) * encoded.width
         self.lag = array("d")  # actual minus scheduled send time of every real-time frame
         self.last_message = time.monotonic()
 
@@ -249,7 +267,8 @@ class LoadClient:
         if self.plan.ramp_s > 0 and not self.plan.offline:
             return  # opened one by one during the run
         for s in self.streams:
-            self.sock.send_multipart(encode(Open(s.sid, rate=self.plan.rate, priority="batch" if self.plan.offline else "realtime")))
+            self.sock.send_multipart(encode(Open(s.sid, rate=self.plan.rate, encoding=self.plan.encoding,
+                                                  priority="batch" if self.plan.offline else "realtime")))
         deadline = time.monotonic() + OPEN_TIMEOUT_S
         while time.monotonic() < deadline and any(not s.ready and s.open_error is None for s in self.streams):
             self.wait(0.1)
@@ -295,7 +314,8 @@ class LoadClient:
             now = time.monotonic()
             while pending and pending[0][0] <= now:
                 _, s = pending.pop(0)
-                self.sock.send_multipart(encode(Open(s.sid, rate=self.plan.rate, priority="realtime")))
+                self.sock.send_multipart(encode(Open(s.sid, rate=self.plan.rate, encoding=self.plan.encoding,
+                                                       priority="realtime")))
                 opening.append((now + OPEN_TIMEOUT_S, s))
             for deadline, s in list(opening):
                 if s.ready:

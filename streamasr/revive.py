@@ -1,17 +1,17 @@
 """`python -m streamasr.revive --config FILE`: supervisord's event listener that starts again the
 programs supervisord gave up on.
 
-supervisord puts a program that failed to start `startretries` times in a row (within a minute)
-in FATAL and never starts it again: an ingest whose port another process held for that minute, a
-worker whose model cache was not mounted yet, would stay down until someone noticed, the instance
-serving with one process fewer. This listener, woken by supervisord's TICK_5 events, starts each
+supervisord puts a program that failed to start `startretries` times in a row (a minute of
+backoff, and the tries themselves: each up to its `startsecs`) in FATAL and never starts it
+again: an ingest whose port another process held for that minute, a worker whose model cache was
+not mounted yet, would stay down until someone noticed, the instance serving with one process
+fewer. This listener, woken by supervisord's TICK_5 events, starts each
 program it has seen FATAL for `[supervisor] fatal_retry_s` again (supervisord then gives it its
 `startretries` anew), logging `revive.restart` each time, for as long as it keeps failing.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 import xmlrpc.client
@@ -20,10 +20,8 @@ from typing import Any, TextIO
 
 from supervisor import childutils
 
-from config import settings
 from config.settings import Config
-from streamasr import logs, service, supervised
-from streamasr.supervised import end_with_parent
+from streamasr import service, supervised
 
 
 @dataclass
@@ -65,18 +63,11 @@ def listen(reviver: Reviver, stdin: TextIO, stdout: TextIO) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m streamasr.revive", description=__doc__)
-    parser.add_argument("--config", help=f"TOML config (default: ${settings.CONFIG_ENV}, then built-in defaults)")
-    args = parser.parse_args(argv)
-    end_with_parent(stopped_first=True)  # the highest priority: supervisord stops it before the ingests
-    cfg = settings.load(args.config)
-    log = logs.configure("revive", cfg.log_level)  # on stderr: stdout is supervisord's protocol
-    try:
-        listen(Reviver(cfg, log), sys.stdin, sys.stdout)
-    except Exception:
-        log.exception("revive.crashed")
-        return 1
-    return 0
+    args = supervised.arguments("streamasr.revive", __doc__).parse_args(argv)
+    # stopped_first: the highest priority, supervisord stops it before the ingests; its log on
+    # stderr, as every program's: stdout is supervisord's protocol
+    return supervised.run("revive", args.config, lambda cfg, log: listen(Reviver(cfg, log), sys.stdin, sys.stdout),
+                          stopped_first=True)
 
 
 if __name__ == "__main__":

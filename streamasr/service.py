@@ -22,7 +22,6 @@ import subprocess
 import sys
 import time
 import uuid
-import xmlrpc.client
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -49,6 +48,9 @@ FDS_CEILING = 1 << 20  # the most `serve` raises the soft limit on open files to
 FDS_SPARE = 64  # an ingest's descriptors besides its clients' and workers' connections: sockets, shm, logs, threads (about 30 idle)
 CLAIM_FD = 3  # where supervisord keeps the instance's claim: it closes 5 and up when SIGHUP reloads it, and 3 and up in its programs
 BIND_GRACE_S = 10.0  # a program running this long has bound its sockets (they bind within seconds of starting)
+UP_STATES = ("STARTING", "RUNNING")  # supervisord's states of a program that runs: STARTING until its `startsecs` have passed
+# supervisord's states of a program whose start failed: retried after a backoff, or given up; `status` says why
+FAILED_STATES = ("BACKOFF", "FATAL")
 RUN_DIR_LOCK_WAIT_S = 5.0  # a cleaner holds its lock for a moment; anything longer is said, not waited on
 RUN_DIR_LOCK_FD = 4  # where it keeps its lock on the run directory (`lock_run_dir`), which that reload keeps too
 
@@ -425,9 +427,10 @@ def last_words(cfg: Config, name: str) -> str:
 
 
 def given_up_why(cfg: Config, info: dict[str, Any]) -> str:
-    """Why supervisord gave up process `info` (a row of its list): its own words, the last exit
-    status, and the process's last words in its log."""
-    why = info.get("spawnerr") or info.get("description") or "gave up starting it"
+    """Why process `info` (a row of supervisord's list) failed to start, while supervisord backs
+    off before its next try (a minute or more of them, with startsecs up to a minute) or after it
+    gave up: its own words, the last exit status, and the process's last words in its log."""
+    why = info.get("spawnerr") or info.get("description") or "failed to start"
     if info.get("exitstatus"):
         why += f", exit status {info['exitstatus']}"
     said = last_words(cfg, info["name"])
@@ -517,15 +520,17 @@ def status(cfg: Config) -> dict[str, Any]:
         try:
             report["processes"] = [
                 {"name": p["name"], "group": p["group"], "state": p["statename"], "pid": p["pid"], "uptime_s": p["now"] - p["start"] if p["pid"] else 0,
-                 **({"why": given_up_why(cfg, p)} if p["statename"] == "FATAL" else {})}
+                 **({"why": given_up_why(cfg, p)} if p["statename"] in FAILED_STATES else {})}
                 for p in processes(cfg)
             ]
         except FileNotFoundError:
             assert pid is not None  # not foreign: supervisord was found
             report["supervisor_error"] = socket_gone(cfg, pid)
-        except (OSError, xmlrpc.client.Fault) as exc:
+        except supervised.RPC_ERRORS as exc:  # something not supervisord's HTTP listening there too
             report["supervisor_error"] = str(exc)
-        uptimes = {p["name"]: p["uptime_s"] for p in report["processes"] if p["state"] == "RUNNING"}
+        # STARTING too: supervisord counts a program started only its `startsecs` (up to a minute)
+        # after it began, long after it bound its sockets
+        uptimes = {p["name"]: p["uptime_s"] for p in report["processes"] if p["state"] in UP_STATES}
         # no list of programs: supervisord's own age stands for theirs
         unlisted_s = _age_s(pid) if "supervisor_error" in report else 0.0
         if gone := deleted_files(cfg, uptimes, _socket_bound(pid), unlisted_s):

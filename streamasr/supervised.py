@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import http.client
 import os
 import signal
 import socket
 import xmlrpc.client
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from supervisor.xmlrpc import Faults, SupervisorTransport, UnixStreamHTTPConnection
+
+from config import settings
+from config.settings import Config
+from streamasr import logs
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 SUPERVISORD_PID = "STREAMASR_SUPERVISORD_PID"  # set by `serve` for the programs of the supervisord it becomes
@@ -21,6 +26,32 @@ SUPERVISOR_TIMEOUT_S = 2.0  # supervisord answers at once; longer is a superviso
 # What asking supervisord can fail with: its socket gone or refusing, a timeout, an unknown name
 # (Fault), and something not HTTP at all listening there.
 RPC_ERRORS = (OSError, xmlrpc.client.Error, http.client.HTTPException)
+
+
+def arguments(module: str, description: str | None) -> argparse.ArgumentParser:
+    """The command line of `python -m <module>`: the `--config` every program takes, to which
+    a program adds its own flags."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
+    parser.add_argument("--config", help=f"TOML config (default: ${settings.CONFIG_ENV}, then built-in defaults)")
+    return parser
+
+
+def run(name: str, config: str | None, serve: Callable[[Config, Any], int | None], *, index: int | None = None,
+        stopped_first: bool = False, **tags: Any) -> int:
+    """What every program does under supervisord around `serve(cfg, log)`, its own part (which
+    claims its TCP port, if it has one, before its heavy imports: `claim_port_early`): it ends
+    with its parent (`end_with_parent`), loads its config and logs JSON lines as `name`
+    (`name-index` with an index), tagged with `tags`. The exit status is `serve`'s (None: 0), or
+    1 for an exception, logged `<name>.crashed` with its traceback in one JSON line: the logs
+    are read as JSON lines, and a bare traceback would stop `jq` at its first line."""
+    end_with_parent(stopped_first)
+    cfg = settings.load(config)
+    log = logs.configure(name if index is None else f"{name}-{index}", cfg.log_level, **tags)
+    try:
+        return serve(cfg, log) or 0
+    except Exception:
+        log.exception(f"{name}.crashed")
+        return 1
 
 
 def end_with_parent(stopped_first: bool = False) -> None:

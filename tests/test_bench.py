@@ -221,18 +221,44 @@ def test_offline_receives_every_final(tmp_path: Path, null_service: Service) -> 
     assert s["throughput"]["rtf"] > 0
 
 
-def test_streams_at_another_rate_go_through_the_resampler(tmp_path: Path, null_service: Service) -> None:
+def test_streams_at_another_rate_or_encoding_go_through_the_resampler_and_decoder(tmp_path: Path,
+                                                                                 null_service: Service) -> None:
     """--rate 8000: the clients send the same playlists as telephone-rate audio, the ingest
-    resamples it, and the report counts the same seconds of audio as at 16 kHz."""
-    runs = {rate: bench(tmp_path, "--server", null_service.address, "--rate", str(rate), "--streams", "2",
-                        "--duration", "3", "--model", "null") for rate in (16000, 8000)}
-    for rate, s in runs.items():
-        assert s["config"]["rate"] == rate
-        assert s["streams"]["opened"] == s["streams"]["closed"] == s["streams"]["with_finals"] == 2
-        assert not s["errors"] and s["refused_frames"] == 0
+    resamples it; --encoding pcm_mulaw / pcm_alaw: as G.711 bytes too, one a sample, which the
+    ingest decodes. The report says what was sent and counts the seconds of audio the ingest
+    took, the same as 16 kHz 16-bit streams: bytes counted at the wrong width would halve them."""
+    formats = (("16000", "pcm_s16le"), ("8000", "pcm_s16le"), ("8000", "pcm_mulaw"), ("8000", "pcm_alaw"))
+    runs = {}
+    for rate, encoding in formats:
+        seen = len(null_service.events("ingest-0"))
+        s, printed = runs[rate, encoding] = bench_run(tmp_path, "--server", null_service.address, "--rate", rate,
+                                                      "--encoding", encoding, "--streams", "2", "--duration", "3",
+                                                      "--model", "null")
+        assert (s["config"]["rate"], s["config"]["encoding"]) == (int(rate), encoding)
+        assert f"at {int(rate) / 1000:g} kHz {encoding}," in printed
+        assert s["streams"]["opened"] == s["streams"]["closed"] == s["streams"]["with_finals"] == 2, s["streams"]
+        assert s["streams"]["unfinished"] == 0 and not s["errors"] and s["refused_frames"] == 0
         check_latency(s["partial_latency_ms"])
         check_latency(s["final_latency_ms"])
-    assert math.isclose(runs[8000]["throughput"]["audio_s"], runs[16000]["throughput"]["audio_s"], abs_tol=0.05)
+        check_latency(s["ack_latency_ms"])
+        t = s["throughput"]
+        assert t["audio_s"] >= 2 * 3, t  # each stream plays at least --duration
+        # Sent in real time, a stream takes as long as its audio (less its last 20 ms frame) whatever
+        # the machine's load: frames carrying more audio than --frame-ms would finish it sooner.
+        assert t["wall_s"] >= t["audio_s"] / 2 - 0.1, t
+        # What the ingest was told, and the audio it counted (its log reaches the file through
+        # supervisord's pipe; the service is shared, so only this run's streams count).
+        def logged(event: str, seen: int = seen) -> list[dict[str, Any]]:
+            return [e for e in null_service.events("ingest-0")[seen:] if e["event"] == event]
+
+        opened = logged("ingest.stream_opened")
+        assert [(e["rate"], e["encoding"]) for e in opened] == [(int(rate), encoding)] * 2, opened
+        ours = {e["stream"] for e in opened}
+        closed = wait_for(lambda: len(c := [e for e in logged("ingest.stream_closed") if e["stream"] in ours]) == 2 and c,
+                          10, "both streams' close logged")
+        assert math.isclose(sum(e["audio_s"] for e in closed), t["audio_s"], abs_tol=0.01), (closed, t)
+    for s, _ in runs.values():
+        assert math.isclose(s["throughput"]["audio_s"], runs["16000", "pcm_s16le"][0]["throughput"]["audio_s"], abs_tol=0.05)
 
 
 def test_ramp_counts_refused_opens_and_measures_the_admitted(tmp_path: Path,

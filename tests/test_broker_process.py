@@ -18,17 +18,17 @@ import tempfile
 import threading
 import time
 import uuid
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
 import psutil
 import pytest
-import structlog
 import zmq
 from structlog.testing import capture_logs
 
@@ -38,12 +38,14 @@ from broker.jobs import FAILED, OK, REALTIME, Job, JobResult
 from broker.queue import job_key
 from config import settings
 from config.settings import Config
-from metrics.registry import ProcessMetrics
 from metrics.registry import endpoint as metrics_endpoint
 from protocol import messages as m
 from shm import RingPool, reclaim
 from streamasr.service import free_ports
 from streaming import connections_from
+
+if TYPE_CHECKING:
+    from ingest.server import IngestServer
 
 ROOT = Path(__file__).resolve().parents[1]
 HEARTBEAT_MS = 100
@@ -980,34 +982,35 @@ class _Session:
             self.answers.append(result)
 
 
-class _PoolInUse:
-    in_use = 1
+@contextmanager
+def _ingest_link(cfg: Config) -> Iterator[IngestServer]:
+    """The real ingest (IngestServer as its process makes it: registered with the broker, its
+    shm segment made), its loop not run: its broker link and result handling are driven by hand.
+    Closed at the end as at its stop."""
+    from ingest.server import IngestServer  # ONNX Runtime, for its VAD: only the tests that need it wait for it
+
+    ingest = IngestServer(cfg, 0)
+    try:
+        yield ingest
+    finally:
+        ingest.sessions.clear()  # stand-ins with no client to tell `shutdown`
+        ingest.close()
 
 
-def _ingest_link(cfg: Config, sessions: dict[str, _Session]) -> Any:
-    """The real ingest's broker link and result handling (IngestServer's own methods), without
-    its clients, VAD or shm."""
-    from ingest.server import IngestServer
-
-    ingest = IngestServer.__new__(IngestServer)
-    ingest.cfg, ingest.index, ingest.endpoint = cfg, 0, cfg.ingest_endpoint(0)
-    ingest.ctx = zmq.Context.instance()
-    ingest.log = structlog.get_logger()
-    ingest.broker, ingest.hb_interval, ingest.hb_sent, ingest.broker_away = None, HEARTBEAT_MS / 1000, 0.0, None
-    ingest.owner = {job_id: key for key, s in sessions.items() for job_id in s.inflight}
-    ingest.sessions, ingest.dirty, ingest.admitted, ingest.figures_window_s = sessions, set(), deque(), 5.0
-    ingest.pool, ingest.draining = _PoolInUse(), False
-    ingest.metrics = ProcessMetrics(cfg, "ingest-0")
-    ingest._connect_broker()
-    return ingest
+def _waiting(ingest: IngestServer, key: str, jobs: list[Job]) -> _Session:
+    """A stream `key` of `ingest` that waits for `jobs`, sent to the broker as the loop sends a
+    session's jobs (`_flush`)."""
+    session = ingest.sessions[key] = _Session(jobs)  # type: ignore[assignment]
+    ingest.owner.update({job.job_id: key for job in jobs})
+    ingest.broker.send_multipart([wire.JOBS, wire.pack_jobs(jobs)])
+    return session
 
 
 def test_an_ingest_drops_a_broker_message_it_cannot_read(cluster: Cluster) -> None:
     """What a broker of another version might send: figures that are not msgpack, results that
     are not result rows, a kind the ingest does not know. Each is logged and dropped, and the
     next heartbeat is read as usual."""
-    ingest = _ingest_link(cluster.cfg, {})
-    try:
+    with _ingest_link(cluster.cfg) as ingest:
         with capture_logs() as logs:
             ingest._on_broker([wire.HEARTBEAT, b"\xc1"])
             ingest._on_broker([wire.RESULTS, msgpack.packb([[7]])])  # a row too short
@@ -1017,8 +1020,6 @@ def test_an_ingest_drops_a_broker_message_it_cannot_read(cluster: Cluster) -> No
         assert [(e["kind"], e["log_level"]) for e in bad] == [(wire.HEARTBEAT, "warning"), (wire.RESULTS, "warning"),
                                                              (b"NEWKIND", "warning")]
         assert (ingest.load, ingest.busy) == (0.25, 0.5)
-    finally:
-        ingest.broker.close(linger=0)
 
 
 def test_an_ingest_whose_connection_closes_gets_no_new_clients(cluster: Cluster) -> None:
@@ -1054,31 +1055,30 @@ def test_an_ingest_given_up_on_registers_again_and_gets_its_final(cluster: Clust
     READY and every job it waits for, once, and the final is decoded after all."""
     cluster.start_broker()
     wait_for(lambda: cluster.try_front(msgpack.packb({"type": "status"})), 10, "the broker")
-    [final] = cluster.jobs(1)
-    session = _Session([final])
-    ingest = _ingest_link(cluster.cfg, {"a": session})
-    results = zmq.Context.instance().socket(zmq.PULL)
-    results.setsockopt(zmq.LINGER, 0)
-    cluster.cfg.run_path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    results.bind(cluster.cfg.ingest_results_endpoint(0))
+    with _ingest_link(cluster.cfg) as ingest:
+        ring = ingest.pool.acquire()  # the stream's audio, in the ingest's own segment
+        ring.write(np.zeros(2 * SAMPLES, dtype=np.float32))
+        audio = {"shm": ingest.pool.name, "slot": ring.slot, "generation": ring.generation}
+        [final] = cluster.jobs(1, **audio)
+        session = _waiting(ingest, "a", [final])
 
-    def serve(seconds: float, partials: bool = False, until: Callable[[], bool] = lambda: False) -> None:
-        """The ingest's loop, as far as the broker sees it; with `partials`, another stream's,
-        each superseding the last one queued (no worker yet takes them)."""
-        end = time.monotonic() + seconds
-        next_partial = time.monotonic()
-        while time.monotonic() < end and not until():
-            while ingest.broker.poll(0):
-                ingest._on_broker(ingest.broker.recv_multipart())
-            while results.poll(0):
-                ingest._on_worker(results.recv_multipart())
-            if partials and time.monotonic() >= next_partial:
-                ingest.broker.send_multipart([wire.JOBS, wire.pack_jobs([replace(cluster.jobs(1, final=False)[0], stream="b")])])
-                next_partial = time.monotonic() + 2 * HEARTBEAT_MS / 1000
-            ingest._heartbeat(time.monotonic())
-            time.sleep(0.01)
+        def serve(seconds: float, partials: bool = False, until: Callable[[], bool] = lambda: False) -> None:
+            """The ingest's loop, as far as the broker sees it; with `partials`, another stream's,
+            each superseding the last one queued (no worker yet takes them)."""
+            end = time.monotonic() + seconds
+            next_partial = time.monotonic()
+            while time.monotonic() < end and not until():
+                while ingest.broker.poll(0):
+                    ingest._on_broker(ingest.broker.recv_multipart())
+                while ingest.results.poll(0):
+                    ingest._on_worker(ingest.results.recv_multipart())
+                if partials and time.monotonic() >= next_partial:
+                    partial = replace(cluster.jobs(1, final=False, **audio)[0], stream="b")
+                    ingest.broker.send_multipart([wire.JOBS, wire.pack_jobs([partial])])
+                    next_partial = time.monotonic() + 2 * HEARTBEAT_MS / 1000
+                ingest._heartbeat(time.monotonic())
+                time.sleep(0.01)
 
-    try:
         serve(0.5)
         assert [i["index"] for i in cluster.status()["ingests"]] == [0] and cluster.status()["queued"]["realtime"] == 1
         time.sleep(2 * PATIENCE_S)  # the loop stalls: the broker gives up on it and drops the final
@@ -1090,9 +1090,6 @@ def test_an_ingest_given_up_on_registers_again_and_gets_its_final(cluster: Clust
         cluster.start_worker(0)
         serve(20, until=lambda: bool(session.answers))
         assert [(r.job_id, r.status) for r in session.answers] == [(final.job_id, OK)]
-    finally:
-        results.close()
-        ingest.broker.close(linger=0)
     events = cluster.log_events("broker")
     assert sum(e["event"] == "broker.ingest_lost" for e in events) == 1
     asked = sum(e["event"] == "broker.ingest_unregistered" for e in events)

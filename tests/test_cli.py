@@ -231,6 +231,42 @@ def test_stop_of_an_instance_run_by_another_user_says_so(tmp_path: Path, monkeyp
         theirs.wait()
 
 
+def test_status_of_an_instance_whose_supervisor_socket_answers_no_http_says_so(tmp_path: Path) -> None:
+    """Whatever answers on supervisord's socket other than its HTTP (another program bound there,
+    a supervisord of another version gone wrong) must give `status` a supervisor error to print,
+    as the dashboard shows one, not a traceback. The instance's supervisord, found by its pid
+    file, is a real process that answers every request with a line that is not HTTP."""
+    cfg = settings.load(None, {"run_dir": str(tmp_path / "run"), "instance": f"nohttp{uuid.uuid4().hex[:8]}"})
+    cfg.run_path.mkdir()
+    config = tmp_path / "streamasr.toml"
+    config.write_text(settings.dump(cfg))
+    answers = (  # the whole request read first: answering before it is all sent would make the error a broken pipe
+        "import socket, threading\n"
+        f"listener = socket.socket(socket.AF_UNIX)\nlistener.bind({str(cfg.run_path / 'supervisor.sock')!r})\nlistener.listen()\n"
+        "def answer():\n"
+        "    while True:\n"
+        "        conn, request = listener.accept()[0], b''\n"
+        "        while b'</methodCall>' not in request and (chunk := conn.recv(65536)):\n"
+        "            request += chunk\n"
+        "        conn.sendall(b'garbage, not HTTP\\r\\n\\r\\n')\n"
+        "        conn.close()\n"
+        "threading.Thread(target=answer, daemon=True).start()")
+    theirs = _a_process(tmp_path / "supervisord", answers, args=["-n"], env={"STREAMASR_RUN_DIR": str(cfg.run_path)})
+    try:
+        (cfg.run_path / "supervisord.pid").write_text(str(theirs.pid))
+        done = _streamasr("status", "--json", "--config", str(config))
+        text = _streamasr("status", "--config", str(config))
+    finally:
+        theirs.kill()
+        theirs.wait()
+    assert "Traceback" not in done.stderr + text.stderr, done.stderr + text.stderr
+    assert done.returncode == 1, done.stderr
+    report = json.loads(done.stdout)
+    assert report["running"] is True and report["processes"] == [], report
+    assert "garbage, not HTTP" in report["supervisor_error"], report
+    assert text.returncode == 1 and "supervisor error: garbage, not HTTP" in text.stdout, text.stdout
+
+
 def test_ops_commands_follow_the_running_instance_from_anywhere(tmp_path: Path) -> None:
     """A config file's relative paths are its directory's, whatever directory `serve` is run
     from (its programs run from the source tree); `serve --address` is what `status` and

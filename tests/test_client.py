@@ -126,6 +126,44 @@ def test_other_rates_are_resampled_frame_by_frame(service, rate: int, encoding: 
     assert finals and all(0 <= f.start <= f.end <= closed.audio_s + 0.5 for f in finals)
 
 
+def test_telephony_audio_is_transcribed_as_16_bit_audio_is(service) -> None:
+    """A call as a telephony platform delivers it: 8 kHz G.711 bytes (mu-law, and A-law), 20 ms a
+    message, sent as they came. The same words as the same call sent as 16-bit PCM, at the same
+    times, and every byte counted as one sample: in acks, `durable` and the stream's length."""
+    u = utterance("librivox/sense_and_sensibility_01_austen_64kb-0890")
+    audio, rate = soundfile.read(u.path, dtype="float32")
+    s16 = np.clip(np.round(soxr.resample(audio, rate, 8000) * 32768), -32768, 32767).astype("<i2")
+    sent = {"pcm_s16le": s16.tobytes()}
+    for encoding, subtype in (("pcm_mulaw", "ULAW"), ("pcm_alaw", "ALAW")):
+        buf = io.BytesIO()
+        soundfile.write(buf, s16, 8000, format="RAW", subtype=subtype)
+        sent[encoding] = buf.getvalue()
+    duration = len(s16) / 8000
+    finals: dict[str, list[Final]] = {}
+    with Client(service.address) as client:
+        for encoding, data in sent.items():
+            step = 160 * len(data) // len(s16)  # 20 ms
+            stream = client.open(rate=8000, encoding=encoding, language="en", partials=False)
+            for start in range(0, len(data), step):
+                stream.send(data[start : start + step])
+            stream.end()
+            events = drain(stream)
+            closed = events[-1]
+            assert isinstance(closed, Closed) and closed.reason == "end", (encoding, closed)
+            assert closed.audio_s == pytest.approx(duration, abs=0.01), encoding
+            assert stream.accepted == len(s16), encoding  # the last ack's samples: input samples, not bytes
+            finals[encoding] = [e for e in events if isinstance(e, Final)]
+            assert finals[encoding] and 0 < finals[encoding][-1].durable <= len(s16), encoding
+    texts = {encoding: " ".join(f.text for f in fs) for encoding, fs in finals.items()}
+    reference = finals.pop("pcm_s16le")
+    for encoding, fs in finals.items():
+        assert testdata.wer([texts["pcm_s16le"]], [texts[encoding]]) <= 0.15, texts
+        assert fs[-1].end == pytest.approx(reference[-1].end, abs=0.1), (encoding, fs[-1], reference[-1])
+        assert fs[0].start == pytest.approx(reference[0].start, abs=0.1), (encoding, fs[0], reference[0])
+        assert duration - 1.0 < fs[-1].end <= duration + 0.05, (encoding, fs[-1], duration)
+        assert abs(fs[-1].durable - reference[-1].durable) <= 160, (encoding, fs[-1], reference[-1])
+
+
 def test_many_streams_share_one_client(null_service) -> None:
     pcm = goforward()
     with Client(null_service.address) as client:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import uuid
+import warnings
 from concurrent.futures import Future
 
 import numpy as np
@@ -352,9 +353,34 @@ def test_to_pcm_converts_arrays_to_the_opened_encoding() -> None:
     assert to_pcm(bytearray(raw), "pcm_s16le", 1) == raw
 
 
+def test_to_pcm_sends_telephony_bytes_as_they_are_and_encodes_arrays() -> None:
+    """G.711 codes from a telephony source go out untouched, any length a whole number of mono
+    frames; arrays are made 16-bit, then encoded as G.711 does: their codes decode (by a second
+    implementation, the standard library's where it still has one) within G.711's step."""
+    codes = bytes(range(256)) + b"\x7f"
+    assert to_pcm(codes, "pcm_mulaw", 1) is codes
+    assert to_pcm(bytearray(codes), "pcm_alaw", 1) == codes
+    s16 = (np.sin(np.linspace(0, 40 * np.pi, 4000)) * np.linspace(0, 32000, 4000)).astype(np.int16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        audioop = pytest.importorskip("audioop")
+    for encoding, decode in (("pcm_mulaw", audioop.ulaw2lin), ("pcm_alaw", audioop.alaw2lin)):
+        for pcm in (s16, s16.astype(np.float32) / 32767):  # int16, and float at the same levels
+            data = to_pcm(pcm, encoding, 1)
+            assert len(data) == len(s16)
+            back = np.frombuffer(decode(data, 2), "<i2").astype(int)
+            np.testing.assert_array_less(np.abs(back - s16), np.abs(s16.astype(int)) / 32 + 9)
+        stereo = np.stack([s16, -s16], axis=1)
+        assert to_pcm(stereo, encoding, 2) == to_pcm(stereo.reshape(-1), encoding, 2)  # interleaved
+        assert to_pcm(stereo, encoding, 2)[:2] == to_pcm(stereo[0], encoding, 2)
+
+
 @pytest.mark.parametrize("pcm, encoding, channels", [
     (b"\0\0\0", "pcm_s16le", 1),  # not whole frames
     (b"\0\0", "pcm_s16le", 2),
+    (b"\0\0\0", "pcm_mulaw", 2),
+    (np.zeros((4, 2), np.int16), "pcm_alaw", 1),
+    (np.zeros(4, np.int32), "pcm_mulaw", 1),
     (np.zeros((4, 2), np.int16), "pcm_s16le", 1),
     (np.zeros(4, np.int32), "pcm_s16le", 1),
     (np.zeros((2, 2, 2), np.float32), "f32le", 2),

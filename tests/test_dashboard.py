@@ -36,6 +36,7 @@ from config import settings
 from dashboard.server import MAX_EVENT_STREAMS, REQUEST_TIMEOUT_S
 from metrics.collector import SILENT_AFTER_S, STALE_AFTER_S
 from streamasr import top
+from streamasr.service import UP_STATES
 from streaming import wait_for
 from test_metrics import ROOT, instance_config, start_publisher
 
@@ -514,7 +515,7 @@ def test_full_service_dashboard_under_bench(service_factory, tmp_path: Path) -> 
 
 
 def test_a_supervised_process_that_stops_publishing_is_shown_silent(service_factory) -> None:
-    """supervisord still calls a hung process RUNNING: the page must say it has gone quiet."""
+    """supervisord still calls a hung process RUNNING (or STARTING, within its `startsecs`): the page must say it has gone quiet."""
     svc = service_factory(model="null", workers=1, ingest={"stall_after_s": 0})  # no stall watch to end it
     url = f"http://127.0.0.1:{svc.cfg.metrics.dashboard_port}/"
 
@@ -538,8 +539,8 @@ def test_a_supervised_process_that_stops_publishing_is_shown_silent(service_fact
         assert later["state"] == "SILENT" and later["pid"] == pid, later
     finally:
         os.kill(pid, signal.SIGCONT)
-    wait_for(lambda: (row := ingest_row()) and row["state"] == "RUNNING" and row["last_seen_s"] < 3,
-             timeout=10, what="the resumed ingest shown RUNNING")
+    wait_for(lambda: (row := ingest_row()) and row["state"] in UP_STATES and row["last_seen_s"] < 3,
+             timeout=10, what="the resumed ingest shown running")
 
 
 def test_restarts_count_a_process_that_crashed_before_it_published_and_the_dashboard_itself(service_factory) -> None:
@@ -562,7 +563,7 @@ def test_restarts_count_a_process_that_crashed_before_it_published_and_the_dashb
 
     def running(name: str, old_pid: int) -> int | None:
         info = rpc.getProcessInfo(name)
-        return info["pid"] if info["statename"] == "RUNNING" and info["pid"] != old_pid else None
+        return info["pid"] if info["statename"] in UP_STATES and info["pid"] != old_pid else None
 
     wait_for(lambda: (r := restarts()) and r.get("worker") == 0 and r.get("dashboard") == 0, timeout=30,
              what="the worker and the dashboard counted, neither restarted")
@@ -573,7 +574,7 @@ def test_restarts_count_a_process_that_crashed_before_it_published_and_the_dashb
     os.kill(pid, signal.SIGKILL)  # long before the interpreter has loaded what it needs to publish
     rpc.stopProcess("worker:worker-0")  # no automatic retry: the collector has only supervisord's word for it
     wait_for(lambda: (r := restarts()) and r["worker"] == 1 and r, timeout=10, what="the crashed worker's start counted")
-    rpc.startProcess("worker:worker-0")
+    rpc.startProcess("worker:worker-0", False)  # not waiting out its `startsecs`
     wait_for(lambda: running("worker:worker-0", first_pid), timeout=30, what="the worker running again")
     wait_for(lambda: (r := restarts()) and r["worker"] == 2 and r, timeout=10, what="its next start counted")
 

@@ -8,6 +8,7 @@ only decodes and the comparison is exact.
 
 from __future__ import annotations
 
+import configparser
 import contextlib
 import difflib
 import json
@@ -28,6 +29,7 @@ import zmq
 from conftest import Service, running, start_service
 from shm import pool
 from streamasr import service as svc
+from streamasr import supervised
 from streaming import (CHUNK_FRAMES, RATE, StreamClient, StreamResult, connections_from, read_wav, speech_files, stream_many,
                        wait_for)
 
@@ -74,10 +76,10 @@ def finals(result: StreamResult) -> list[tuple[float, float, str]]:
 
 
 def pid_of(service: Service, program: str) -> int:
-    """`program`'s pid once supervisord counts it running: `startsecs` after a start it is STARTING."""
+    """`program`'s pid while supervisord runs it: STARTING (for its `startsecs`, up to a minute) or RUNNING."""
     def check() -> int | None:
         info = next(p for p in svc.processes(service.cfg) if p["name"] == program)
-        return int(info["pid"]) if info["statename"] == "RUNNING" else None
+        return int(info["pid"]) if info["statename"] in svc.UP_STATES else None
     return wait_for(check, 30, f"{program} running")
 
 
@@ -85,7 +87,7 @@ def restarted(service: Service, program: str, old_pid: int) -> int:
     """Wait until supervisord runs `program` again under a new pid; returns it."""
     def check() -> int | None:
         info = next(p for p in svc.processes(service.cfg) if p["name"] == program)
-        return info["pid"] if info["statename"] == "RUNNING" and info["pid"] != old_pid else None
+        return info["pid"] if info["statename"] in svc.UP_STATES and info["pid"] != old_pid else None
     return wait_for(check, 120, f"supervisord to restart {program}")
 
 
@@ -511,3 +513,73 @@ def test_a_program_given_up_on_is_shown_and_started_again_once_its_port_is_free(
     assert restarts and restarts[0]["program"] == "broker" and restarts[0]["fatal_s"] >= RETRY_S, restarts
     assert "Address already in use" in restarts[0]["why"], restarts
 
+
+
+def graphs_linked_into(cache: Path) -> list[Path]:
+    """A model cache (`[model] cache_dir`) of links to the graphs whisper-tiny.en has exported, one
+    directory each, in the order a worker loads them: one of its files can be damaged without
+    touching the cache every other test shares."""
+    from config.settings import ModelConfig
+    from speech.loader import ensure_all_exported
+
+    linked = []
+    for exported in ensure_all_exported(ModelConfig(name="whisper-tiny.en")):
+        graphs = cache / "onnx" / exported.name
+        graphs.mkdir(parents=True)
+        for file in exported.iterdir():
+            (graphs / file.name).symlink_to(file)
+        linked.append(graphs)
+    return linked
+
+
+def test_a_worker_whose_model_fails_to_load_late_in_its_start_is_given_up_not_started_again_at_once(
+        service_factory: Any, tmp_path: Path) -> None:
+    """A worker found its model's graph cut short seconds into its start (a disk fault, a copy
+    interrupted), after importing ONNX Runtime and loading the graphs before it: later than a
+    `startsecs` of 1 s, so supervisord counted each try a start and started it again at once, for
+    ever, a core spent loading, never FATAL and never named in `status`. Its failed starts are
+    backed off, given up after `startretries`, named FATAL with the model's error, and `revive`
+    starts it again once the file is whole."""
+    conf = configparser.RawConfigParser()
+    conf.read(svc.SUPERVISORD_CONF)
+    tries = 1 + conf.getint("program:worker", "startretries")  # the first start and its retries
+    cache = tmp_path / "model-cache"
+    broken = graphs_linked_into(cache)[-1] / "decoder.onnx"  # the last graph a worker loads
+    service = service_factory(model="whisper-tiny.en", workers=1, model_options={"cache_dir": str(cache)},
+                              supervisor={"fatal_retry_s": RETRY_S})
+    whole = broken.resolve()
+    broken.unlink()
+    with open(whole, "rb") as graph:
+        broken.write_bytes(graph.read(1 << 20))  # its first MiB
+    with supervised.rpc(service.cfg.run_path / "supervisor.sock") as rpc:  # restarted: it finds the file so from now on
+        rpc.stopProcess("worker:worker-0")
+        rpc.startProcess("worker:worker-0", False)
+
+    def failed_starts() -> int:
+        return len({e["pid"] for e in service.events("worker-0") if e["event"] == "worker.crashed"})
+
+    backing_off: list[dict[str, Any]] = []
+
+    def given_up() -> bool:
+        assert failed_starts() <= tries, f"worker-0 failed to load its model {failed_starts()} times, started again at once each time"
+        report = svc.status(service.cfg)
+        backing_off.extend(p for p in report["processes"] if p["name"] == "worker-0" and p["state"] == "BACKOFF")
+        return "worker-0" in svc.given_up(report)
+
+    wait_for(given_up, GIVE_UP_WAIT_S, "supervisord to give worker-0 up", interval=0.5)
+    assert failed_starts() == tries
+    # while supervisord waits to try again, a minute before it gives up, `status` says why already
+    assert backing_off and all("decoder.onnx" in p.get("why", "") for p in backing_off), backing_off
+    report = json.loads(service.cli("status", "--json").stdout)
+    worker = next(p for p in report["processes"] if p["name"] == "worker-0")
+    assert worker["state"] == "FATAL", worker
+    assert "Exited too quickly" in worker["why"] and "INVALID_PROTOBUF" in worker["why"] and "decoder.onnx" in worker["why"], worker
+    text = service.cli("status")
+    assert text.returncode == 1 and "supervisord gave up starting worker-0 (FATAL)" in text.stdout, text.stdout
+
+    broken.unlink()
+    broken.symlink_to(whole)  # the file mended: `revive` starts the worker again, which loads it
+    report = svc.wait_ready(service.cfg, RETRY_S + GIVE_UP_WAIT_S)
+    assert report["ready"] and svc.complete(report) and not svc.given_up(report), report
+    restarts = [e for e in service.events("revive") if e["event"] == "revive.restart"]
+    assert restarts and restarts[0]["program"] == "worker-0" and "INVALID_PROTOBUF" in restarts[0]["why"], restarts

@@ -38,7 +38,7 @@ GAP = np.zeros(8_000, np.int16).tobytes()
 values = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(2**63), max_value=2**64 - 1), st.floats(),
     st.text(max_size=80), st.binary(max_size=80), st.lists(st.integers(-5, 5), max_size=4),
-    st.sampled_from([1, 16000, 44100, 7, "pcm_s16le", "f32le", "realtime", "batch", "s1", 2**63]),
+    st.sampled_from([1, 16000, 44100, 7, "pcm_s16le", "f32le", "pcm_mulaw", "pcm_alaw", "realtime", "batch", "s1", 2**63]),
 )
 headers = st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=6), values, max_size=9).flatmap(
     lambda d: st.sampled_from(TYPES).map(lambda t: {**d, "type": t}) | st.just(d))

@@ -680,10 +680,10 @@ def test_an_ingest_that_crashes_says_so_in_one_json_line_with_its_traceback(tmp_
 
 
 def test_an_ingest_whose_port_is_held_fails_its_start_before_its_imports(tmp_path: Path) -> None:
-    """A program that fails later than supervisord's `startsecs` (1 s) counts as started and is
-    started again at once, for ever, never given up for `revive` to start again once its cause is
-    gone: an ingest whose port another process held spent about 2 s importing ONNX Runtime each
-    time before its bind failed, a core spent crash-looping. It tries its port first."""
+    """An ingest whose port another process held spent about 2 s importing ONNX Runtime each
+    time before its bind failed: later than the `startsecs` of 1 s it had then, so supervisord
+    started it again at once, for ever, a core spent crash-looping. It tries its port first: a
+    start fails at once, without the imports, and is backed off."""
     base, instance, config = _lone_ingest_config(tmp_path)
     with socket.socket() as taken:  # another program's listening socket on the ingest's port
         taken.bind(("127.0.0.1", base + 1))

@@ -1,8 +1,11 @@
 """The ingest loop's VAD scheduling (IngestServer's own methods) over real sessions, real shm
-rings and the real VAD thread, driven by hand: no sockets to clients, broker or workers."""
+rings and the real VAD thread, driven by hand: its loop is not run, and no client, broker or
+worker is there."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,43 +13,36 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
-import zmq
 
 from config import settings
 from ingest.server import IngestServer
 from ingest.session import Session
-from ingest.vad import CHUNK, VadRunner
-from metrics.registry import ProcessMetrics
+from ingest.vad import CHUNK
 from protocol import messages as m
-from shm import RingPool, reclaim
+from shm import reclaim
+from streamasr.service import free_ports
 
 SPEECH = Path("/usr/share/pocketsphinx/test/data/librivox/sense_and_sensibility_01_austen_64kb-0880.wav")
 pytestmark = pytest.mark.skipif(not SPEECH.exists(), reason="librivox test recordings not installed")
-CFG = settings.load(None)
 FRAME = 1600  # 100 ms
 
 
 @pytest.fixture
 def ingest() -> Iterator[IngestServer]:
-    instance = f"test{uuid.uuid4().hex[:12]}"
-    pool = RingPool.create(f"streamasr.{instance}.ingest0", slots=2, capacity=30 * 16000)
-    pool.unlink()  # the mapping stays
-    ctx = zmq.Context()
-    server = IngestServer.__new__(IngestServer)
-    server.cfg, server.pool, server.metrics = CFG, pool, ProcessMetrics(CFG, "ingest")
-    server.vad = VadRunner(ctx)
-    server.sessions, server.scratch = {}, {}
-    server.dirty, server.vad_due, server.vad_urgent = set(), set(), set()
-    server.vad_round_at = 0.0
+    run = Path(tempfile.mkdtemp(prefix="sasr-"))  # short: ipc socket paths are limited to about 100 bytes
+    base = free_ports(2)
+    cfg = settings.load(None, {"instance": f"test{uuid.uuid4().hex[:12]}", "run_dir": str(run / "run"),
+                               "ingest": {"address": f"tcp://127.0.0.1:{base}", "port_base": base + 1},
+                               "shm": {"streams_per_ingest": 2, "ring_seconds": 30}})
+    server = IngestServer(cfg, 0)
     yield server
-    server.vad.close()
-    ctx.term()
-    pool.close()
-    reclaim(instance)
+    server.close()
+    reclaim(cfg.instance)
+    shutil.rmtree(run, ignore_errors=True)
 
 
 def open_stream(server: IngestServer, key: str) -> Session:
-    s = Session(key, b"c", m.Open(stream=key), server.pool.acquire(), CFG, 0, server.pool.name, server.metrics)
+    s = Session(key, b"c", m.Open(stream=key), server.pool.acquire(), server.cfg, 0, server.pool.name, server.metrics)
     server.sessions[key] = s
     server.scratch[key] = np.empty(CHUNK, np.float32)
     server.vad.add(key)

@@ -730,6 +730,7 @@ def test_operations_guide_documents_every_metric() -> None:
 
 LOG_CALL = re.compile(r"\blog\.(debug|info|warning|error|exception)\(\s*\"([a-z_.]+)\"")
 LEVELS = {"exception": "error"}  # log.exception logs at error level
+RUN_CALL = re.compile(r"\bsupervised\.run\(\s*\"([a-z_]+)\"")  # a program's main: it logs `<name>.crashed`
 
 
 def test_operations_guide_documents_every_log_event() -> None:
@@ -743,8 +744,11 @@ def test_operations_guide_documents_every_log_event() -> None:
     sources = [source for package in ("broker", "workers", "ingest", "dashboard", "protocol", "shm")
                for source in (ROOT / package).glob("*.py")]
     for source in [*sources, ROOT / "streamasr" / "revive.py"]:  # the one program of streamasr/
-        for level, event in LOG_CALL.findall(source.read_text()):
+        text = source.read_text()
+        for level, event in LOG_CALL.findall(text):
             logged[event] = LEVELS.get(level, level)
+        for program in RUN_CALL.findall(text):
+            logged[f"{program}.crashed"] = "error"
     assert len(logged) > 40
     for event, level in logged.items():
         assert event.split(".")[0] in {"broker", "worker", "ingest", "dashboard", "auth", "shm", "revive"}, event

@@ -21,6 +21,8 @@ CLIENT_MESSAGES = [
     m.Open(stream="s1"),
     m.Open(stream="s2", rate=48000, encoding="f32le", channels=2, language="de", model="whisper-tiny",
            partials=False, priority="batch", prompt="Glossary: ZeroMQ"),
+    m.Open(stream="call-us", rate=8000, encoding="pcm_mulaw"),  # telephony: G.711 as Twilio or Asterisk send it
+    m.Open(stream="call-eu", rate=8000, encoding="pcm_alaw", channels=2),
     m.Audio(stream="s1", seq=0, data=b"\x01\x00" * 160),
     m.Audio(stream="s1", seq=2**63 - 1, data=b""),
     m.End(stream="s1"),
@@ -174,6 +176,13 @@ def test_refusals_name_the_stream_and_seq_they_concern() -> None:
         with pytest.raises(m.ProtocolError) as err:
             m.decode_client([pack({"type": "end", "stream": bad, "unknown": 1})])
         assert err.value.stream is None
+
+
+def test_an_unsupported_encoding_is_refused_naming_those_taken() -> None:
+    with pytest.raises(m.ProtocolError) as err:
+        m.decode_client(open_(encoding="ulaw"))
+    assert (err.value.code, err.value.stream) == (m.BAD_FORMAT, "s")
+    assert err.value.message == "encoding 'ulaw' not supported; use one of ['pcm_s16le', 'f32le', 'pcm_mulaw', 'pcm_alaw']"
 
 
 def test_frame_limits_come_from_the_receiver() -> None:

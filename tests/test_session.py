@@ -566,6 +566,40 @@ def test_a_resend_of_accepted_audio_is_acked(pool: RingPool) -> None:
     assert s.in_frames == 1920 and s.ring.written == 1920
 
 
+# ------------------------------------------------------------------ G.711
+
+
+@pytest.mark.parametrize("encoding", ["pcm_mulaw", "pcm_alaw"])
+def test_telephony_audio_counts_one_byte_a_sample(pool: RingPool, encoding: str) -> None:
+    """8 kHz G.711 in messages of any length (an RTP packet is 160 bytes, a jittery one less):
+    every byte is a sample, in acks and the window, and the ring holds the decoded audio."""
+    s = session(pool, rate=8000, encoding=encoding, offset=8000)  # resumed 1 s in
+    codes = np.random.default_rng(95).integers(0, 256, 4001, np.uint8)
+    sizes = [160, 159, 1, 961, 720, 2000]
+    parts = np.split(codes, np.cumsum(sizes)[:-1])
+    for seq, part in enumerate(parts):
+        assert s.accept_audio(m.Audio(stream="s", seq=seq, data=part.tobytes())), errors(s)
+    assert s.in_frames == 4001
+    ack = s.due_ack()
+    assert ack is not None and (ack.seq, ack.samples) == (5, 8000 + 4001)
+    assert ack.window == s.window() > ack.samples
+    s.end()
+    r = Resampler(8000)
+    expected = np.concatenate([r.process(decode_pcm(p.tobytes(), encoding, 1)) for p in parts]
+                              + [r.process(np.zeros(0, np.float32), last=True)])
+    assert s.ring.written == len(expected) == 2 * 4001  # at 16 kHz
+    np.testing.assert_array_equal(s.ring.view(0, s.ring.written), expected)
+
+
+def test_telephony_audio_in_two_channels_must_be_whole_frames(pool: RingPool) -> None:
+    s = session(pool, rate=8000, encoding="pcm_mulaw", channels=2)
+    assert s.accept_audio(m.Audio(stream="s", seq=0, data=bytes(320)))
+    assert not s.accept_audio(m.Audio(stream="s", seq=1, data=bytes(161)))
+    [err] = errors(s)
+    assert (err.code, err.seq) == (m.BAD_FORMAT, 1) and "161 bytes is not a whole number of 2-byte frames" in err.message
+    assert s.in_frames == 160
+
+
 # ------------------------------------------------------------------ idle
 
 
