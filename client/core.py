@@ -23,6 +23,7 @@ import soundfile
 
 from protocol.messages import (
     BAD_FORMAT,
+    BAD_MESSAGE,
     G711_SUBTYPES,
     MAX_F32_SAMPLE,
     MAX_PROMPT_CHARS,
@@ -345,6 +346,7 @@ class StreamCore:
         self.durable = 0  # input frame: audio before it is never needed again, even to resume
         self.kept: deque[OutFrame] = deque()  # messages cut since `durable` (seq unused), oldest first
         self.last_text: str | None = None  # the last non-empty final's text: prompts a resumed stream
+        self.last_language: str | None = None  # the language it was heard in: a resumed stream's partials' until its next final
         self.finals = 0  # finals delivered, over all connections
         self.seg_base = 0  # added to the current connection's segment numbers
         self.offset = 0  # input frame the current connection started at
@@ -435,6 +437,7 @@ class StreamCore:
             self.finals = msg.seg + 1
             if msg.text:  # the server prompts with the last final that had words, and so does a resume
                 self.last_text = msg.text
+                self.last_language = msg.language  # None from a server that does not say
             self.on_durable(msg.durable)
 
     @property
@@ -582,6 +585,8 @@ class Entry:
     `opened` is a concurrent.futures or asyncio Future, `events` a queue.SimpleQueue or
     asyncio.Queue of (receive time, message or exception); both have the methods used here.
     `request` is the `open` as first sent, `failure` what sending on the stream raises from then on.
+    `send_resume_language` is cleared when a service refuses the field (one older than it): the
+    stream's later resumes go without it.
     """
 
     core: StreamCore
@@ -589,6 +594,7 @@ class Entry:
     opened: Any
     events: Any
     failure: Exception | None = None
+    send_resume_language: bool = True
 
     def resume(self, until: float) -> Open:
         """The `open` that continues this stream on a new connection (its kept audio then follows).
@@ -601,7 +607,16 @@ class Entry:
     def reopen(self) -> Open:
         """The `open` of the current connection again, after the service refused it for being busy."""
         self.core.reopen_at = None
-        return dataclasses.replace(self.request, offset=self.core.offset, resume_text=prompt_tail(self.core.last_text))
+        return dataclasses.replace(self.request, offset=self.core.offset, resume_text=prompt_tail(self.core.last_text),
+                                   resume_language=self.resumed_language())
+
+    def resumed_language(self) -> str | None:
+        """The `resume_language` of a resume: the language the last final with words was heard in.
+
+        Sent only when the service said one (so a client that never heard one sends an old service
+        no field it lacks) and the stream was opened without a language, which else decides every decode.
+        """
+        return self.core.last_language if self.send_resume_language and self.request.language is None else None
 
     def fail(self, failure: Exception, now: float) -> None:
         self.failure = failure
@@ -706,6 +721,13 @@ def route(streams: dict[str, Entry], msg: ServerMessage, now: float) -> bool:
     elif isinstance(msg, ErrorMsg) and not entry.opened.done():
         del streams[sid]
         entry.opened.set_exception(StreamError(msg.code, msg.message, sid))
+    elif isinstance(msg, ErrorMsg) and not core.ready and msg.seq is None and msg.code == BAD_MESSAGE and entry.resumed_language():
+        # A service older than `resume_language` refuses it as an unknown field (`check_open` found
+        # the rest of the open well-formed): resumed again at once without it, its partials then
+        # detecting their language until the next final.
+        log.warning("stream %s: the service refused resume_language (%s); resuming without it", sid, msg.message)
+        entry.send_resume_language = False
+        core.reopen_at = now
     elif isinstance(msg, ErrorMsg) and not core.ready and msg.seq is None:
         retry_at = now + core.reopen_s
         if msg.code not in REOPEN_CODES:  # the resumed open was refused for good

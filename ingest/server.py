@@ -346,6 +346,8 @@ class IngestServer:
             return refuse(m.UNKNOWN_MODEL, f"model {msg.model!r} is not served here; this service runs {self.cfg.model.name!r}")
         if why := language_refusal(self.cfg.model.name, self.languages, msg.language):
             return refuse(m.UNKNOWN_LANGUAGE, why)
+        if why := language_refusal(self.cfg.model.name, self.languages, msg.resume_language):
+            return refuse(m.UNKNOWN_LANGUAGE, f"resume_language: {why}")
         if self.per_client.get(ident, 0) >= self.cfg.ingest.max_streams_per_client:
             return refuse(m.TOO_MANY_STREAMS, f"at most {self.cfg.ingest.max_streams_per_client} open streams per client")
         if len(self.sessions) >= self.max_streams:
@@ -384,7 +386,8 @@ class IngestServer:
         self.fds[ident] = fd
         self.vad.add(key)
         session.log.info("ingest.stream_opened", rate=msg.rate, encoding=msg.encoding, channels=msg.channels,
-                         priority=msg.priority, language=msg.language, partials=msg.partials, offset=msg.offset)
+                         priority=msg.priority, language=msg.language, partials=msg.partials, offset=msg.offset,
+                         resume_language=msg.resume_language)
         self._send(ident, m.Ready(stream=msg.stream, window=session.window()))
         session.acked_window = session.window()
         if msg.priority == "realtime":  # a resuming one too: its demand here is not in the figures yet

@@ -45,6 +45,7 @@ class _Segment:
     last_partial_end: int = 0  # end of the last partial job submitted
     partials_submitted: int = 0
     shown_end: int = 0  # end of the last partial sent: an older result arriving late is not shown
+    language: str | None = None  # the last partial sent's: a failed final keeps the words it agreed on
     final_job: int | None = None
     result: m.Final | None = None  # held until every earlier segment's final is out
     retries: int = 0
@@ -90,8 +91,9 @@ class Session:
         # Opened without a language, each final detects its segment's on the whole segment, and the
         # partials after it are decoded in the language the latest one heard: a partial detects on
         # the little audio it has (a second of German is heard as English, Vietnamese, Thai), and
-        # partials detecting each for itself flip from one language to another.
-        self.heard_language: str | None = None
+        # partials detecting each for itself flip from one language to another. A resumed stream
+        # starts from the language its client last heard (`resume_language`), as if never interrupted.
+        self.heard_language: str | None = opened.resume_language or None
         self.ending = False
         self.closed = False
         self.abandoned = False  # its connection is closed: see abandon
@@ -382,10 +384,11 @@ class Session:
             self._on_final(job, res, seg)
         elif res.status == OK and seg is not None and seg is self.open_segment and job.end > seg.shown_end:
             seg.shown_end = job.end
+            seg.language = res.language or None
             text, stable = seg.stabilizer.update("" if self._hallucinated(res) else res.text.strip())
             self.stats["partials"] += 1
             self.outbox.append(m.Partial(stream=self.opened.stream, seg=seg.index, text=text, stable=stable,
-                                         start=self._time(seg.start), end=self._time(job.end)))
+                                         start=self._time(seg.start), end=self._time(job.end), language=seg.language))
         elif res.status == FAILED:
             self.metrics.inc("errors_total", code=m.INTERNAL)
             self.log.warning("ingest.partial_failed", job=res.job_id, error=res.error)
@@ -408,7 +411,7 @@ class Session:
                                           message=f"segment {seg.index} could not be transcribed: {res.error}"))
             # what two partial decodes agreed on is the best transcript left: a caption keeps it
             seg.result = m.Final(stream=self.opened.stream, seg=seg.index, text=seg.stabilizer.committed,
-                                 start=self._time(seg.start), end=self._time(job.end))
+                                 start=self._time(seg.start), end=self._time(job.end), language=seg.language)
         else:
             if self._hallucinated(res):  # dropped, and with it what the partials had marked stable
                 text, revised = "", bool(seg.stabilizer.committed)
@@ -420,7 +423,7 @@ class Session:
                 self.metrics.inc("finals_revised_total")
             seg.result = m.Final(stream=self.opened.stream, seg=seg.index, text=text, start=self._time(seg.start),
                                  end=self._time(job.end), avg_logprob=res.avg_logprob, no_speech_prob=res.no_speech_prob,
-                                 revised=revised)
+                                 revised=revised, language=res.language or None)
         # finals leave in segment order even when workers finish them out of order
         while self.next_final in self.segments and self.segments[self.next_final].result is not None:
             done = self.segments.pop(self.next_final)

@@ -100,9 +100,11 @@ class Open:
     prompt: str | None = None
     # Resuming after a lost connection: the input frame index this stream's first audio frame
     # has in the original stream (the last `durable` the client saw), so times continue, and
-    # the text of the last final received, which prompts the next decode as it would have.
+    # the text of the last final received, which prompts the next decode as it would have, and
+    # the language it was heard in, which the partials are decoded in until the next final.
     offset: int = 0
     resume_text: str | None = None
+    resume_language: str | None = None
 
 
 @dataclass(slots=True)
@@ -163,6 +165,7 @@ class Partial:
     stable: str  # committed prefix of text: later partials and the final keep it
     start: float  # seconds from stream start
     end: float  # last second of audio this partial covers
+    language: str | None = None  # the language it was decoded in (the model's code)
 
 
 @dataclass(slots=True)
@@ -177,6 +180,7 @@ class Final:
     no_speech_prob: float = 0.0
     durable: int = 0  # as in Ack, once this final is out: resuming from here never repeats it
     revised: bool = False  # the text changed words a partial marked `stable` (case, punctuation, digits aside)
+    language: str | None = None  # the language it was decoded in: the stream's, or the one detected (the model's code)
 
 
 @dataclass(slots=True)
@@ -334,6 +338,7 @@ def decode_client(frames: Sequence[bytes | memoryview], limits: Limits = Limits(
         _check(_optional_str(msg.prompt, MAX_PROMPT_CHARS), BAD_MESSAGE, f"prompt must be a string of at most {MAX_PROMPT_CHARS} characters", sid)
         _check(_is_int(msg.offset) and 0 <= msg.offset < MAX_OFFSET, BAD_MESSAGE, f"offset must be an integer in 0..{MAX_OFFSET - 1}", sid)
         _check(_optional_str(msg.resume_text, MAX_PROMPT_CHARS), BAD_MESSAGE, f"resume_text must be a string of at most {MAX_PROMPT_CHARS} characters", sid)
+        _check(_optional_str(msg.resume_language, 16), BAD_MESSAGE, "resume_language must be a language code or nil", sid)
     elif isinstance(msg, Audio):
         _check(_is_int(msg.seq) and 0 <= msg.seq < 2**63, BAD_MESSAGE, "audio: seq must be a non-negative integer", sid)
         _check(len(frames) == 2, BAD_MESSAGE, "audio: the samples must follow in frame 1", sid, msg.seq)

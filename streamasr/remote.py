@@ -333,7 +333,8 @@ def _show(job: Job, ev: ServerMessage, output: Output) -> None:
         if final and ev.text.strip():
             job.finals.append(ev.text.strip())
         row = {"type": "final" if final else "partial", "file": job.file, "seg": ev.seg, "text": ev.text,
-               "stable": ev.text if final else ev.stable, "start": ev.start, "end": ev.end, "latency_ms": latency_ms}
+               "stable": ev.text if final else ev.stable, "start": ev.start, "end": ev.end, "language": ev.language,
+               "latency_ms": latency_ms}
         if final:
             row["revised"] = ev.revised
         output.json(row)

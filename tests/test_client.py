@@ -28,6 +28,7 @@ from config import settings
 from conftest import ROOT
 from protocol.messages import (
     BAD_FORMAT,
+    BAD_MESSAGE,
     INTERNAL,
     OVERLOADED,
     TOO_MANY_STREAMS,
@@ -601,13 +602,15 @@ class FakeIngest:
     ingest: it acks audio, and gives, for a stream id, what it sends between that stream's `end`
     and its `closed`, which gives `end_reason` and all the audio taken as `durable`; `stalled`
     makes it a service that stopped decoding (its workers stopped): it acks audio, never moves
-    the window past the first 30 s, and never answers `end`.
+    the window past the first 30 s, and never answers `end`. `heard` is the language of a final it
+    sends after each first `ready` (a service that says one); `older` makes it a service before
+    `open.resume_language`, which refuses the field `bad_message`.
     """
 
     def __init__(self, *, ingest: str | None = None, resumed: dict[str, Any] | None = None, garble_hellos: tuple[int, ...] = (),
                  refuse_reopens: bool = False, ready_delay: float = 0.0,
                  at_end: Callable[[str], list[ServerMessage]] | None = None, end_reason: str = "end",
-                 stalled: bool = False) -> None:
+                 stalled: bool = False, heard: str | None = None, older: bool = False) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
@@ -620,6 +623,9 @@ class FakeIngest:
         self.at_end = at_end
         self.end_reason = end_reason
         self.stalled = stalled
+        self.heard = heard
+        self.older = older
+        self.opens: list[Open] = []  # every open received
         self.taken: Counter[str] = Counter()  # input frames of each stream, acked when `at_end` is given
         self.held: list[tuple[float, list[bytes]]] = []  # (when, frames) of replies held back
         self.opened: set[str] = set()
@@ -650,12 +656,19 @@ class FakeIngest:
                 reply: ServerMessage = Welcome(**fields)
             elif isinstance(msg, Open) and self.refuse_reopens and msg.stream in self.opened:
                 reply = ErrorMsg(code=OVERLOADED, message="the service is busy", stream=msg.stream)
+            elif isinstance(msg, Open) and self.older and msg.resume_language is not None:
+                self.opens.append(msg)
+                reply = ErrorMsg(code=BAD_MESSAGE, message="open: unknown fields 'resume_language'", stream=msg.stream)
             elif isinstance(msg, Open):
+                self.opens.append(msg)
                 self.log.append(f"open {msg.stream}")
                 first = msg.stream not in self.opened
                 self.opened.add(msg.stream)
                 self.live.add(msg.stream)
                 reply = Ready(stream=msg.stream, window=RATE * 30)
+                if self.heard and first:
+                    self.sock.send_multipart([ident, *encode(reply)])
+                    reply = Final(stream=msg.stream, seg=0, text="Hola.", start=0.0, end=0.0, language=self.heard)
                 if self.ready_delay and first:
                     self.held.append((time.monotonic() + self.ready_delay, [ident, *encode(reply)]))
                     continue
@@ -867,6 +880,33 @@ def test_a_garbled_front_door_answer_during_a_resume_is_retried() -> None:
         assert afake.received["hello"] >= 3
     finally:
         afake.close()
+
+
+def test_a_resume_an_older_service_refuses_for_its_language_is_sent_again_without_it() -> None:
+    """A stream resumed on a service before `open.resume_language` (a mixed or rolled-back
+    deploy) is refused `bad_message` for the field: each client re-opens it at once without the
+    field, and the stream goes on, where failing it would lose the audio it keeps."""
+    fake = FakeIngest(heard="es", older=True)
+    try:
+        with Client(fake.address, timeout=2.0, liveness=0.5, resume_timeout=5.0) as client:
+            stream = client.open("s")
+            stream.send(np.zeros(RATE // 2, np.int16))  # never acked: the ingest is taken for lost
+            assert wait_for(lambda: client.reconnects >= 1 and len(fake.opens) >= 3, 10.0)
+            stream.send(np.zeros(RATE // 10, np.int16))  # the stream carries on
+
+        async def main() -> None:
+            async with AsyncClient(fake.address, timeout=2.0, liveness=0.5, resume_timeout=5.0) as aclient:
+                astream = await aclient.open("a")
+                await astream.send(np.zeros(RATE // 2, np.int16))
+                await await_for(lambda: aclient.reconnects >= 1 and len(fake.opens) >= 6, 10.0)
+                await astream.send(np.zeros(RATE // 10, np.int16))
+
+        asyncio.run(main())
+        for sid in ("s", "a"):
+            opens = [(o.offset, o.resume_text, o.resume_language) for o in fake.opens if o.stream == sid][:3]
+            assert opens == [(0, None, None), (0, "Hola.", "es"), (0, "Hola.", None)], opens
+    finally:
+        fake.close()
 
 
 def test_a_resume_the_service_keeps_refusing_fails_when_the_resume_timeout_runs_out() -> None:

@@ -546,6 +546,43 @@ def test_an_empty_final_leaves_the_resume_prompt_as_it_was() -> None:
     assert e.resume(until=60.0).resume_text == "hello there"
 
 
+def test_a_resume_sends_the_language_the_last_final_with_words_was_heard_in() -> None:
+    """The new ingest decodes the resumed stream's partials in `resume_language` until a final of
+    its own has words: the language of the final `resume_text` comes from. Not sent while none
+    was heard (an older service says none: it would refuse the field), nor for a stream opened
+    in a language, which decides every decode."""
+    c = core()
+    e = entry(c)
+    assert e.resume(until=60.0).resume_language is None  # no final yet
+    c.on_result(Final("s", seg=0, text="Hola, buenos días.", start=0.1, end=1.2, durable=150, language="es"))
+    c.on_result(Final("s", seg=1, text="", start=1.5, end=2.0, durable=200, language="en"))  # noise: no words
+    resumed = e.resume(until=60.0)
+    assert (resumed.resume_text, resumed.resume_language) == ("Hola, buenos días.", "es")
+    assert decode_client(encode(dataclasses.replace(resumed, rate=16000))).resume_language == "es"  # the server takes it
+    c.on_result(Final("s", seg=2, text="Hello again.", start=3.0, end=4.0, durable=300))  # from a service that says none
+    assert e.resume(until=60.0).resume_language is None
+    given = Entry(core(), Open(stream="s", rate=100, language="de"), e.opened, queue.SimpleQueue())
+    given.core.on_result(Final("s", seg=0, text="Guten Morgen.", start=0.1, end=1.2, durable=150, language="de"))
+    assert given.resume(until=60.0).resume_language is None
+
+
+def test_a_resume_refused_for_its_language_by_an_older_service_is_sent_again_without_it() -> None:
+    """A service before `resume_language` refuses it as an unknown field (`bad_message`): the
+    re-open goes again at once without it, and so do the stream's later resumes; a second
+    refusal is the open's own, and fails the stream as any other would."""
+    c = core()
+    streams = {"s": entry(c)}
+    route(streams, Final("s", seg=0, text="Hola.", start=0.1, end=1.2, durable=150, language="es"), 1.0)
+    assert streams["s"].resume(until=60.0).resume_language == "es"
+    route(streams, ErrorMsg(BAD_MESSAGE, "open: unknown fields 'resume_language'", stream="s"), 2.0)
+    assert "s" in streams and c.reopen_at == 2.0  # sent again by the next pass of the IO loop
+    again = streams["s"].reopen()
+    assert (again.offset, again.resume_text, again.resume_language) == (150, "Hola.", None)
+    assert streams["s"].resume(until=60.0).resume_language is None  # a later loss: resumed without it too
+    route(streams, ErrorMsg(BAD_MESSAGE, "open: something else", stream="s"), 3.0)
+    assert "s" not in streams
+
+
 def test_a_resumed_stream_continues_its_segment_numbers_and_totals() -> None:
     c = core()
     streams = {"s": entry(c)}

@@ -28,7 +28,7 @@ from streamasr import service as svc
 from streaming import StreamClient, hello, read_wav, speech_files, wait_for
 
 FIELDS = ["type", "version", "stream", "rate", "encoding", "channels", "language", "model", "partials",
-          "priority", "prompt", "offset", "resume_text", "seq", "data", "junk"]
+          "priority", "prompt", "offset", "resume_text", "resume_language", "seq", "data", "junk"]
 TYPES = ["hello", "open", "audio", "end", "status", "welcome", "bogus", ""]
 PER_EXAMPLE = 1000
 TOTAL = 100_000

@@ -324,6 +324,14 @@ def test_a_language_the_model_does_not_transcribe_is_refused_at_open(server: Ing
             sock.send_multipart(m.encode(m.Open(stream=stream, language=language)))
             [ready] = serve_until(server, sock, bool)
             assert isinstance(ready, m.Ready) and ready.stream == stream
+        # a resume's language is held to the same: its partials would be decoded in it
+        sock.send_multipart(m.encode(m.Open(stream="es", offset=16_000, resume_text="Hola.", resume_language="es")))
+        [refused] = serve_until(server, sock, bool)
+        assert isinstance(refused, m.ErrorMsg) and (refused.code, refused.stream) == (m.UNKNOWN_LANGUAGE, "es")
+        assert refused.message.startswith("resume_language: language 'es' is not one"), refused.message
+        sock.send_multipart(m.encode(m.Open(stream="en-resumed", offset=16_000, resume_language="EN")))
+        [ready] = serve_until(server, sock, bool)
+        assert isinstance(ready, m.Ready) and ready.stream == "en-resumed"
 
 
 def test_a_stop_while_the_ingest_starts_leaves_no_shm_behind(tmp_path: Path) -> None:

@@ -84,9 +84,11 @@ def test_partials_after_a_final_are_in_the_language_it_heard(base_service: Servi
         assert all(w in final["text"].casefold() for w in words), final
         assert final["start"] < final["end"]
     assert [f["start"] for f in finals] == sorted(f["start"] for f in finals)
+    assert [f["language"] for f in finals] == ["de"] * 3  # detected on each whole segment, and said
     later = [p for p in _rows(rows, "partial") if p["seg"] > 0 and p["text"]]
     assert later, "no partial after the first final"
     assert [p["text"] for p in later if not GERMAN_TEXT.fullmatch(p["text"])] == []
+    assert {p["language"] for p in later} == {"de"}
 
 
 def test_japanese_partials_settle_character_by_character(base_service: Service, tmp_path: Path) -> None:
@@ -102,17 +104,25 @@ def test_japanese_partials_settle_character_by_character(base_service: Service, 
         assert all(later.startswith(earlier) for earlier, later in zip(stables, stables[1:])), stables
     texts = [f["text"] for f in finals]
     assert all(CJK.fullmatch(t[0]) and CJK.fullmatch(t[-1]) for t in texts), texts
+    assert {r["language"] for r in finals + partials} == {"ja"}  # the language given is each one's
     [summary] = _rows(rows, "summary")
     assert summary["text"] == "".join(texts)
 
 
-def test_a_resumed_stream_keeps_its_language(base_service: Service, tmp_path: Path) -> None:
+@pytest.mark.parametrize("language", ["es", None], ids=["given", "detected"])
+def test_a_resumed_stream_keeps_its_language(base_service: Service, tmp_path: Path, language: str | None) -> None:
     """A Spanish stream whose ingest is killed after its first final resumes on the restarted
-    ingest (the client re-opens it as it was opened, `language` too): what comes after is Spanish."""
-    pcm, rate = sf.read(str(_utterances(tmp_path, "es", SPANISH + SPANISH[:1])), dtype="int16")
+    ingest: what comes after is Spanish. Opened in Spanish, the client re-opens it as it was
+    opened, `language` too. Opened without a language, the client sends the language its last
+    final was heard in (`resume_language`), and the new ingest decodes the partials in it until
+    a final of its own has words, rather than each detecting its language on a second of audio.
+    The pauses are long enough for the resume to be done before the next sentence starts: its
+    first partials are decoded on a second of speech, which detection here hears as Italian or
+    Welsh."""
+    pcm, rate = sf.read(str(_utterances(tmp_path, "es", SPANISH + SPANISH[:1], gap_s=3.0)), dtype="int16")
     ingest = next(int(p["pid"]) for p in svc.processes(base_service.cfg) if p["name"] == "ingest-0")
     client = Client(base_service.address, liveness=5.0)
-    stream = client.open(rate=rate, language="es")
+    stream = client.open(rate=rate, language=language)
     chunk = rate // 10
 
     def send() -> None:  # at the pace of speech, as a microphone delivers it
@@ -146,6 +156,11 @@ def test_a_resumed_stream_keeps_its_language(base_service: Service, tmp_path: Pa
     assert len(texts) == 3, texts
     for text, words in zip(texts, (("playa", "amigos"), ("compramos", "mercado"), ("playa", "amigos"))):
         assert all(w in text for w in words), texts
-    after = [p.text for p in partials if p.start >= finals[0].end and p.text]
+    assert [f.language for f in finals] == ["es"] * len(finals)
+    after = [p for p in partials if p.start >= finals[0].end and p.text]
     assert after, "no partial after the resume"
-    assert [t for t in after if not SPANISH_TEXT.fullmatch(t)] == []
+    assert [p.text for p in after if not SPANISH_TEXT.fullmatch(p.text)] == []
+    assert [p.language for p in after] == ["es"] * len(after)
+    resumed = [e for e in base_service.events("ingest-0") if e["event"] == "ingest.stream_opened" and e["stream"] == stream.id
+               and e["offset"] > 0]
+    assert resumed and {e["resume_language"] for e in resumed} == {None if language else "es"}, resumed  # what the client sent

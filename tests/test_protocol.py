@@ -23,6 +23,7 @@ CLIENT_MESSAGES = [
            partials=False, priority="batch", prompt="Glossary: ZeroMQ"),
     m.Open(stream="call-us", rate=8000, encoding="pcm_mulaw"),  # telephony: G.711 as Twilio or Asterisk send it
     m.Open(stream="call-eu", rate=8000, encoding="pcm_alaw", channels=2),
+    m.Open(stream="s3", offset=96_000, resume_text="Hoy vamos a la playa.", resume_language="es"),  # a resume
     m.Audio(stream="s1", seq=0, data=b"\x01\x00" * 160),
     m.Audio(stream="s1", seq=2**63 - 1, data=b""),
     m.End(stream="s1"),
@@ -33,8 +34,9 @@ SERVER_MESSAGES = [
     m.Welcome(ingest="tcp://127.0.0.1:7701", limits={"max_frame_bytes": 262144, "max_message_bytes": 1048576}),
     m.Ready(stream="s1", window=960000),
     m.Ack(stream="s1", seq=41, samples=67200, window=1027200),
-    m.Partial(stream="s1", seg=0, text="go forward ten", stable="go forward", start=0.31, end=1.47),
-    m.Final(stream="s1", seg=0, text="go forward ten meters", start=0.31, end=2.47, avg_logprob=-0.21, no_speech_prob=0.01),
+    m.Partial(stream="s1", seg=0, text="go forward ten", stable="go forward", start=0.31, end=1.47, language="en"),
+    m.Final(stream="s1", seg=0, text="go forward ten meters", start=0.31, end=2.47, avg_logprob=-0.21, no_speech_prob=0.01,
+            language="en"),
     m.ErrorMsg(code=m.OVERLOADED, message="stream buffer full", stream="s1", seq=42),
     m.ErrorMsg(code=m.NOT_READY, message="no worker is ready yet"),
     m.Closed(stream="s1", reason="idle_timeout", audio_s=12.5, segments=3),
@@ -140,6 +142,8 @@ REFUSALS: list[tuple[str, list[Any], str]] = [
     ("language too long", open_(language="x" * 17), m.BAD_MESSAGE),
     ("model not a string", open_(model=["tiny"]), m.BAD_MESSAGE),
     ("prompt too long", open_(prompt="p" * (m.MAX_PROMPT_CHARS + 1)), m.BAD_MESSAGE),
+    ("resume_language not a string", open_(resume_language=["es"]), m.BAD_MESSAGE),
+    ("resume_language too long", open_(resume_language="x" * 17), m.BAD_MESSAGE),
     # versions and formats
     ("newer protocol version", [pack({"type": "hello", "version": 2})], m.UNSUPPORTED_VERSION),
     ("unsupported rate", open_(rate=11025), m.BAD_FORMAT),
@@ -207,7 +211,8 @@ scalars = st.one_of(
 values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5),
                       max_leaves=20)
 field_names = st.sampled_from(["type", "stream", "seq", "rate", "encoding", "channels", "language", "model",
-                               "partials", "priority", "prompt", "version", "data", "window", "x"])
+                               "partials", "priority", "prompt", "offset", "resume_text", "resume_language", "version",
+                               "data", "window", "x"])
 message_types = st.sampled_from(["hello", "open", "audio", "end", "status", "ready", "bogus"])
 
 

@@ -516,7 +516,7 @@ def test_partials_take_the_language_the_last_final_was_heard_in(long_pool: RingP
         return {j.language for j in s.jobs_out if j.seg == seg and j.final == final}
 
     feed(s, [0.0] * 5 + [0.9] * 20)
-    answer(s, final=False, text="Guten Morgen")
+    answer(s, final=False, text="Guten Morgen", language="de")
     feed(s, [0.0] * 20)
     assert asked(0, final=False) == asked(0, final=True) == {opened}
     answer(s, final=True, text="Guten Morgen, wie geht es?", language="de")
@@ -525,6 +525,30 @@ def test_partials_take_the_language_the_last_final_was_heard_in(long_pool: RingP
     answer(s, final=True, text="Danke.", no_speech_prob=0.9, avg_logprob=-1.5, language="en")  # probably noise
     feed(s, [0.9] * 20)
     assert asked(2, final=False) == {"de"}
+    # the client is told what each was decoded in: the noise's final too (it is what the model decoded)
+    assert [p.language for p in s.outbox if isinstance(p, m.Partial)] == ["de"]
+    assert [f.language for f in finals(s)] == ["de", "en"]
+
+
+@pytest.mark.parametrize("opened", [None, "fr"])
+def test_a_resumed_stream_s_partials_take_the_language_its_client_last_heard(long_pool: RingPool, opened: str | None) -> None:
+    """A stream resumed on a new ingest decodes its partials in `resume_language`, the language of
+    the last final its client had, until a final of its own has words; its finals detect as ever.
+    A language the client gave is every job's, `resume_language` or not."""
+    s = session(long_pool, language=opened, offset=48_000, resume_text="Hoy vamos a la playa.", resume_language="es")
+
+    def asked(seg: int, final: bool) -> set[str | None]:
+        return {j.language for j in s.jobs_out if j.seg == seg and j.final == final}
+
+    feed(s, [0.0] * 5 + [0.9] * 20)
+    answer(s, final=False, text="Mañana compramos", language=opened or "es")
+    feed(s, [0.0] * 20)
+    assert (asked(0, final=False), asked(0, final=True)) == ({opened or "es"}, {opened})
+    answer(s, final=True, text="Mañana compramos pan.", language=opened or "pt")  # heard otherwise on the whole segment
+    feed(s, [0.9] * 20)
+    assert asked(1, final=False) == {opened or "pt"}
+    assert [p.language for p in s.outbox if isinstance(p, m.Partial)][:1] == [opened or "es"]
+    assert [f.language for f in finals(s)] == [opened or "pt"]
 
 
 @pytest.mark.parametrize("heard", [[], ["turn left now", "turn left now please"]], ids=["no partials", "partials"])
@@ -534,7 +558,7 @@ def test_a_final_that_failed_for_good_is_sent_after_its_error(long_pool: RingPoo
     s = session(long_pool)
     feed(s, [0.0] * 5 + [0.9] * 20)
     for text in heard:
-        answer(s, final=False, text=text)
+        answer(s, final=False, text=text, language="en")
         feed(s, [0.9] * 10)
     stable = [msg.stable for msg in s.outbox if isinstance(msg, m.Partial)][-1] if heard else ""
     assert bool(stable) == bool(heard)
@@ -544,7 +568,7 @@ def test_a_final_that_failed_for_good_is_sent_after_its_error(long_pool: RingPoo
         answer(s, final=True, status=FAILED, error="worker lost")
     [err] = errors(s)
     assert err.code == m.INTERNAL and "segment 0" in err.message
-    assert [(f.seg, f.text, f.revised) for f in finals(s)] == [(0, stable, False)]
+    assert [(f.seg, f.text, f.revised, f.language) for f in finals(s)] == [(0, stable, False, "en" if heard else None)]
     assert s.outbox.index(err) < s.outbox.index(finals(s)[0])
     assert s.previous_text == stable and s.stats["finals"] == 1
 
