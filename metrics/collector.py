@@ -700,8 +700,8 @@ class Collector:
             rows[p["name"]] = {"name": p["name"], "program": p.get("group") or program_of(p["name"]), "state": p["statename"],
                                "pid": p["pid"] or None, "uptime_s": (p["now"] - p["start"]) if p["pid"] else None,
                                "last_seen_s": None,
-                               # given up on: why, as `status` says it (its log's last line, read only then)
-                               **({"why": service.given_up_why(self.cfg, p)} if p["statename"] in service.FAILED_STATES else {})}
+                               # a failed start, retried or given up on: why, as `status` says it (its log's last line, read only then)
+                               **({"why": service.start_failed_why(self.cfg, p)} if p["statename"] in service.FAILED_STATES else {})}
         for inc in self._live.values():
             silent = now - inc.seen
             row = rows.setdefault(inc.process, {"name": inc.process, "program": program_of(inc.process), "state": "RUNNING",

@@ -42,7 +42,7 @@ class Reviver:
                 if now - since < retry_s:
                     continue
                 self.log.warning("revive.restart", program=fatal[name]["name"], fatal_s=round(now - since, 1),
-                                 why=service.given_up_why(self.cfg, fatal[name]))
+                                 why=service.start_failed_why(self.cfg, fatal[name]))
                 try:
                     rpc.startProcess(name, False)  # not waiting: supervisord's own retries follow, as at its start
                 except xmlrpc.client.Fault as exc:  # started meanwhile (by hand), or supervisord shutting down

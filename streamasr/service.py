@@ -396,8 +396,6 @@ def front_door(address: str, msg: m.ClientMessage, timeout: float = 2.0, curve: 
         sock.close()
 
 
-
-
 def processes(cfg: Config) -> list[dict[str, Any]]:
     """supervisord's view of each program, over its unix socket (TimeoutError: one that does not
     answer, see `supervised.rpc`)."""
@@ -426,7 +424,7 @@ def last_words(cfg: Config, name: str) -> str:
     return (f"{name}: {said}" if said else name or line)[:LAST_WORDS_CHARS]
 
 
-def given_up_why(cfg: Config, info: dict[str, Any]) -> str:
+def start_failed_why(cfg: Config, info: dict[str, Any]) -> str:
     """Why process `info` (a row of supervisord's list) failed to start, while supervisord backs
     off before its next try (a minute or more of them, with startsecs up to a minute) or after it
     gave up: its own words, the last exit status, and the process's last words in its log."""
@@ -486,8 +484,9 @@ def deleted_files(cfg: Config, uptimes: dict[str, float], supervisord_bound: boo
 def saved_config(cfg: Config) -> Config:
     """`cfg`, describing its running instance as that was started, from its run directory: its
     `[ingest]` (the front door `serve --address` sets, its ingest processes, the server's CURVE
-    keys), its workers, its dashboard port and how often it starts a program given up on again. The rest is the caller's own, its client key
-    included: that is the caller's identity, not the service's."""
+    keys), its workers, its dashboard port and how often it starts a program given up on again.
+    The rest is the caller's own, its client key included: that is the caller's identity, not the
+    service's."""
     saved = cfg.run_path / "config.toml"
     if supervisord_pid(cfg) is None or not saved.is_file():
         return cfg
@@ -520,7 +519,7 @@ def status(cfg: Config) -> dict[str, Any]:
         try:
             report["processes"] = [
                 {"name": p["name"], "group": p["group"], "state": p["statename"], "pid": p["pid"], "uptime_s": p["now"] - p["start"] if p["pid"] else 0,
-                 **({"why": given_up_why(cfg, p)} if p["statename"] in FAILED_STATES else {})}
+                 **({"why": start_failed_why(cfg, p)} if p["statename"] in FAILED_STATES else {})}
                 for p in processes(cfg)
             ]
         except FileNotFoundError:
