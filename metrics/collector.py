@@ -281,7 +281,9 @@ class Collector:
     # -- lifecycle --------------------------------------------------------------------------------
 
     def start(self) -> Collector:
-        """Bind (refusing if another collector of this instance is bound) and collect on a daemon thread."""
+        """Bind (refusing if another collector of this instance is bound), look once, and collect on a
+        daemon thread. The first look is made before this returns, so that nothing is served from a
+        predecessor's state alone: a restart of the dashboard itself counts from its first reply."""
         if endpoint_in_use(self.endpoint):
             raise RuntimeError(f"another collector is already bound at {self.endpoint}")
         self.cfg.run_path.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -294,6 +296,7 @@ class Collector:
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         self._socket_files.bind(sock, self.endpoint)
         self._sock = sock
+        self.refresh()
         self._thread = threading.Thread(target=self._run, name="collector", daemon=True)
         self._thread.start()
         return self
@@ -313,7 +316,7 @@ class Collector:
 
     def _run(self) -> None:
         assert self._sock is not None
-        next_refresh = 0.0
+        next_refresh = time.monotonic() + REFRESH_S
         while not self._stop.is_set():
             if self._sock.poll(100):
                 while True:

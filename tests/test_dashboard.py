@@ -25,7 +25,7 @@ import uuid
 import xmlrpc.client
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import psutil
 import pytest
@@ -133,6 +133,14 @@ def exported(url: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
 def counters(url: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
     """The samples of counter `name` (without `_total`), by labels."""
     return exported(url).get(name + "_total", {})
+
+
+def supervisor_of(svc: Any) -> Any:
+    """supervisord's XML-RPC namespace with no timeout: stopping a program waits for it to end."""
+    from supervisor.xmlrpc import SupervisorTransport
+
+    return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=SupervisorTransport(
+        None, None, f"unix://{svc.cfg.run_path / 'supervisor.sock'}")).supervisor
 
 
 @pytest.fixture
@@ -548,12 +556,9 @@ def test_restarts_count_a_process_that_crashed_before_it_published_and_the_dashb
     first snapshot (a crash loop while it loads) is seen only in supervisord's list, and the
     dashboard sends no snapshot at all: both count, and a restarted dashboard goes on from
     its predecessor's counts."""
-    from supervisor.xmlrpc import SupervisorTransport
-
     svc = service_factory(model="null", workers=1)
     url = f"http://127.0.0.1:{svc.cfg.metrics.dashboard_port}/"
-    rpc = xmlrpc.client.ServerProxy("http://127.0.0.1", transport=SupervisorTransport(
-        None, None, f"unix://{svc.cfg.run_path / 'supervisor.sock'}")).supervisor
+    rpc = supervisor_of(svc)
 
     def restarts() -> dict[str, float] | None:
         try:
@@ -584,3 +589,29 @@ def test_restarts_count_a_process_that_crashed_before_it_published_and_the_dashb
     wait_for(lambda: running("dashboard:dashboard", dashboard), timeout=30, what="supervisord to restart the dashboard")
     counted = wait_for(lambda: (r := restarts()) and "dashboard" in r and r, timeout=30, what="the new dashboard's count")
     assert counted == {"broker": 0, "dashboard": 1, "ingest": 0, "revive": 0, "worker": 2}
+
+
+def test_a_dashboard_started_after_a_restart_it_missed_counts_it_in_its_first_answer(service_factory) -> None:
+    """A scrape can come at once after the dashboard starts. A worker restarted while no dashboard
+    ran must already count in the first figures served: the predecessor's saved state alone
+    would read one restart short, and the counter would jump later."""
+    from metrics.collector import Collector
+
+    svc = service_factory(model="null", workers=1)
+    url = f"http://127.0.0.1:{svc.cfg.metrics.dashboard_port}/"
+    rpc = supervisor_of(svc)
+    wait_for(lambda: (r := counters(url, "streamasr_process_restarts")) and len(r) == 5, timeout=30,
+             what="every program counted")
+    time.sleep(1.5)  # a refresh that saved what the dashboard has counted
+    rpc.stopProcess("dashboard:dashboard")
+    old = rpc.getProcessInfo("worker:worker-0")["pid"]
+    rpc.stopProcess("worker:worker-0")
+    rpc.startProcess("worker:worker-0", False)
+    assert rpc.getProcessInfo("worker:worker-0")["pid"] not in (0, old)
+    collector = Collector(svc.cfg, state_file=svc.cfg.metrics_state_path).start()
+    try:
+        first = {dict(s.labels)["program"]: s.value for f in text_string_to_metric_families(collector.prometheus().decode())
+                 if f.name == "streamasr_process_restarts" for s in f.samples}
+    finally:
+        collector.close()
+    assert first == {"broker": 0, "dashboard": 0, "ingest": 0, "revive": 0, "worker": 1}
