@@ -135,6 +135,11 @@ def _host(endpoint: str) -> str | None:
     return rest.rpartition(":")[0]
 
 
+def float_to_int16(audio: np.ndarray) -> np.ndarray:
+    """Float samples (full scale ±1, beyond it clipped) as little-endian 16-bit PCM, rounded."""
+    return (np.clip(audio, -1.0, 1.0) * 32767.0).round().astype("<i2")
+
+
 def to_pcm(pcm: bytes | bytearray | memoryview | np.ndarray, encoding: str, channels: int) -> bytes:
     """`pcm` as interleaved bytes in `encoding`; the caller may reuse its buffer afterwards.
 
@@ -154,7 +159,7 @@ def to_pcm(pcm: bytes | bytearray | memoryview | np.ndarray, encoding: str, chan
             if encoding == "f32le":
                 out = pcm.astype("<f4")
             else:
-                out = (np.clip(pcm, -1.0, 1.0) * 32767.0).round().astype("<i2")
+                out = float_to_int16(pcm)
         elif pcm.dtype == np.int16:
             out = (pcm / np.float32(32768.0)).astype("<f4") if encoding == "f32le" else pcm.astype("<i2")
         else:

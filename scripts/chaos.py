@@ -3,8 +3,8 @@ a check of every stream: what a fault-tolerance claim looks like under many faul
 
 Client threads (the blocking client, with resume) stream dev-set speech in real time, 100 ms
 frames, one stream after another; an open refused as `overloaded` is retried after 0.5 s. Every
-6-14 s one process of the instance (a worker, the broker or an ingest, chosen from supervisord's
-list) is sent SIGKILL (`--mode kill`; supervisord starts it again) or SIGSTOP for 1-6 s and then
+6-14 s one process of the instance (a worker, the broker or an ingest, chosen from those supervisord
+lists as running or starting: one still loading may be hit again) is sent SIGKILL (`--mode kill`; supervisord starts it again) or SIGSTOP for 1-6 s and then
 SIGCONT (`--mode stop`). A stream passes when it was closed by its `end`, with at least one
 final and no error; an open refused `overloaded` is counted apart (explicit refusal, no audio
 taken). Exit status 1 if any admitted stream failed.
@@ -92,7 +92,7 @@ def faults(cfg: settings.Config, mode: str, until: float, seed: int, log: list[s
     rnd = random.Random(seed)
     time.sleep(10)
     while time.monotonic() < until - 15:
-        running = [p for p in service.processes(cfg) if p["statename"] == "RUNNING" and p["pid"]
+        running = [p for p in service.processes(cfg) if p["statename"] in service.UP_STATES and p["pid"]
                    and any(p["name"].startswith(prefix) for prefix in ROLES)]
         if running:
             target = rnd.choice(running)

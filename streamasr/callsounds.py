@@ -12,6 +12,7 @@ from typing import Callable
 import numpy as np
 import soxr
 
+from client.core import float_to_int16
 from speech.audio import load_audio
 from streamasr.testdata import utterances
 
@@ -197,4 +198,4 @@ def signal(name: str, rate: int, seconds: float, seed: int = 98) -> np.ndarray:
 
 def pcm(audio: np.ndarray) -> np.ndarray:
     """Float samples as the 16-bit PCM a line delivers."""
-    return (np.clip(audio, -1, 1) * 32767).astype(np.int16)
+    return float_to_int16(audio)

@@ -27,7 +27,7 @@ import numpy as np
 import zmq
 
 from client.client import handshake
-from client.core import StreamCore, ingest_endpoint, limits_from, to_pcm
+from client.core import StreamCore, float_to_int16, ingest_endpoint, limits_from, to_pcm
 from protocol.auth import apply_client_curve
 from protocol.messages import (
     SAMPLE_BYTES,
@@ -107,7 +107,7 @@ def load_clips(clips: list[Clip], rate: int) -> list[np.ndarray]:
     """Each clip as int16 mono at `rate`."""
     from speech.audio import SAMPLE_RATE, load_audio, resample
 
-    return [(np.clip(resample(load_audio(c.path), SAMPLE_RATE, rate), -1.0, 1.0) * 32767.0).astype("<i2") for c in clips]
+    return [float_to_int16(resample(load_audio(c.path), SAMPLE_RATE, rate)) for c in clips]
 
 
 @dataclass(frozen=True)

@@ -164,9 +164,9 @@ class StreamClient:
 
     def _stream(self, sock: zmq.Socket, monitor: zmq.Socket, deadline: float) -> None:
         start = self.durable  # everything before it is final and delivered: never sent again
-        last = next((f.text for f in reversed(self.result.finals) if f.text), None)  # an empty final prompts nothing
+        last = next((f for f in reversed(self.result.finals) if f.text), None)  # an empty final prompts nothing
         sock.send_multipart(m.encode(m.Open(stream=self.stream, partials=self.partials, priority=self.priority, offset=start,
-                                            resume_text=last)))
+                                            resume_text=last and last.text, resume_language=last and last.language)))
         window = -1
         pos = start
         seq = 0
