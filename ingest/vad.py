@@ -206,6 +206,15 @@ class VadBank:
         return prob[:, 0]
 
 
+def clip_probs(audio: np.ndarray) -> np.ndarray:
+    """The speech probability of each whole CHUNK of 16 kHz float `audio`, as the ingest's VAD sees
+    it streamed: one state carried from the first chunk to the last (for measuring scripts)."""
+    bank = VadBank()
+    bank.add("clip")
+    chunks = [audio[i : i + CHUNK] for i in range(0, len(audio) - CHUNK + 1, CHUNK)]
+    return bank.process(["clip"] * len(chunks), chunks)
+
+
 class VadRunner:
     """The ingest loop's VadBank, run on a thread of its own.
 

@@ -34,20 +34,12 @@ import numpy as np
 from config.settings import ModelConfig, VadConfig
 from ingest.session import Session
 from ingest.stabilizer import LocalAgreement
-from ingest.vad import CHUNK, VadBank
+from ingest.vad import CHUNK, clip_probs
 from speech.audio import load_audio
 from speech.backend import SAMPLE_RATE, DecodeRequest
 from speech.ort_backend import OrtWhisperBackend
 from speech.tokenizer import TIME_PRECISION
 from streamasr.testdata import utterances, wer
-
-
-def speech_probs(audio: np.ndarray) -> np.ndarray:
-    """The speech probability of each whole VAD chunk of `audio`, as the ingest's VAD sees the stream."""
-    bank = VadBank()
-    bank.add("clip")
-    chunks = [audio[i : i + CHUNK] for i in range(0, len(audio) - CHUNK + 1, CHUNK)]
-    return bank.process(["clip"] * len(chunks), chunks)
 
 
 def main() -> None:
@@ -77,7 +69,7 @@ def main() -> None:
     longest = (0, 0.0, 0.0, "")  # the most stopped with speech after in a row: how many, first s, last s, text
     for name, audio in clips:
         top = len(audio) / SAMPLE_RATE + args.every / 2 if args.joined else min(len(audio) / SAMPLE_RATE, 6.0)  # 25 s included
-        probs = speech_probs(audio) if args.vad else None
+        probs = clip_probs(audio) if args.vad else None
         agreement, run = LocalAgreement(), (0, 0.0)  # stopped with speech after, in a row so far: how many, first s
         for k, seconds in enumerate(np.arange(1.0, top, args.every)):
             prefix = (agreement.committed or None) if args.stabilized else None  # as the ingest builds a partial's job

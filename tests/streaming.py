@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import psutil
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -254,6 +255,19 @@ def stream_many(address: str, buffers: dict[str, bytes], **kwargs: Any) -> dict[
     if failures:
         raise failures[0]
     return results
+
+
+def send_paced(stream: Any, pcm: np.ndarray, rate: int = RATE, chunk: int = CHUNK_FRAMES, speed: float = 1.0,
+               on_sent: Callable[[int], None] | None = None) -> None:
+    """Send `pcm` to a reference client's stream `chunk` frames a message at `speed` × real time,
+    as a microphone delivers it, then end the stream; `on_sent` gets the frames sent so far."""
+    started = time.monotonic()
+    for i, at in enumerate(range(0, len(pcm), chunk)):
+        time.sleep(max(0.0, started + i * chunk / rate / speed - time.monotonic()))
+        stream.send(pcm[at : at + chunk])
+        if on_sent is not None:
+            on_sent(at + chunk)
+    stream.end()
 
 
 def wait_for(check: Callable[[], Any], timeout: float = 10.0, what: str = "condition", interval: float = 0.1) -> Any:

@@ -32,7 +32,7 @@ from protocol.messages import Closed, ErrorMsg, Final
 from shm import pool
 from streamasr import service as svc
 from streamasr import testdata
-from streaming import wait_for
+from streaming import send_paced, wait_for
 
 RATE = 16000
 CHUNK = RATE // 10  # 100 ms per send, as a microphone delivers it
@@ -80,14 +80,8 @@ def run(service: Service, pcm: np.ndarray, speed: float, on_final: Callable[[Fin
     failures: list[BaseException] = []
 
     def send() -> None:
-        started = time.monotonic()
         try:
-            for i, start in enumerate(range(0, len(pcm), CHUNK)):
-                time.sleep(max(0.0, started + i * CHUNK / RATE / speed - time.monotonic()))
-                stream.send(pcm[start : start + CHUNK])
-                if on_sent is not None:
-                    on_sent(start + CHUNK)
-            stream.end()
+            send_paced(stream, pcm, RATE, CHUNK, speed, on_sent)
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             failures.append(exc)
 

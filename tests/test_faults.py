@@ -30,8 +30,8 @@ from conftest import Service, running, start_service
 from shm import pool
 from streamasr import service as svc
 from streamasr import supervised
-from streaming import (CHUNK_FRAMES, RATE, StreamClient, StreamResult, connections_from, read_wav, speech_files, stream_many,
-                       wait_for)
+from streaming import (CHUNK_FRAMES, RATE, StreamClient, StreamResult, connections_from, read_wav, send_paced,
+                       speech_files, stream_many, wait_for)
 
 GAP = np.zeros(12_000, np.int16).tobytes()  # 0.75 s of silence: a pause ends a segment
 FAULT_SPEED = 3.0  # three times real time: long enough to hit streams mid-flight
@@ -311,11 +311,7 @@ def test_a_rolling_restart_of_the_ingests_ends_no_stream(service_factory: Any) -
     def stream(client: Client, name: str) -> None:
         try:
             s = client.open(partials=False)
-            started = time.monotonic()
-            for i, at in enumerate(range(0, len(pcm), CHUNK_FRAMES)):
-                time.sleep(max(0.0, started + i * CHUNK_FRAMES / RATE - time.monotonic()))
-                s.send(pcm[at : at + CHUNK_FRAMES])
-            s.end()
+            send_paced(s, pcm)
             events[name] = list(s.events(timeout=60))
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             failures.append(exc)

@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import threading
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -24,6 +23,7 @@ from conftest import Service, running
 from protocol.messages import Closed, ErrorMsg, Final, Partial
 from streamasr import service as svc
 from streamasr.testdata import spoken
+from streaming import send_paced
 
 pytestmark = pytest.mark.base
 
@@ -123,16 +123,7 @@ def test_a_resumed_stream_keeps_its_language(base_service: Service, tmp_path: Pa
     ingest = next(int(p["pid"]) for p in svc.processes(base_service.cfg) if p["name"] == "ingest-0")
     client = Client(base_service.address, liveness=5.0)
     stream = client.open(rate=rate, language=language)
-    chunk = rate // 10
-
-    def send() -> None:  # at the pace of speech, as a microphone delivers it
-        started = time.monotonic()
-        for i, start in enumerate(range(0, len(pcm), chunk)):
-            time.sleep(max(0.0, started + i * chunk / rate - time.monotonic()))
-            stream.send(pcm[start : start + chunk])
-        stream.end()
-
-    sender = threading.Thread(target=send, daemon=True)
+    sender = threading.Thread(target=send_paced, args=(stream, pcm, rate, rate // 10), daemon=True)
     sender.start()
     finals: list[Final] = []
     partials: list[Partial] = []
