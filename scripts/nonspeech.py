@@ -23,8 +23,7 @@ import soundfile as sf
 
 from config import settings
 from ingest.audio import Resampler
-from ingest.segmenter import Segmenter
-from ingest.vad import CHUNK, clip_probs
+from ingest.vad import clip_segments
 from streamasr import callsounds, remote
 from streamasr.service import launch
 from streamasr.testdata import wer
@@ -36,12 +35,7 @@ HOLD_S = 20.0  # the call's time on hold
 def vad_segments(audio: np.ndarray, rate: int) -> list[tuple[float, float]]:
     """Segments (seconds) the ingest's VAD opens on 16-bit `audio`, resampled to 16 kHz as the ingest does."""
     x = Resampler(rate).process(audio.astype(np.float32) / 32768, last=True)
-    segmenter = Segmenter(settings.load(None).vad)
-    events = []
-    for i, prob in enumerate(clip_probs(x)):
-        events += segmenter.push(float(prob), (i + 1) * CHUNK)
-    events += segmenter.flush(len(x))
-    return [(round(ev.start / 16000, 2), round(ev.end / 16000, 2)) for ev in events if ev.kind == "end"]
+    return [(round(start, 2), round(end, 2)) for start, end in clip_segments(x, settings.load(None).vad)]
 
 
 def main() -> None:

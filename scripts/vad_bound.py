@@ -1,0 +1,90 @@
+"""What the VAD's cell-state bound (`ingest.vad.CELL_BOUND`) changes: the segments the ingest's VAD
+and segmenter open with it and without it, chunks handed over as 100 ms frames hand them.
+
+- Speech: each dev-set utterance alone, and all of them joined with pauses of 0.3 to 2 s, at
+  16 kHz and on an 8 kHz phone line: are the segments the same, and how far did an edge move?
+- After a call signal: 20 s of each of `streamasr/callsounds.py`'s signals, then each LibriVox
+  sentence of the dev set, at 8 and 16 kHz: how many sentences got a segment, and how far the
+  bound moved the start of those found both ways (negative: earlier).
+
+    python scripts/vad_bound.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import soxr
+
+from config import settings
+from ingest import vad
+from ingest.audio import Resampler
+from speech.audio import load_audio
+from streamasr import callsounds
+from streamasr.testdata import utterances
+
+RATE = 16000
+FRAME_CHUNKS = 3  # a 100 ms frame
+SIGNAL_S = 20.0
+
+
+def line(audio: np.ndarray, rate: int) -> np.ndarray:
+    """16 kHz float `audio` as a line at `rate` carries it, back at 16 kHz as the ingest has it."""
+    pcm = callsounds.pcm(callsounds.telephone(audio if rate == RATE else soxr.resample(audio, RATE, rate), rate))
+    return Resampler(rate).process(pcm.astype(np.float32) / 32768, last=True)
+
+
+def both(x: np.ndarray) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """Segments without the bound, then with it."""
+    cfg, bound = settings.load(None).vad, vad.CELL_BOUND
+    vad.CELL_BOUND = float("inf")
+    try:
+        alone = vad.clip_segments(x, cfg, FRAME_CHUNKS)
+    finally:
+        vad.CELL_BOUND = bound
+    return alone, vad.clip_segments(x, cfg, FRAME_CHUNKS)
+
+
+def speech(clips: list[np.ndarray]) -> None:
+    print("speech                          rate   same segments   largest edge move (s)")
+    cases = [("each utterance alone", [np.concatenate([np.zeros(RATE // 2, np.float32), c, np.zeros(RATE, np.float32)])
+                                        for c in clips])]
+    for pause in (0.3, 0.6, 1.0, 2.0):
+        cases.append((f"all joined, {pause:g} s pauses",
+                      [np.concatenate([p for c in clips for p in (c, np.zeros(int(pause * RATE), np.float32))])]))
+    for name, audios in cases:
+        for rate in (RATE, 8000):
+            same, moved = 0, 0.0
+            for audio in audios:
+                alone, bounded = both(line(audio, rate))
+                if len(alone) == len(bounded):
+                    same += alone == bounded
+                    moved = max([moved] + [abs(a - b) for x, y in zip(alone, bounded) for a, b in zip(x, y)])
+                else:
+                    moved = float("nan")
+            print(f"{name:30s} {rate:6d}   {same:3d} of {len(audios):<3d}     {moved:.3f}")
+
+
+def after_signals(sentences: list[np.ndarray]) -> None:
+    print("\nafter 20 s of             rate   sentences heard (alone / bounded)   onset, bounded less alone, s: mean, latest")
+    for name in callsounds.SIGNALS:
+        for rate in (8000, RATE):
+            signal = callsounds.signal(name, RATE, SIGNAL_S).astype(np.float32) / 32768
+            heard, moved = [0, 0], []
+            for sentence in sentences:
+                x = line(np.concatenate([signal, sentence, np.zeros(RATE, np.float32)]), rate)
+                starts = [next((s for s, e in segments if e > SIGNAL_S + 0.5), None) for segments in both(x)]
+                heard = [n + (s is not None) for n, s in zip(heard, starts)]
+                if None not in starts:
+                    moved.append(starts[1] - starts[0])
+            shown = f"{np.mean(moved):+.2f}, {max(moved):+.2f}" if moved else "-"
+            print(f"{name:24s} {rate:6d}   {heard[0]} / {heard[1]} of {len(sentences)}                      {shown}")
+
+
+def main() -> None:
+    clips = [(u.name, load_audio(u.path)) for u in utterances()]
+    speech([c for _, c in clips])
+    after_signals([c for name, c in clips if name.startswith("librivox/")])
+
+
+if __name__ == "__main__":
+    main()
