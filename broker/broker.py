@@ -188,8 +188,9 @@ class Broker:
         self._front.setsockopt(zmq.MAXMSGSIZE, cfg.ingest.max_message_bytes)
         self._front.setsockopt(zmq.HEARTBEAT_IVL, m.CLIENT_HEARTBEAT_MS)  # a client gone without a FIN is let go
         self._front.setsockopt(zmq.HEARTBEAT_TIMEOUT, m.CLIENT_HEARTBEAT_TIMEOUT_MS)
-        # Replies to clients that left are dropped: one vanished client must not stall the loop.
-        self._front.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # An answer a client cannot take (it left, or it reads none) is dropped, never waited on:
+        # one such client must not stall the loop. Mandatory routing makes libzmq say so, to log it.
+        self._front.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._limits = m.Limits(max_frame_bytes=cfg.ingest.max_frame_bytes, max_message_bytes=cfg.ingest.max_message_bytes)
         self._throttle = Throttle()  # the refusal lines of each front door client: see _on_client
 
@@ -681,10 +682,10 @@ class Broker:
                 log.warning("broker.bad_client_message", client=envelope[0].hex(), code=exc.code, error=exc.message,
                             suppressed=suppressed)
             reply = exc.reply()
-        try:
-            self._front.send_multipart([*envelope, *m.encode(reply)], zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass  # the client is gone or not reading
+        if (why := self._deliver(self._front, envelope[0], [*envelope[1:], *m.encode(reply)])) and \
+                (suppressed := self._throttle((envelope[0], why))) is not None:
+            log.warning("broker.answer_undelivered", client=envelope[0].hex(), answer=reply.type, suppressed=suppressed,
+                        why="gone" if why == zmq.EHOSTUNREACH else "not reading its answers")
 
     def _client_reply(self, msg: m.ClientMessage, now: float) -> m.ServerMessage:
         if isinstance(msg, m.Status):

@@ -391,6 +391,46 @@ def test_the_front_door_closes_the_connection_of_a_client_that_stops_answering(t
         broker.close()
 
 
+def test_an_answer_the_front_door_cannot_deliver_is_logged_not_dropped_silently(tmp_path: Path) -> None:
+    """The front door never waits on a client: an answer to one whose connection closed, or to
+    one that reads none of its answers, is dropped. Dropped, but said: the operator sees which
+    client and why. The broker here is in this process, its front door served by hand."""
+    cfg = settings.load(None, {"run_dir": str(tmp_path / "run"), "ingest": {"address": f"tcp://127.0.0.1:{free_ports(1)}"}})
+    broker = Broker(cfg)
+    broker._front.bind(cfg.ingest.address)
+    ctx = zmq.Context.instance()
+    gone, deaf = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    deaf.setsockopt(zmq.RCVBUF, 4096)  # the kernel holds few of the answers it never reads
+    deaf.setsockopt(zmq.RCVHWM, 1)
+    try:
+        with capture_logs() as logs:
+            gone.connect(cfg.ingest.address)
+            gone.send_multipart(m.encode(m.Hello()))
+            assert broker._front.poll(10_000)
+            request = broker._front.recv_multipart()
+            port = next(c.laddr.port for c in psutil.Process().net_connections("tcp")
+                        if c.raddr and c.raddr.port == int(cfg.ingest.address.rsplit(":", 1)[1]))
+            gone.close(linger=0)
+            wait_for(lambda: connections_from(port) == 0, 10, "the client's connection closed")
+            broker._on_client(request, time.monotonic())
+
+            deaf.connect(cfg.ingest.address)
+            hello = m.encode(m.Hello())
+            for _ in range(400):  # until the answers waiting fill the kernel's buffers and libzmq's queue
+                for _ in range(500):
+                    deaf.send_multipart(hello)
+                while broker._front.poll(50):
+                    broker._on_client(broker._front.recv_multipart(), time.monotonic())
+                if sum(e["event"] == "broker.answer_undelivered" for e in logs) > 1:
+                    break
+        said = [(e["answer"], e["why"]) for e in logs if e["event"] == "broker.answer_undelivered"]
+        assert said == [("error", "gone"), ("error", "not reading its answers")], said  # not_ready: no ingest here
+    finally:
+        gone.close(linger=0)
+        deaf.close(linger=0)
+        broker.close()
+
+
 def test_not_ready_without_ingest_or_worker(cluster: Cluster) -> None:
     cluster.start_broker()
     hello = msgpack.packb({"type": "hello", "version": 1})
