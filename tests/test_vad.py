@@ -391,7 +391,8 @@ def test_speech_after_long_hold_music_on_a_phone_line_is_heard(calls_of: int | N
     """Over 20 s of hold music at 8 kHz, Silero's LSTM cell state grows to five times what speech
     takes it to, and a state that large scores the sentence after the hold 0.00 in every chunk:
     its words were lost. Brought back to CELL_BOUND outside speech, the state hears that sentence
-    from its start, however the chunks are handed over, and nothing in the hold."""
+    as a fresh state does (on a phone line, its first words late), however the chunks are handed
+    over, and nothing in the hold."""
     segments, (held, resumed) = held_call_segments(calls_of)
     assert [s for s in segments if held + 0.5 < s[1] and s[0] < resumed] == [], segments  # nothing in the music
     after = [s for s in segments if s[0] >= resumed - 0.5]
