@@ -1,6 +1,8 @@
 """What the VAD's cell-state bound (`ingest.vad.CELL_BOUND`) changes: the segments the ingest's VAD
 and segmenter open with it and without it, chunks handed over as 100 ms frames hand them.
 
+- The call put on hold at 8 kHz, with the bound at 20 to 70: where the sentence after the hold
+  gets its segment.
 - Speech: each dev-set utterance alone, and all of them joined with pauses of 0.3 to 2 s, at
   16 kHz and on an 8 kHz phone line: are the segments the same, and how far did an edge move?
 - After a call signal: 20 s of each of `streamasr/callsounds.py`'s signals, then each LibriVox
@@ -80,7 +82,26 @@ def after_signals(sentences: list[np.ndarray]) -> None:
             print(f"{name:24s} {rate:6d}   {heard[0]} / {heard[1]} of {len(sentences)}                      {shown}")
 
 
+def by_bound(bounds: tuple[float, ...] = (20.0, 30.0, 40.0, 50.0, 70.0)) -> None:
+    """The call put on hold at 8 kHz (a sentence, 20 s of hold music, a sentence), with the bound at each of `bounds`."""
+    call = callsounds.on_hold(8000, SIGNAL_S, np.random.default_rng(98))
+    x = Resampler(8000).process(call.audio.astype(np.float32) / 32768, last=True)
+    alone, _ = both(x)
+    print(f"call on hold, 8 kHz, hold {call.hold[0]:.1f}-{call.hold[1]:.1f} s; segments without the bound:",
+          ", ".join(f"{a:.2f}-{b:.2f}" for a, b in alone))
+    kept = vad.CELL_BOUND
+    try:
+        for bound in bounds:
+            vad.CELL_BOUND = bound
+            found = vad.clip_segments(x, settings.load(None).vad, FRAME_CHUNKS)
+            print(f"  bound {bound:g}:", ", ".join(f"{a:.2f}-{b:.2f}" for a, b in found))
+    finally:
+        vad.CELL_BOUND = kept
+    print()
+
+
 def main() -> None:
+    by_bound()
     clips = [(u.name, load_audio(u.path)) for u in utterances()]
     speech([c for _, c in clips])
     after_signals([c for name, c in clips if name.startswith("librivox/")])
