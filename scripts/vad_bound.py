@@ -35,15 +35,18 @@ def line(audio: np.ndarray, rate: int) -> np.ndarray:
     return Resampler(rate).process(pcm.astype(np.float32) / 32768, last=True)
 
 
+def segments(x: np.ndarray, bound: float = vad.CELL_BOUND) -> list[tuple[float, float]]:
+    """The segments the ingest opens on 16 kHz `x` with the cell state held to `bound` (inf: none)."""
+    kept, vad.CELL_BOUND = vad.CELL_BOUND, bound
+    try:
+        return vad.clip_segments(x, settings.load(None).vad, FRAME_CHUNKS)
+    finally:
+        vad.CELL_BOUND = kept
+
+
 def both(x: np.ndarray) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
     """Segments without the bound, then with it."""
-    cfg, bound = settings.load(None).vad, vad.CELL_BOUND
-    vad.CELL_BOUND = float("inf")
-    try:
-        alone = vad.clip_segments(x, cfg, FRAME_CHUNKS)
-    finally:
-        vad.CELL_BOUND = bound
-    return alone, vad.clip_segments(x, cfg, FRAME_CHUNKS)
+    return segments(x, float("inf")), segments(x)
 
 
 def speech(clips: list[np.ndarray]) -> None:
@@ -86,17 +89,11 @@ def by_bound(bounds: tuple[float, ...] = (20.0, 30.0, 40.0, 50.0, 70.0)) -> None
     """The call put on hold at 8 kHz (a sentence, 20 s of hold music, a sentence), with the bound at each of `bounds`."""
     call = callsounds.on_hold(8000, SIGNAL_S, np.random.default_rng(98))
     x = Resampler(8000).process(call.audio.astype(np.float32) / 32768, last=True)
-    alone, _ = both(x)
+    alone = segments(x, float("inf"))
     print(f"call on hold, 8 kHz, hold {call.hold[0]:.1f}-{call.hold[1]:.1f} s; segments without the bound:",
           ", ".join(f"{a:.2f}-{b:.2f}" for a, b in alone))
-    kept = vad.CELL_BOUND
-    try:
-        for bound in bounds:
-            vad.CELL_BOUND = bound
-            found = vad.clip_segments(x, settings.load(None).vad, FRAME_CHUNKS)
-            print(f"  bound {bound:g}:", ", ".join(f"{a:.2f}-{b:.2f}" for a, b in found))
-    finally:
-        vad.CELL_BOUND = kept
+    for bound in bounds:
+        print(f"  bound {bound:g}:", ", ".join(f"{a:.2f}-{b:.2f}" for a, b in segments(x, bound)))
     print()
 
 

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import xmlrpc.client
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -28,6 +29,13 @@ class Service(LocalService):
         """Run the `streamasr` CLI against this instance."""
         return subprocess.run([sys.executable, "-m", "streamasr.cli", *args], capture_output=True, text=True,
                               timeout=timeout, env={**os.environ, "STREAMASR_CONFIG": str(self.config_file)})
+
+    def supervisor(self) -> Any:
+        """supervisord's XML-RPC namespace, with no timeout: stopping a program waits for it to end."""
+        from supervisor.xmlrpc import SupervisorTransport
+
+        return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=SupervisorTransport(
+            None, None, f"unix://{self.cfg.run_path / 'supervisor.sock'}")).supervisor
 
     def events(self, program: str) -> list[dict[str, Any]]:
         """Every JSON line of a program's log."""

@@ -22,10 +22,9 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-import xmlrpc.client
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import psutil
 import pytest
@@ -133,14 +132,6 @@ def exported(url: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
 def counters(url: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
     """The samples of counter `name` (without `_total`), by labels."""
     return exported(url).get(name + "_total", {})
-
-
-def supervisor_of(svc: Any) -> Any:
-    """supervisord's XML-RPC namespace with no timeout: stopping a program waits for it to end."""
-    from supervisor.xmlrpc import SupervisorTransport
-
-    return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=SupervisorTransport(
-        None, None, f"unix://{svc.cfg.run_path / 'supervisor.sock'}")).supervisor
 
 
 @pytest.fixture
@@ -558,7 +549,7 @@ def test_restarts_count_a_process_that_crashed_before_it_published_and_the_dashb
     its predecessor's counts."""
     svc = service_factory(model="null", workers=1)
     url = f"http://127.0.0.1:{svc.cfg.metrics.dashboard_port}/"
-    rpc = supervisor_of(svc)
+    rpc = svc.supervisor()
 
     def restarts() -> dict[str, float] | None:
         try:
@@ -599,7 +590,7 @@ def test_a_dashboard_started_after_a_restart_it_missed_counts_it_in_its_first_an
 
     svc = service_factory(model="null", workers=1)
     url = f"http://127.0.0.1:{svc.cfg.metrics.dashboard_port}/"
-    rpc = supervisor_of(svc)
+    rpc = svc.supervisor()
     wait_for(lambda: (r := counters(url, "streamasr_process_restarts")) and len(r) == 5, timeout=30,
              what="every program counted")
     time.sleep(1.5)  # a refresh that saved what the dashboard has counted

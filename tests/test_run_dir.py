@@ -12,13 +12,11 @@ import subprocess
 import sys
 import urllib.request
 import uuid
-import xmlrpc.client
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
-from supervisor.xmlrpc import SupervisorTransport
 
 from config import settings
 from shm import pool
@@ -41,11 +39,6 @@ def _programs_of(instance: str) -> list[str]:
         if instance in line and "pytest" not in line:
             found.append(line)
     return found
-
-
-def _supervisor(service: Any) -> Any:
-    return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=SupervisorTransport(
-        None, None, f"unix://{service.cfg.run_path / 'supervisor.sock'}")).supervisor
 
 
 def _since(service: Any, program: str, logged: int, event: str) -> list[dict[str, Any]]:
@@ -210,7 +203,7 @@ def test_sockets_deleted_under_a_serving_instance_are_bound_again_and_a_restarte
     files = {"broker": ["broker-ingest.sock", "broker-workers.sock"], "ingest-0": ["ingest-0-results.sock"],
              "dashboard": ["metrics.sock"]}
     logged = {program: len(service.events(program)) for program in files}
-    rpc = _supervisor(service)
+    rpc = service.supervisor()
     old_pid = rpc.getProcessInfo("worker:worker-0")["pid"]
     for names in files.values():
         for name in names:
@@ -239,7 +232,7 @@ def test_a_worker_that_cannot_reach_the_broker_says_why(service_factory: Any) ->
     without a word, its broker warning written only once it had been connected. It names the
     endpoint and the missing file, and registers when the broker is back."""
     service = service_factory(model="null", workers=1)
-    rpc = _supervisor(service)
+    rpc = service.supervisor()
     rpc.stopProcess("broker")
     (service.cfg.run_path / "broker-workers.sock").unlink()  # ZeroMQ leaves the file of a socket it closes
     logged = {program: len(service.events(program)) for program in ("worker-0", "ingest-0", "broker")}
