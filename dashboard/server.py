@@ -53,7 +53,10 @@ class Dashboard:
         return f"http://{host}:{port}/"
 
     def serve_forever(self) -> None:
-        self.httpd.serve_forever(poll_interval=0.25)
+        try:
+            self.httpd.serve_forever(poll_interval=0.25)
+        finally:  # the refusals of its last second
+            self.refusal_lines.tell_untold(log, "dashboard.events_refused", lambda _: {})
 
     def shutdown(self) -> None:
         """Stop serving (from another thread than serve_forever's) and end the event streams."""

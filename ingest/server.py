@@ -78,6 +78,9 @@ RESUME_HEADROOM = 2.0
 # While the broker stays away the ingest reconnects each patience (3 s by default), and says it is
 # still away at most this often: a line each patience was some 1,200 lines an hour from each ingest.
 BROKER_AWAY_REPEAT_S = 60.0
+# The refusals of a client's messages written at most a line a second per client and code, each event
+# with its own throttle; as the process stops, each says what its lines did not (`<event>_untold`).
+REFUSAL_EVENTS = ("ingest.bad_message", "ingest.unknown_stream", "ingest.open_refused")
 
 
 @dataclass(slots=True)
@@ -130,7 +133,8 @@ class IngestServer:
         self.per_client: dict[bytes, int] = {}
         self.fds: dict[bytes, int] = {}  # the file descriptor of each connection with open streams: see _on_disconnects
         self.gone: dict[bytes, float] = {}  # connections a send found closed, and when: see _drop_gone
-        self.throttle = Throttle()  # the refusal lines of each client
+        # the refusal lines of each client and code, per event: see close
+        self.refusal_lines = {event: Throttle() for event in REFUSAL_EVENTS}
         self.newly_gone = False  # one was found since the last _drop_gone
         self.suspects: dict[bytes, float] = {}  # connections that may be closed, and since when: see _on_disconnects
         self.owner: dict[int, str] = {}  # job id -> session key
@@ -262,10 +266,7 @@ class IngestServer:
 
     def _check_socket_files(self) -> None:
         for lost in self.socket_files.check():
-            if lost.restored:
-                self.log.warning("ingest.socket_restored", path=lost.path, why=lost.why)
-            else:
-                self.log.warning("ingest.socket_unrestored", path=lost.path, why=lost.why, error=lost.error)
+            lost.log(self.log, "ingest")
 
     def _beat(self, now: float) -> None:
         self.hb_sent = now
@@ -297,7 +298,7 @@ class IngestServer:
             msg = m.decode_client([f.buffer for f in frames[1:]], self.limits)
         except m.ProtocolError as exc:
             self.metrics.inc("refusals_total", code=exc.code)
-            if (suppressed := self.throttle((ident, "bad_message", exc.code))) is not None:
+            if (suppressed := self.refusal_lines["ingest.bad_message"]((ident, exc.code))) is not None:
                 self.log.warning("ingest.bad_message", client=ident.hex(), code=exc.code, reason=exc.message, stream=exc.stream,
                                  suppressed=suppressed)
             self._send(ident, exc.reply())
@@ -322,7 +323,7 @@ class IngestServer:
         session = self.sessions.get(f"{ident.hex()}/{stream}")
         if session is None or session.closed:
             self.metrics.inc("refusals_total", code=m.UNKNOWN_STREAM)
-            if (suppressed := self.throttle((ident, "unknown_stream"))) is not None:
+            if (suppressed := self.refusal_lines["ingest.unknown_stream"]((ident, m.UNKNOWN_STREAM))) is not None:
                 self.log.warning("ingest.unknown_stream", client=ident.hex(), stream=stream, suppressed=suppressed)
             self._send(ident, m.ErrorMsg(code=m.UNKNOWN_STREAM, message=f"no open stream {stream!r}", stream=stream, seq=seq))
             return None
@@ -333,7 +334,7 @@ class IngestServer:
 
         def refuse(code: str, message: str) -> None:
             self.metrics.inc("refusals_total", code=code)
-            if (suppressed := self.throttle((ident, "open_refused", code))) is not None:
+            if (suppressed := self.refusal_lines["ingest.open_refused"]((ident, code))) is not None:
                 self.log.warning("ingest.open_refused", client=ident.hex(), stream=msg.stream, code=code, reason=message,
                                  suppressed=suppressed)
             self._send(ident, m.ErrorMsg(code=code, message=message, stream=msg.stream))
@@ -539,6 +540,7 @@ class IngestServer:
             self._drop_gone()
 
     def _release(self, s: Session) -> None:
+        s.tell_untold()
         del self.sessions[s.key]
         del self.scratch[s.key]
         self.vad_due.discard(s.key)
@@ -678,10 +680,13 @@ class IngestServer:
 
     def close(self) -> None:
         for s in self.sessions.values():
+            s.tell_untold()
             if s.abandoned:  # dropped already, its client gone: only its jobs' answers were awaited
                 continue
             self._send(s.client, s.closed_message("shutdown", durable=s.durable()))  # from where its finals are owed
             s.log.error("ingest.stream_abandoned_at_shutdown", pending_jobs=len(s.inflight), **s.figures())
+        for event, lines in self.refusal_lines.items():
+            lines.tell_untold(self.log, event, lambda key: {"client": key[0].hex(), "code": key[1]})
         self.vad.close()
         self.clients.disable_monitor()
         self.disconnects.close(linger=0)

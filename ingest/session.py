@@ -219,6 +219,10 @@ class Session:
         self.outbox.append(m.ErrorMsg(code=code, message=message, stream=self.opened.stream, seq=seq))
         return False
 
+    def tell_untold(self) -> None:
+        """As the stream goes: the refused frames its `ingest.audio_refused` lines have not told."""
+        self.throttle.tell_untold(self.log, "ingest.audio_refused", lambda code: {"code": code})
+
     def client_end(self) -> None:
         """The client's `end`: refused while audio it was told to resend is still missing."""
         if self.ending:

@@ -384,4 +384,5 @@ class VadRunner:
     def close(self) -> None:
         self._rounds.put(None)
         self._thread.join(timeout=5)
+        self._failures_logged.tell_untold(log, "ingest.vad_failed", lambda _: {})  # failed calls no line counted
         self.signal.close(linger=0)

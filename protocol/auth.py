@@ -128,11 +128,8 @@ class _AuthorizedKeys:
     def log_suppressed(self) -> None:
         """The refusals no line has told yet, one line per key and one for those of keys no line
         names (held back, or forgotten): else a flood's last minute goes untold."""
-        for key, suppressed in self.throttle.take_suppressed().items():
-            log.warning("auth.refused_untold", process=self.process, client_key=key.decode(errors="replace"),
-                        suppressed=suppressed)
-        if held_back := self.throttle.take_untold():
-            log.warning("auth.refused_untold", process=self.process, held_back=held_back)
+        self.throttle.tell_untold(log, "auth.refused", lambda key: {"client_key": key.decode(errors="replace")},
+                                  process=self.process)
 
 
 class Authenticator(ThreadAuthenticator):

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import structlog
@@ -111,6 +111,16 @@ class Throttle:
         with self._lock:
             untold, self._untold = self._untold, 0
         return untold
+
+    def tell_untold(self, logger: Any, event: str, fields: Callable[[Any], dict[str, Any]], **common: Any) -> None:
+        """Write what no line of `event` has told yet, as its owner goes (its process stopping, its
+        stream closing): a `<event>_untold` line per key with lines suppressed since its last one
+        (`fields(key)`, `suppressed`), and one with `held_back` for keys no longer in the table.
+        Without it a flood's last second goes untold: a count is told only by its key's next line."""
+        for key, suppressed in self.take_suppressed().items():
+            logger.warning(f"{event}_untold", **common, **fields(key), suppressed=suppressed)
+        if held_back := self.take_untold():
+            logger.warning(f"{event}_untold", **common, held_back=held_back)
 
 
 def configure(process: str, level: str = "info", **tags: Any) -> Any:

@@ -217,16 +217,21 @@ def open_events(url: str) -> tuple[socket.socket, bytes]:
 def test_event_streams_past_the_cap_are_refused_and_a_page_that_goes_frees_its_place(fake_instance, tmp_path: Path) -> None:
     """Each event stream holds a thread, and a page that stops reading is found out only when the
     socket buffers are full: past MAX_EVENT_STREAMS at once a new one is answered 503 (which the
-    page retries), the rest of the dashboard still answers, and a stream that ends gives its place."""
+    page retries), the rest of the dashboard still answers, and a stream that ends gives its place.
+    The refusals' lines, at most one a second, and what they and the last word as the dashboard
+    stops say were not written, add up to the refusals."""
     config_file, _ = fake_instance
     log = tmp_path / "dashboard.log"
     streams: list[tuple[socket.socket, bytes]] = []
+    refusals = 0
 
     def served() -> bool:
+        nonlocal refusals
         conn, answer = open_events(url)
         if answer.startswith(b"HTTP/1.0 200"):
             streams.append((conn, answer))
             return True
+        refusals += 1
         conn.close()
         return False
 
@@ -234,8 +239,10 @@ def test_event_streams_past_the_cap_are_refused_and_a_page_that_goes_frees_its_p
         streams += [open_events(url) for _ in range(MAX_EVENT_STREAMS)]
         try:
             assert all(answer.startswith(b"HTTP/1.0 200") for _, answer in streams)
-            extra, answer = open_events(url)
-            extra.close()
+            for _ in range(20):  # a page asking again and again
+                extra, answer = open_events(url)
+                extra.close()
+                refusals += 1
             head, _, body = answer.partition(b"\r\n\r\n")
             assert head.startswith(b"HTTP/1.0 503") and b"Retry-After: 5" in head, answer[:300]
             assert f"{MAX_EVENT_STREAMS} event streams are open".encode() in body
@@ -246,8 +253,11 @@ def test_event_streams_past_the_cap_are_refused_and_a_page_that_goes_frees_its_p
         finally:
             for conn, _ in streams:
                 conn.close()
-    refused = [e for e in map(json.loads, log.read_text().splitlines()) if e["event"] == "dashboard.events_refused"]
+    events = list(map(json.loads, log.read_text().splitlines()))
+    refused = [e for e in events if e["event"] == "dashboard.events_refused"]
     assert refused and refused[0]["open"] == MAX_EVENT_STREAMS and refused[0]["level"] == "warning", refused
+    untold = [e for e in events if e["event"] == "dashboard.events_refused_untold"]
+    assert len(refused) + sum(e["suppressed"] for e in refused + untold) == refusals, (refused, untold)
 
 
 def test_a_client_gone_mid_answer_leaves_no_traceback_in_the_log(fake_instance, tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from protocol import messages as m
 from streamasr import callsounds
 from streamasr import service as svc
 from streamasr import testdata
+from streaming import wait_for
 
 UTTERANCES = testdata.utterances()
 FILES = [u.path for u in UTTERANCES]
@@ -348,6 +349,57 @@ def test_a_client_flooding_the_front_door_with_bad_messages_gets_answers_but_not
     assert all(isinstance(a, m.ErrorMsg) and a.code == m.BAD_MESSAGE for a in answers) and len(answers) == 2000
     lines = [json.loads(line) for line in null_svc.logs("broker").splitlines() if '"broker.bad_client_message"' in line]
     assert 1 <= len(lines) <= seconds + 2, f"{len(lines)} lines in {seconds:.1f} s"  # one a second at most
+
+
+def _told(events: list[dict], event: str) -> tuple[int, list[dict]]:
+    """How many refusals the lines of a throttled `event` tell (each its own and those it says were
+    not written), and its `_untold` lines."""
+    lines = [e for e in events if e["event"] == event]
+    untold = [e for e in events if e["event"] == f"{event}_untold"]
+    return len(lines) + sum(e["suppressed"] for e in lines + untold), untold
+
+
+def test_refusals_no_line_told_are_told_as_their_stream_closes_and_as_the_service_stops(service_factory) -> None:
+    """A refusal line says how many like it were not written since the last, so a flood's last
+    second was told by no line at all when the client stopped then: every refusal was answered
+    and counted, yet the log said fewer. What no line told is written as the stream closes (a
+    stream's refused audio) or as the process stops (a client's bad messages, at the ingest and
+    at the front door): each line and `suppressed` then add up to the refusals sent."""
+    service = service_factory(model="null", workers=1)
+    n = 300
+    client = RawClient(service.address)
+    for _ in range(n):
+        client.send_raw(b"\xc1 not msgpack")
+    assert all(isinstance(e := client.recv(), m.ErrorMsg) and e.code == m.BAD_MESSAGE for _ in range(n))
+    client.send(m.Open(stream="s", rate=16000))
+    assert isinstance(client.recv(), m.Ready)
+    for seq in range(1, n + 1):  # seq 0 is due: each refused, and none takes its place
+        client.send(m.Audio(stream="s", seq=seq, data=bytes(320)))
+    assert all(isinstance(e := client.recv(), m.ErrorMsg) and e.code == m.OUT_OF_ORDER for _ in range(n))
+    client.send(m.End(stream="s"))
+    assert isinstance(client.until_closed()[-1], m.Closed)
+    front = zmq.Context.instance().socket(zmq.DEALER)
+    front.setsockopt(zmq.LINGER, 0)
+    front.connect(service.address)
+    try:
+        for _ in range(n):
+            front.send_multipart(m.encode(m.Open(stream="s")))
+        for _ in range(n):
+            assert front.poll(10_000), "the front door stopped answering"
+            assert m.decode_server(front.recv_multipart()).type == "error"
+    finally:
+        front.close()
+    # the stream's count is told as it closes, while the process serves on
+    wait_for(lambda: _told(service.events("ingest-0"), "ingest.audio_refused")[0] == n, 10, "the stream's refusals told")
+    untold = _told(service.events("ingest-0"), "ingest.audio_refused")[1]
+    assert [(e["stream"], e["code"]) for e in untold] == [("s", m.OUT_OF_ORDER)], untold
+    client.close()
+    service.stop()
+    for program, event, code in (("ingest-0", "ingest.bad_message", m.BAD_MESSAGE),
+                                 ("broker", "broker.bad_client_message", m.BAD_MESSAGE)):
+        count, untold = _told(service.events(program), event)
+        assert count == n, (event, count, untold)
+        assert len(untold) == 1 and untold[0]["code"] == code and untold[0]["client"], untold
 
 
 def test_client_that_vanishes_is_closed_and_others_are_unaffected(null_svc) -> None:

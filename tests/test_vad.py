@@ -282,7 +282,8 @@ def test_runner_rounds_equal_the_bank_and_streams_change_between_rounds(runner: 
 def test_a_failed_call_counts_its_chunks_as_speech_and_the_vad_lives_on() -> None:
     """A call that raises (here a chunk of the wrong size) fails neither the loop nor the thread,
     and loses no audio: its chunks come back as speech, each failure is counted, and the log
-    says so at most once a second, with how many calls failed since."""
+    says so at most once a second, with how many calls failed since (and, as the VAD closes,
+    those no line has counted)."""
     failures: list[int] = []
     ctx = zmq.Context()
     runner = VadRunner(ctx, on_failure=lambda: failures.append(1))
@@ -301,8 +302,11 @@ def test_a_failed_call_counts_its_chunks_as_speech_and_the_vad_lives_on() -> Non
         assert key == "k" and prob < 0.5  # silence, classified again
         assert runner.classify_now(["k"], [np.zeros(CHUNK, dtype=np.float32)])[0] < 0.5
     finally:
-        runner.close()
+        with capture_logs() as closing:
+            runner.close()
         ctx.term()
+    # the second failure came within a second of the line: told as the VAD closes
+    assert [(e["event"], e["suppressed"]) for e in closing] == [("ingest.vad_failed_untold", 1)], closing
 
 
 def test_runner_catches_up_several_chunks_per_stream_in_one_round(runner: VadRunner, bank: VadBank) -> None:
