@@ -590,8 +590,9 @@ class Entry:
     `opened` is a concurrent.futures or asyncio Future, `events` a queue.SimpleQueue or
     asyncio.Queue of (receive time, message or exception); both have the methods used here.
     `request` is the `open` as first sent, `failure` what sending on the stream raises from then on.
-    `send_resume_language` is cleared when a service refuses the field (one older than it): the
-    stream's later resumes go without it.
+    `resume_token` is the one the stream's last `ready` gave (a realtime stream's, from a service
+    that gives them). `send_newer_fields` is cleared when a service refuses `resume_language` or
+    `resume_token` (one older than them, in a mixed deploy): the stream's later resumes go without both.
     """
 
     core: StreamCore
@@ -599,7 +600,8 @@ class Entry:
     opened: Any
     events: Any
     failure: Exception | None = None
-    send_resume_language: bool = True
+    resume_token: str | None = None
+    send_newer_fields: bool = True
 
     def resume(self, until: float) -> Open:
         """The `open` that continues this stream on a new connection (its kept audio then follows).
@@ -613,7 +615,8 @@ class Entry:
         """The `open` of the current connection again, after the service refused it for being busy."""
         self.core.reopen_at = None
         return dataclasses.replace(self.request, offset=self.core.offset, resume_text=prompt_tail(self.core.last_text),
-                                   resume_language=self.resumed_language())
+                                   resume_language=self.resumed_language(),
+                                   resume_token=self.resume_token if self.send_newer_fields else None)
 
     def resumed_language(self) -> str | None:
         """The `resume_language` of a resume: the language the last final with words was heard in.
@@ -621,7 +624,11 @@ class Entry:
         Sent only when the service said one (so a client that never heard one sends an old service
         no field it lacks) and the stream was opened without a language, which else decides every decode.
         """
-        return self.core.last_language if self.send_resume_language and self.request.language is None else None
+        return self.core.last_language if self.send_newer_fields and self.request.language is None else None
+
+    def sends_newer_fields(self) -> bool:
+        """Whether its resume carries a field a service of an older release refuses."""
+        return self.resumed_language() is not None or (self.send_newer_fields and self.resume_token is not None)
 
     def fail(self, failure: Exception, now: float) -> None:
         self.failure = failure
@@ -706,6 +713,8 @@ def route(streams: dict[str, Entry], msg: ServerMessage, now: float) -> bool:
     core = entry.core
     if isinstance(msg, Ready):
         core.on_ready(msg.window)
+        if msg.resume_token is not None:
+            entry.resume_token = msg.resume_token
         if not entry.opened.done():
             entry.opened.set_result(None)
     elif isinstance(msg, Ack):
@@ -726,12 +735,14 @@ def route(streams: dict[str, Entry], msg: ServerMessage, now: float) -> bool:
     elif isinstance(msg, ErrorMsg) and not entry.opened.done():
         del streams[sid]
         entry.opened.set_exception(StreamError(msg.code, msg.message, sid))
-    elif isinstance(msg, ErrorMsg) and not core.ready and msg.seq is None and msg.code == BAD_MESSAGE and entry.resumed_language():
-        # A service older than `resume_language` refuses it as an unknown field (`check_open` found
-        # the rest of the open well-formed): resumed again at once without it, its partials then
-        # detecting their language until the next final.
-        log.warning("stream %s: the service refused resume_language (%s); resuming without it", sid, msg.message)
-        entry.send_resume_language = False
+    elif isinstance(msg, ErrorMsg) and not core.ready and msg.seq is None and msg.code == BAD_MESSAGE and entry.sends_newer_fields():
+        # A service older than `resume_language` or `resume_token` refuses them as unknown fields
+        # (`check_open` found the rest of the open well-formed): resumed again at once without
+        # both, its partials then detecting their language until the next final, and admitted
+        # as a new stream is.
+        log.warning("stream %s: the service refused resume_language or resume_token (%s); resuming without them",
+                    sid, msg.message)
+        entry.send_newer_fields = False
         core.reopen_at = now
     elif isinstance(msg, ErrorMsg) and not core.ready and msg.seq is None:
         retry_at = now + core.reopen_s

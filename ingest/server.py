@@ -28,6 +28,7 @@ from broker import jobs as j
 from broker.jobs import REALTIME
 from broker.signals import StopSignal
 from config.settings import Config
+from ingest.resume import ResumeTokens
 from ingest.session import Session
 from ingest.vad import CHUNK, VadRunner
 from metrics import allocwatch
@@ -70,10 +71,10 @@ SUSPECT_WAIT_S = 0.5
 # closes: 2 MB of the usual refusals (~200 bytes each, with ZeroMQ's share), 5 MB of the largest;
 # 100,000 were 20-50 MB a connection, and a few hundred such clients took gigabytes.
 CLIENT_QUEUE = 10_000
-# A realtime stream resuming at an offset was admitted before its ingest died: it is not new load,
-# but the figures may count it where it was until the broker hears that ingest is gone (at most
-# once more, as a service held to its limits holds at most them). Past twice the limits it is
-# refused as a new stream is, and retried by its client: an `offset` alone is no pass past them.
+# A realtime stream resuming at an offset with its resume token (ingest/resume.py) was admitted
+# before its ingest died: it is not new load, but the figures may count it where it was until the
+# broker hears that ingest is gone (at most once more, as a service held to its limits holds at
+# most them). Past twice the limits it is refused as a new stream is, and retried by its client.
 RESUME_HEADROOM = 2.0
 # While the broker stays away the ingest reconnects each patience (3 s by default), and says it is
 # still away at most this often: a line each patience was some 1,200 lines an hour from each ingest.
@@ -104,6 +105,7 @@ class IngestServer:
         self.endpoint = cfg.ingest_endpoint(index)
         share = math.ceil(cfg.ingest.max_streams / cfg.ingest.processes) if cfg.ingest.max_streams else cfg.shm.streams_per_ingest
         self.max_streams = min(cfg.shm.streams_per_ingest, share)
+        self.resume_tokens = ResumeTokens()
         self.ctx = zmq.Context()
         self.vad = VadRunner(self.ctx, threads=1, on_failure=lambda: self.metrics.inc("errors_total", code=m.INTERNAL))
         self.auth = None
@@ -353,17 +355,19 @@ class IngestServer:
             return refuse(m.TOO_MANY_STREAMS, f"at most {self.cfg.ingest.max_streams_per_client} open streams per client")
         if len(self.sessions) >= self.max_streams:
             return refuse(m.TOO_MANY_STREAMS, "the service is at its stream limit; try again later")
+        # a resume with the token that shows it was admitted before
+        resuming = msg.offset > 0 and self.resume_tokens.valid(msg.stream, msg.resume_token)
         if msg.priority == "realtime":
             # Admitting another realtime stream would delay every admitted one; batch streams
             # are still taken, credits slow them down instead. One resuming is held to twice the limits.
-            headroom = RESUME_HEADROOM if msg.offset else 1.0
+            headroom = RESUME_HEADROOM if resuming else 1.0
             cfg = self.cfg.ingest
             max_load, max_busy = cfg.admit_max_load_s * headroom, cfg.admit_max_busy * headroom
             realtime = self._realtime_open() + self.realtime_elsewhere  # open over the service, as last heard
             cap = cfg.admit_max_realtime_streams * headroom
             if cap and realtime >= cap:
                 return refuse(m.OVERLOADED, f"the service admits {cfg.admit_max_realtime_streams} realtime streams at a time "
-                                            f"(ingest.admit_max_realtime_streams{', twice that resuming' if msg.offset else ''}); "
+                                            f"(ingest.admit_max_realtime_streams{', twice that resuming' if resuming else ''}); "
                                             "try again later or open with priority batch")
             if max_load and self.load > max_load:
                 return refuse(m.OVERLOADED, f"the service is past its capacity (realtime streams wait {self.load:.1f} s for a model); "
@@ -388,8 +392,9 @@ class IngestServer:
         self.vad.add(key)
         session.log.info("ingest.stream_opened", rate=msg.rate, encoding=msg.encoding, channels=msg.channels,
                          priority=msg.priority, language=msg.language, partials=msg.partials, offset=msg.offset,
-                         resume_language=msg.resume_language)
-        self._send(ident, m.Ready(stream=msg.stream, window=session.window()))
+                         resume_language=msg.resume_language, resuming=resuming)
+        token = self.resume_tokens.issue(msg.stream) if msg.priority == "realtime" else None
+        self._send(ident, m.Ready(stream=msg.stream, window=session.window(), resume_token=token))
         session.acked_window = session.window()
         if msg.priority == "realtime":  # a resuming one too: its demand here is not in the figures yet
             self.admitted.append(time.monotonic())

@@ -26,6 +26,7 @@ PRIORITIES = ("realtime", "batch")
 MAX_STREAM_ID = 64
 MAX_PROMPT_CHARS = 1000
 MAX_OFFSET = 2**48  # input frames: years of audio at 48 kHz
+MAX_RESUME_TOKEN = 64
 # Largest f32le sample magnitude taken (full scale is ±1; NaN and infinity are refused too,
 # bad_format). The bound leaves room for overshoot and rules out overflow in the ingest's channel
 # mix-down and resampler, which a merely finite check does not (two samples near float32's
@@ -105,6 +106,9 @@ class Open:
     offset: int = 0
     resume_text: str | None = None
     resume_language: str | None = None
+    # the `resume_token` of the stream's last `ready`: it shows the stream was admitted before, so
+    # the resume is held to twice the admission limits, not refused as a new stream would be
+    resume_token: str | None = None
 
 
 @dataclass(slots=True)
@@ -144,6 +148,7 @@ class Ready:
     type: ClassVar[str] = "ready"
     stream: str
     window: int  # the client may send input frames (per channel) up to this index before the next ack
+    resume_token: str | None = None  # a realtime stream's: sent back in the `open` that resumes it
 
 
 @dataclass(slots=True)
@@ -228,6 +233,9 @@ _SERVER = {cls.type: cls for cls in (Welcome, Ready, Ack, Partial, Final, ErrorM
 # encoder's field names: both looked up per message, so computed once.
 _KNOWN = {cls: frozenset(f.name for f in fields(cls)) - {"data"} for cls in (*_CLIENT.values(), *_SERVER.values())}
 _NAMES = {cls: tuple(f.name for f in fields(cls) if f.name != "data") for cls in _KNOWN}
+# Optional fields whose default is nil are left out at nil: a server refuses fields it does not
+# know, so a client must not send a field newer than its server unless it is used.
+_NIL_DEFAULT = {cls: frozenset(f.name for f in fields(cls) if f.default is None) for cls in _KNOWN}
 
 _packer = msgpack.Packer(use_bin_type=True)
 
@@ -235,8 +243,11 @@ _packer = msgpack.Packer(use_bin_type=True)
 def encode(msg: ClientMessage | ServerMessage) -> list[bytes | memoryview]:
     """Frames for `msg`: the msgpack header, plus the audio frame for Audio."""
     header = {"type": msg.type}
+    optional = _NIL_DEFAULT[type(msg)]
     for name in _NAMES[type(msg)]:
-        header[name] = getattr(msg, name)
+        value = getattr(msg, name)
+        if value is not None or name not in optional:
+            header[name] = value
     frames: list[bytes | memoryview] = [_packer.pack(header)]
     if isinstance(msg, Audio):
         frames.append(msg.data)
@@ -339,6 +350,8 @@ def decode_client(frames: Sequence[bytes | memoryview], limits: Limits = Limits(
         _check(_is_int(msg.offset) and 0 <= msg.offset < MAX_OFFSET, BAD_MESSAGE, f"offset must be an integer in 0..{MAX_OFFSET - 1}", sid)
         _check(_optional_str(msg.resume_text, MAX_PROMPT_CHARS), BAD_MESSAGE, f"resume_text must be a string of at most {MAX_PROMPT_CHARS} characters", sid)
         _check(_optional_str(msg.resume_language, 16), BAD_MESSAGE, "resume_language must be a language code or nil", sid)
+        _check(_optional_str(msg.resume_token, MAX_RESUME_TOKEN), BAD_MESSAGE,
+               f"resume_token must be a string of at most {MAX_RESUME_TOKEN} characters or nil", sid)
     elif isinstance(msg, Audio):
         _check(_is_int(msg.seq) and 0 <= msg.seq < 2**63, BAD_MESSAGE, "audio: seq must be a non-negative integer", sid)
         _check(len(frames) == 2, BAD_MESSAGE, "audio: the samples must follow in frame 1", sid, msg.seq)

@@ -31,6 +31,7 @@ import zmq
 
 from config import settings
 from config.settings import Config
+from ingest import resume
 from protocol import auth
 from protocol.auth import Curve
 from protocol import messages as m
@@ -237,6 +238,7 @@ def prepare(cfg: Config) -> dict[str, str]:
         STREAMASR_HOME=str(HOME),
         STREAMASR_WORKERS=str(cfg.worker_count),
         STREAMASR_INGEST_PROCS=str(cfg.ingest.processes),
+        STREAMASR_RESUME_KEY=resume.new_key(),  # one for every ingest of this start: see ingest/resume.py
         PYTHONUNBUFFERED="1",
     )
     return env

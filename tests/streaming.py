@@ -121,6 +121,7 @@ class StreamClient:
         self.on_progress = on_progress
         self.result = StreamResult(self.stream)
         self.durable = 0  # input frame: audio before it is never needed again
+        self.resume_token: str | None = None  # the last `ready`'s: a resume brings it back, as the reference clients do
         self.started = 0.0
         self.answered = threading.Event()  # the first open was answered: ready, or refused
 
@@ -167,7 +168,8 @@ class StreamClient:
         start = self.durable  # everything before it is final and delivered: never sent again
         last = next((f for f in reversed(self.result.finals) if f.text), None)  # an empty final prompts nothing
         sock.send_multipart(m.encode(m.Open(stream=self.stream, partials=self.partials, priority=self.priority, offset=start,
-                                            resume_text=last and last.text, resume_language=last and last.language)))
+                                            resume_text=last and last.text, resume_language=last and last.language,
+                                            resume_token=self.resume_token)))
         window = -1
         pos = start
         seq = 0
@@ -202,6 +204,7 @@ class StreamClient:
                 msg = m.decode_server(sock.recv_multipart())
                 if isinstance(msg, m.Ready):
                     window = msg.window
+                    self.resume_token = msg.resume_token or self.resume_token
                     self.answered.set()
                 elif isinstance(msg, m.Ack):
                     window = max(window, msg.window)

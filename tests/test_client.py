@@ -15,6 +15,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
+import msgpack
 import numpy as np
 import pytest
 import soundfile
@@ -53,6 +54,7 @@ from streamasr import remote, testdata
 from streamasr.service import free_ports, processes
 
 RATE = 16000
+NEWER_OPEN_FIELDS = {"resume_language", "resume_token"}  # fields of `open` a service of an older release does not know
 
 
 def utterance(name: str) -> testdata.Utterance:
@@ -604,13 +606,15 @@ class FakeIngest:
     makes it a service that stopped decoding (its workers stopped): it acks audio, never moves
     the window past the first 30 s, and never answers `end`. `heard` is the language of a final it
     sends after each first `ready` (a service that says one); `older` makes it a service before
-    `open.resume_language`, which refuses the field `bad_message`.
+    `open.resume_language` and `resume_token`, which refuses an open naming either, even at nil,
+    `bad_message`, as a real one refuses any field it does not know; `token` is the `resume_token`
+    its `ready`s give (one that an ingest of a newer release gave, with `older`: a mixed deploy).
     """
 
     def __init__(self, *, ingest: str | None = None, resumed: dict[str, Any] | None = None, garble_hellos: tuple[int, ...] = (),
                  refuse_reopens: bool = False, ready_delay: float = 0.0,
                  at_end: Callable[[str], list[ServerMessage]] | None = None, end_reason: str = "end",
-                 stalled: bool = False, heard: str | None = None, older: bool = False) -> None:
+                 stalled: bool = False, heard: str | None = None, older: bool = False, token: str | None = None) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
@@ -625,6 +629,7 @@ class FakeIngest:
         self.stalled = stalled
         self.heard = heard
         self.older = older
+        self.token = token
         self.opens: list[Open] = []  # every open received
         self.taken: Counter[str] = Counter()  # input frames of each stream, acked when `at_end` is given
         self.held: list[tuple[float, list[bytes]]] = []  # (when, frames) of replies held back
@@ -656,16 +661,16 @@ class FakeIngest:
                 reply: ServerMessage = Welcome(**fields)
             elif isinstance(msg, Open) and self.refuse_reopens and msg.stream in self.opened:
                 reply = ErrorMsg(code=OVERLOADED, message="the service is busy", stream=msg.stream)
-            elif isinstance(msg, Open) and self.older and msg.resume_language is not None:
+            elif isinstance(msg, Open) and self.older and (newer := NEWER_OPEN_FIELDS & msgpack.unpackb(frames[0]).keys()):
                 self.opens.append(msg)
-                reply = ErrorMsg(code=BAD_MESSAGE, message="open: unknown fields 'resume_language'", stream=msg.stream)
+                reply = ErrorMsg(code=BAD_MESSAGE, message=f"open: unknown fields {sorted(newer)}", stream=msg.stream)
             elif isinstance(msg, Open):
                 self.opens.append(msg)
                 self.log.append(f"open {msg.stream}")
                 first = msg.stream not in self.opened
                 self.opened.add(msg.stream)
                 self.live.add(msg.stream)
-                reply = Ready(stream=msg.stream, window=RATE * 30)
+                reply = Ready(stream=msg.stream, window=RATE * 30, resume_token=self.token)
                 if self.heard and first:
                     self.sock.send_multipart([ident, *encode(reply)])
                     reply = Final(stream=msg.stream, seg=0, text="Hola.", start=0.0, end=0.0, language=self.heard)
@@ -905,6 +910,26 @@ def test_a_resume_an_older_service_refuses_for_its_language_is_sent_again_withou
         for sid in ("s", "a"):
             opens = [(o.offset, o.resume_text, o.resume_language) for o in fake.opens if o.stream == sid][:3]
             assert opens == [(0, None, None), (0, "Hola.", "es"), (0, "Hola.", None)], opens
+    finally:
+        fake.close()
+
+
+@pytest.mark.parametrize("older", [False, True], ids=["same-release", "older-ingest"])
+def test_a_resume_brings_back_the_token_its_ready_gave(older: bool) -> None:
+    """A realtime stream's `ready` gives a resume token: its resume sends it back, which is what
+    holds the resume to twice the admission limits rather than refusing it as new load. An ingest
+    of an older release (a mixed deploy: a newer one gave the token) refuses the field: the
+    stream is resumed again at once without it (nor `resume_language`), and goes on."""
+    fake = FakeIngest(heard="es", older=older, token="0123abcd")
+    try:
+        with Client(fake.address, timeout=2.0, liveness=0.5, resume_timeout=5.0) as client:
+            stream = client.open("s")
+            stream.send(np.zeros(RATE // 2, np.int16))  # never acked: the ingest is taken for lost
+            assert wait_for(lambda: client.reconnects >= 1 and len(fake.opens) >= 2 + older, 10.0)
+            stream.send(np.zeros(RATE // 10, np.int16))  # the stream carries on
+        opens = [(o.offset, o.resume_language, o.resume_token) for o in fake.opens][:2 + older]
+        resumed = [(0, "es", "0123abcd")] + [(0, None, None)] * older
+        assert opens == [(0, None, None), *resumed], opens
     finally:
         fake.close()
 

@@ -25,6 +25,7 @@ from protocol import messages as m
 from shm import pool
 from streamasr import service as svc
 from streaming import CARDS, StreamClient, StreamResult, hello, read_wav, speech_files, stream_many, wait_for
+from test_faults import pid_of
 
 GAP = np.zeros(8_000, np.int16).tobytes()
 
@@ -201,6 +202,15 @@ def _end(sock: zmq.Socket, stream: str) -> None:
     wait_for(lambda: sock.poll(100) and isinstance(m.decode_server(sock.recv_multipart()), m.Closed), 30, "closed")
 
 
+def _admitted_token(sock: zmq.Socket, stream: str) -> str:
+    """Open `stream` (realtime), end it, and return the resume token its `ready` gave: what its
+    client holds when the ingest it was admitted on dies."""
+    ready = _open(sock, stream)
+    assert isinstance(ready, m.Ready) and ready.resume_token, ready
+    _end(sock, stream)
+    return ready.resume_token
+
+
 def test_stream_limits(service_factory: Any) -> None:
     service = service_factory(model="null", workers=1, ingest={"max_streams_per_client": 2, "max_streams": 3})
     welcome = hello(service.address)
@@ -227,22 +237,29 @@ def test_stream_limits(service_factory: Any) -> None:
 def test_realtime_stream_cap(service_factory: Any) -> None:
     """The cap needs no load to have been seen: on idle workers the realtime open past it is
     refused, batch streams are still taken, and resumed ones up to twice the cap (they were
-    admitted before their ingest died, and may still be counted there; past that, an `offset`
-    alone would be a pass), and a realtime stream that ends frees its place."""
+    admitted before their ingest died, and may still be counted there), and a realtime stream
+    that ends frees its place. Only a resume that brings back the token its stream's `ready`
+    gave is such a resume: an `offset` alone, or another stream's token, is no pass past the cap."""
     with pytest.raises(ValueError, match="admit_max_realtime_streams"):
         settings.load(None, {"ingest": {"admit_max_realtime_streams": -1}})  # not "refuse every realtime stream"
     service = service_factory(model="null", workers=1, ingest={"admit_max_realtime_streams": 2})
     sock = _dealer(hello(service.address).ingest)
     try:
+        tokens = {stream: _admitted_token(sock, stream) for stream in ("resumed", "resumed-2", "resumed-3")}
         assert isinstance(_open(sock, "one"), m.Ready)
         assert isinstance(_open(sock, "two"), m.Ready)
         refused = _open(sock, "three")
         assert isinstance(refused, m.ErrorMsg) and refused.code == m.OVERLOADED, refused
         assert "admit_max_realtime_streams" in refused.message and refused.stream == "three"
         assert isinstance(_open(sock, "batch", priority="batch"), m.Ready)
-        assert isinstance(_open(sock, "resumed", offset=16_000), m.Ready)  # admitted before its ingest died
-        assert isinstance(_open(sock, "resumed-2", offset=16_000), m.Ready)
-        refused = _open(sock, "resumed-3", offset=16_000)
+        for stream, token in (("stranger", None), ("stranger", tokens["resumed"])):  # no token of its own
+            refused = _open(sock, stream, offset=16_000, resume_token=token)
+            assert isinstance(refused, m.ErrorMsg) and refused.code == m.OVERLOADED, refused
+            assert "twice that resuming" not in refused.message, refused
+        # admitted before their ingest died
+        assert isinstance(_open(sock, "resumed", offset=16_000, resume_token=tokens["resumed"]), m.Ready)
+        assert isinstance(_open(sock, "resumed-2", offset=16_000, resume_token=tokens["resumed-2"]), m.Ready)
+        refused = _open(sock, "resumed-3", offset=16_000, resume_token=tokens["resumed-3"])
         assert isinstance(refused, m.ErrorMsg) and refused.code == m.OVERLOADED, refused
         assert "twice that resuming" in refused.message and refused.stream == "resumed-3"
         # status counts them (as of the ingest's next heartbeat) against the cap
@@ -261,27 +278,34 @@ def test_realtime_stream_cap(service_factory: Any) -> None:
 
 
 def test_a_burst_of_resuming_streams_is_cut_at_twice_the_busy_limit(service_factory: Any) -> None:
-    """Streams resuming at an offset, all at once on idle workers (the herd of a lost ingest):
-    each counts as admitted within the figures' window, as a new stream does, so the burst is
-    cut where twice `admit_max_busy` says at the share the last run measured, not admitted whole."""
+    """Streams resuming at an offset, all at once on idle workers (the herd of a lost ingest,
+    each with its token): each counts as admitted within the figures' window, as a new stream
+    does, so the burst is cut where twice `admit_max_busy` says at the share the last run
+    measured, not admitted whole."""
     service = service_factory(model="null", workers=1, ingest={"admit_max_load_s": 0})
     cfg = service.cfg
+    sock = _dealer(hello(service.address).ingest)
+    try:
+        tokens = [_admitted_token(sock, f"resumed-{i}") for i in range(12)]
+    finally:
+        sock.close()
     share = 0.25  # of the worker's time per speaking stream: 0.8 / share = 3.2 streams, twice that 6.4
     (cfg.run_path / figures.FILE).write_text(json.dumps({
         "model": json.loads(json.dumps(dataclasses.asdict(cfg.model))),
         "pool": {"workers": cfg.worker_count, "partial_interval_ms": cfg.ingest.partial_interval_ms},
         "share": [0.2, 0.05], "decode_cost": [0.01, 0.01], "loaded_cost": [0.0, 0.0], "saved": time.time()}))
-    [broker] = [p["pid"] for p in svc.processes(cfg) if p["name"] == "broker"]
-    os.kill(broker, signal.SIGKILL)  # the restarted broker takes the saved share
+    for program in ("broker", "ingest-0"):  # the restarted broker takes the saved share; the ingest, lost, its streams
+        os.kill(pid_of(service, program), signal.SIGKILL)
 
     def restored() -> dict[str, Any] | None:
         status = svc.status(cfg)
-        return status if status.get("ready") and status.get("workers") and status.get("stream_share") == share else None
+        return status if status.get("ready") and status.get("workers") and status.get("ingests") \
+            and status.get("stream_share") == share else None
 
     wait_for(restored, 60, "the broker restarted with the saved share")
     sock = _dealer(hello(service.address).ingest)
     try:
-        answers = [_open(sock, f"resumed-{i}", offset=16_000) for i in range(12)]
+        answers = [_open(sock, f"resumed-{i}", offset=16_000, resume_token=token) for i, token in enumerate(tokens)]
     finally:
         sock.close()
     admitted = sum(isinstance(a, m.Ready) for a in answers)

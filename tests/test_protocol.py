@@ -23,7 +23,8 @@ CLIENT_MESSAGES = [
            partials=False, priority="batch", prompt="Glossary: ZeroMQ"),
     m.Open(stream="call-us", rate=8000, encoding="pcm_mulaw"),  # telephony: G.711 as Twilio or Asterisk send it
     m.Open(stream="call-eu", rate=8000, encoding="pcm_alaw", channels=2),
-    m.Open(stream="s3", offset=96_000, resume_text="Hoy vamos a la playa.", resume_language="es"),  # a resume
+    m.Open(stream="s3", offset=96_000, resume_text="Hoy vamos a la playa.", resume_language="es",
+           resume_token="9f86d081884c7d659a2feaa0c55ad015"),  # a resume
     m.Audio(stream="s1", seq=0, data=b"\x01\x00" * 160),
     m.Audio(stream="s1", seq=2**63 - 1, data=b""),
     m.End(stream="s1"),
@@ -33,6 +34,7 @@ CLIENT_MESSAGES = [
 SERVER_MESSAGES = [
     m.Welcome(ingest="tcp://127.0.0.1:7701", limits={"max_frame_bytes": 262144, "max_message_bytes": 1048576}),
     m.Ready(stream="s1", window=960000),
+    m.Ready(stream="s2", window=960000, resume_token="9f86d081884c7d659a2feaa0c55ad015"),
     m.Ack(stream="s1", seq=41, samples=67200, window=1027200),
     m.Partial(stream="s1", seg=0, text="go forward ten", stable="go forward", start=0.31, end=1.47, language="en"),
     m.Final(stream="s1", seg=0, text="go forward ten meters", start=0.31, end=2.47, avg_logprob=-0.21, no_speech_prob=0.01,
@@ -72,6 +74,16 @@ def test_audio_payload_is_not_copied_into_the_header() -> None:
 def test_server_messages_tolerate_fields_from_a_newer_server() -> None:
     frames = [pack({"type": "ready", "stream": "s", "window": 100, "added_later": [1, 2]})]
     assert m.decode_server(frames) == m.Ready(stream="s", window=100)
+
+
+def test_a_client_message_names_no_optional_field_it_leaves_at_nil() -> None:
+    """A server refuses fields it does not know, a nil one as any other: a client that sent every
+    field of its own release, nil or not, had every `open` refused by a server of an earlier one."""
+    header = msgpack.unpackb(m.encode(m.Open(stream="s"))[0])
+    assert header == {"type": "open", "stream": "s", "rate": 16000, "encoding": "pcm_s16le", "channels": 1,
+                      "partials": True, "priority": "realtime", "offset": 0}
+    header = msgpack.unpackb(m.encode(m.Open(stream="s", offset=16_000, resume_token="t"))[0])
+    assert "resume_token" in header and "resume_language" not in header and "resume_text" not in header
 
 
 def test_server_messages_larger_than_a_client_header_are_decoded() -> None:
