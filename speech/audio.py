@@ -14,6 +14,9 @@ from speech.backend import SAMPLE_RATE
 # writes a line of "!". NaN fails the comparison too.
 SAMPLE_LIMIT = 16.0
 RAW_SUFFIXES = (".raw", ".pcm", ".s16")  # headerless 16-bit little-endian mono
+# Headerless G.711, 8 kHz mono: the names Asterisk's recordings and SoX give such files
+G711_SUFFIXES = {".ulaw": "ULAW", ".ul": "ULAW", ".mu": "ULAW", ".alaw": "ALAW", ".al": "ALAW", ".alw": "ALAW"}
+G711_RATE = 8000
 
 
 class AudioError(ValueError):
@@ -26,6 +29,13 @@ def not_a_file(path: Path) -> str | None:
     if path.is_dir():
         return "a directory, not a file"
     return None if path.exists() else "no such file"
+
+
+def raw_format(path: Path) -> dict[str, object]:
+    """What libsndfile must be told to read `path` when it is headerless G.711 (it has no header
+    to say): its rate, channels and coding; nothing for any other file."""
+    subtype = G711_SUFFIXES.get(path.suffix.lower())
+    return {} if subtype is None else {"samplerate": G711_RATE, "channels": 1, "format": "RAW", "subtype": subtype}
 
 
 def resample(audio: np.ndarray, rate: int, target: int = SAMPLE_RATE) -> np.ndarray:
@@ -44,7 +54,8 @@ def to_mono(audio: np.ndarray) -> np.ndarray:
 def load_audio(path: str | Path, raw_rate: int = SAMPLE_RATE) -> np.ndarray:
     """Float32 mono 16 kHz samples of `path` (WAV/FLAC/OGG/... via libsndfile, any rate, any channels).
 
-    Headerless ``.raw``/``.pcm`` files are read as 16 kHz signed 16-bit little-endian mono.
+    Headerless ``.raw``/``.pcm``/``.s16`` files are read as 16 kHz signed 16-bit little-endian
+    mono, headerless G.711 (``.ulaw``, ``.ul``, ``.mu``; ``.alaw``, ``.al``, ``.alw``) as 8 kHz mono.
     """
     import soundfile as sf
 
@@ -62,7 +73,7 @@ def load_audio(path: str | Path, raw_rate: int = SAMPLE_RATE) -> np.ndarray:
             raise AudioError(f"{path}: no samples in raw file")
         return resample(data.astype(np.float32) / 32768.0, raw_rate)
     try:
-        audio, rate = sf.read(str(path), dtype="float32", always_2d=True)
+        audio, rate = sf.read(str(path), dtype="float32", always_2d=True, **raw_format(path))
     except (sf.LibsndfileError, RuntimeError, TypeError, ValueError) as exc:
         raise AudioError(f"{path}: not a readable audio file ({exc})") from exc
     if audio.shape[0] == 0:

@@ -34,7 +34,7 @@ from client.core import MAX_REOPEN_S, REOPEN_CODES, REOPEN_S, ServerError, Strea
 from ingest.stabilizer import joined
 from protocol.auth import Curve
 from protocol.messages import MAX_CHANNELS, OVERLOADED, RATES, Closed, ErrorMsg, Final, Partial, ProtocolError, ServerMessage
-from speech.audio import RAW_SUFFIXES, not_a_file, to_mono
+from speech.audio import RAW_SUFFIXES, not_a_file, raw_format, to_mono
 
 RAW_RATE = 16000  # headerless files (RAW_SUFFIXES): 16 kHz s16le mono
 RESAMPLED_RATE = 16000  # what a file at a rate the protocol does not take is streamed at
@@ -61,7 +61,7 @@ class Reader:
             self._raw = open(path, "rb")
             self.file_rate, channels, self.frames = RAW_RATE, 1, os.fstat(self._raw.fileno()).st_size // 2
         else:
-            self._file = soundfile.SoundFile(path)
+            self._file = soundfile.SoundFile(path, **raw_format(Path(path)))
             self.file_rate, channels, self.frames = self._file.samplerate, self._file.channels, self._file.frames
         if not self.frames:
             self.close()

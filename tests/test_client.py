@@ -50,6 +50,7 @@ from protocol.messages import (
     decode_client,
     encode,
 )
+from speech.audio import load_audio
 from streamasr import remote, testdata
 from streamasr.service import free_ports, processes
 
@@ -165,6 +166,32 @@ def test_telephony_audio_is_transcribed_as_16_bit_audio_is(service) -> None:
         assert fs[0].start == pytest.approx(reference[0].start, abs=0.1), (encoding, fs[0], reference[0])
         assert duration - 1.0 < fs[-1].end <= duration + 0.05, (encoding, fs[-1], duration)
         assert abs(fs[-1].durable - reference[-1].durable) <= 160, (encoding, fs[-1], reference[-1])
+
+
+def test_transcribe_takes_headerless_g711_recordings(service, tmp_path: Path) -> None:
+    """A call recorded as Asterisk and SoX write it: headerless G.711, 8 kHz mono (`.ulaw`, `.al`;
+    libsndfile cannot tell such a file from any other bytes). `transcribe` streams it, and
+    `--local` reads it, as the same call in a WAV file: the same length, the same words."""
+    u = utterance("librivox/sense_and_sensibility_01_austen_64kb-0890")
+    audio, rate = soundfile.read(u.path, dtype="float32")
+    s16 = np.clip(np.round(soxr.resample(audio, rate, 8000) * 32768), -32768, 32767).astype("<i2")
+    wav = tmp_path / "call.wav"
+    soundfile.write(wav, s16, 8000, subtype="PCM_16")
+    recordings = {tmp_path / "call.ulaw": "ULAW", tmp_path / "call.al": "ALAW"}
+    for path, subtype in recordings.items():
+        soundfile.write(path, s16, 8000, format="RAW", subtype=subtype)
+    out = io.StringIO()
+    assert remote.run([str(wav), *map(str, recordings)], service.address, offline=True, as_json=True, language=None,
+                      out=out) == 0
+    summaries = {line["file"]: line for line in map(json.loads, out.getvalue().splitlines()) if line["type"] == "summary"}
+    said = summaries[str(wav)]["text"]
+    assert testdata.wer([u.reference], [said]) <= 0.3, said
+    for path in recordings:
+        summary = summaries[str(path)]
+        assert summary["audio_s"] == pytest.approx(len(s16) / 8000, abs=0.01), summary
+        assert testdata.wer([said], [summary["text"]]) <= 0.15, (said, summary)
+        local = load_audio(path)  # what `transcribe --local` decodes
+        assert len(local) == len(load_audio(wav)) and np.corrcoef(local, load_audio(wav))[0, 1] > 0.99, path
 
 
 def test_many_streams_share_one_client(null_service) -> None:
