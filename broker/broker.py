@@ -53,10 +53,6 @@ OUTLIER_RATIO = 4.0
 STATUS_NAMES = {OK: "done", EXPIRED: "expired", FAILED: "failed"}  # `status` label of jobs_total
 
 
-# The front door's throttled lines, each keyed by the client and this field (see Broker._on_client)
-LINE_KEYS = {"broker.bad_client_message": "code", "broker.answer_undelivered": "why"}
-
-
 def typical_cost(ticks: list[RealtimeUse], kind: int, least: int) -> float | None:
     """Mean seconds a decode of `kind` (0 partial, 1 final) took in `ticks`, from at least `least`
     decodes (else None), each counted at most OUTLIER_RATIO times their median: decodes that
@@ -196,8 +192,9 @@ class Broker:
         # one such client must not stall the loop. Mandatory routing makes libzmq say so, to log it.
         self._front.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._limits = m.Limits(max_frame_bytes=cfg.ingest.max_frame_bytes, max_message_bytes=cfg.ingest.max_message_bytes)
-        # the lines of each front door client, at most one a second per event, client and code: see _on_client
-        self._lines = {event: Throttle() for event in LINE_KEYS}
+        # the front door's lines, at most one a second per client and code (or reason): see _on_client
+        self._bad_message_lines = Throttle("broker.bad_client_message")
+        self._undelivered_lines = Throttle("broker.answer_undelivered")
 
     def run(self) -> None:
         """Serve until SIGTERM/SIGINT."""
@@ -229,8 +226,9 @@ class Broker:
             sock.close(linger=0)
         if self._auth is not None:
             self._auth.stop()
-        for event, lines in self._lines.items():  # what their last second's lines did not say
-            lines.tell_untold(log, event, lambda key, field=LINE_KEYS[event]: {"client": key[0].hex(), field: key[1]})
+        # what their last second's lines did not say
+        self._bad_message_lines.tell_untold(log, lambda key: {"client": key[0].hex(), "code": key[1]})
+        self._undelivered_lines.tell_untold(log, lambda key: {"client": key[0].hex(), "why": key[1]})
         self._ctx.term()
 
     def _serve(self, stop: StopSignal) -> None:
@@ -275,7 +273,10 @@ class Broker:
 
     def _check_socket_files(self) -> None:
         for lost in self._socket_files.check():
-            lost.log(log, "broker")
+            if lost.restored:
+                log.warning("broker.socket_restored", path=lost.path, why=lost.why)
+            else:
+                log.warning("broker.socket_unrestored", path=lost.path, why=lost.why, error=lost.error)
 
     @staticmethod
     def _drain(sock: zmq.Socket, handle: Callable[[list[bytes], float], None]) -> None:
@@ -682,13 +683,13 @@ class Broker:
         except m.ProtocolError as exc:
             # every one answered, at most a line a second per client and code: a client sending
             # thousands must not make this loop, which every job of the service waits on, a log writer
-            if (suppressed := self._lines["broker.bad_client_message"]((envelope[0], exc.code))) is not None:
+            if (suppressed := self._bad_message_lines((envelope[0], exc.code))) is not None:
                 log.warning("broker.bad_client_message", client=envelope[0].hex(), code=exc.code, error=exc.message,
                             suppressed=suppressed)
             reply = exc.reply()
         if errno := self._deliver(self._front, envelope[0], [*envelope[1:], *m.encode(reply)]):
             why = "gone" if errno == zmq.EHOSTUNREACH else "not reading its answers"
-            if (suppressed := self._lines["broker.answer_undelivered"]((envelope[0], why))) is not None:
+            if (suppressed := self._undelivered_lines((envelope[0], why))) is not None:
                 log.warning("broker.answer_undelivered", client=envelope[0].hex(), answer=reply.type, why=why,
                             suppressed=suppressed)
 

@@ -35,9 +35,15 @@ def serve(cfg: settings.Config, port: int, log: Any) -> int:
     # imported once the port is checked (supervised.claim_port_early)
     from dashboard.server import Dashboard
     from metrics.collector import Collector
+    from protocol.socketfiles import Lost
 
-    collector = Collector(cfg, state_file=cfg.metrics_state_path,
-                          on_socket_lost=lambda lost: lost.log(log, "dashboard"))  # on the collector's thread
+    def socket_lost(lost: Lost) -> None:  # on the collector's thread
+        if lost.restored:
+            log.warning("dashboard.socket_restored", path=lost.path, why=lost.why)
+        else:
+            log.warning("dashboard.socket_unrestored", path=lost.path, why=lost.why, error=lost.error)
+
+    collector = Collector(cfg, state_file=cfg.metrics_state_path, on_socket_lost=socket_lost)
     try:
         collector.start()
     except RuntimeError as exc:

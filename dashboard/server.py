@@ -44,7 +44,7 @@ class Dashboard:
         self.collector = collector
         self.closing = threading.Event()
         self.event_streams = threading.BoundedSemaphore(MAX_EVENT_STREAMS)
-        self.refusal_lines = Throttle()  # `dashboard.events_refused`: a refused page asks again every few seconds
+        self.refusal_lines = Throttle("dashboard.events_refused")  # a refused page asks again every few seconds
         self.httpd = _Server((host, port), _handler(self))
 
     @property
@@ -56,7 +56,7 @@ class Dashboard:
         try:
             self.httpd.serve_forever(poll_interval=0.25)
         finally:  # the refusals of its last second
-            self.refusal_lines.tell_untold(log, "dashboard.events_refused", lambda _: {})
+            self.refusal_lines.tell_untold(log, lambda _: {})
 
     def shutdown(self) -> None:
         """Stop serving (from another thread than serve_forever's) and end the event streams."""

@@ -79,9 +79,6 @@ RESUME_HEADROOM = 2.0
 # While the broker stays away the ingest reconnects each patience (3 s by default), and says it is
 # still away at most this often: a line each patience was some 1,200 lines an hour from each ingest.
 BROKER_AWAY_REPEAT_S = 60.0
-# The refusals of a client's messages written at most a line a second per client and code, each event
-# with its own throttle; as the process stops, each says what its lines did not (`<event>_untold`).
-REFUSAL_EVENTS = ("ingest.bad_message", "ingest.unknown_stream", "ingest.open_refused")
 
 
 @dataclass(slots=True)
@@ -135,8 +132,11 @@ class IngestServer:
         self.per_client: dict[bytes, int] = {}
         self.fds: dict[bytes, int] = {}  # the file descriptor of each connection with open streams: see _on_disconnects
         self.gone: dict[bytes, float] = {}  # connections a send found closed, and when: see _drop_gone
-        # the refusal lines of each client and code, per event: see close
-        self.refusal_lines = {event: Throttle() for event in REFUSAL_EVENTS}
+        # the refusal lines, at most one a second per client and code; as the process stops each
+        # says what its lines did not (see close)
+        self.bad_message_lines = Throttle("ingest.bad_message")
+        self.unknown_stream_lines = Throttle("ingest.unknown_stream")
+        self.open_refused_lines = Throttle("ingest.open_refused")
         self.newly_gone = False  # one was found since the last _drop_gone
         self.suspects: dict[bytes, float] = {}  # connections that may be closed, and since when: see _on_disconnects
         self.owner: dict[int, str] = {}  # job id -> session key
@@ -268,7 +268,10 @@ class IngestServer:
 
     def _check_socket_files(self) -> None:
         for lost in self.socket_files.check():
-            lost.log(self.log, "ingest")
+            if lost.restored:
+                self.log.warning("ingest.socket_restored", path=lost.path, why=lost.why)
+            else:
+                self.log.warning("ingest.socket_unrestored", path=lost.path, why=lost.why, error=lost.error)
 
     def _beat(self, now: float) -> None:
         self.hb_sent = now
@@ -300,7 +303,7 @@ class IngestServer:
             msg = m.decode_client([f.buffer for f in frames[1:]], self.limits)
         except m.ProtocolError as exc:
             self.metrics.inc("refusals_total", code=exc.code)
-            if (suppressed := self.refusal_lines["ingest.bad_message"]((ident, exc.code))) is not None:
+            if (suppressed := self.bad_message_lines((ident, exc.code))) is not None:
                 self.log.warning("ingest.bad_message", client=ident.hex(), code=exc.code, reason=exc.message, stream=exc.stream,
                                  suppressed=suppressed)
             self._send(ident, exc.reply())
@@ -325,7 +328,7 @@ class IngestServer:
         session = self.sessions.get(f"{ident.hex()}/{stream}")
         if session is None or session.closed:
             self.metrics.inc("refusals_total", code=m.UNKNOWN_STREAM)
-            if (suppressed := self.refusal_lines["ingest.unknown_stream"]((ident, m.UNKNOWN_STREAM))) is not None:
+            if (suppressed := self.unknown_stream_lines((ident, m.UNKNOWN_STREAM))) is not None:
                 self.log.warning("ingest.unknown_stream", client=ident.hex(), stream=stream, suppressed=suppressed)
             self._send(ident, m.ErrorMsg(code=m.UNKNOWN_STREAM, message=f"no open stream {stream!r}", stream=stream, seq=seq))
             return None
@@ -336,7 +339,7 @@ class IngestServer:
 
         def refuse(code: str, message: str) -> None:
             self.metrics.inc("refusals_total", code=code)
-            if (suppressed := self.refusal_lines["ingest.open_refused"]((ident, code))) is not None:
+            if (suppressed := self.open_refused_lines((ident, code))) is not None:
                 self.log.warning("ingest.open_refused", client=ident.hex(), stream=msg.stream, code=code, reason=message,
                                  suppressed=suppressed)
             self._send(ident, m.ErrorMsg(code=code, message=message, stream=msg.stream))
@@ -690,8 +693,8 @@ class IngestServer:
                 continue
             self._send(s.client, s.closed_message("shutdown", durable=s.durable()))  # from where its finals are owed
             s.log.error("ingest.stream_abandoned_at_shutdown", pending_jobs=len(s.inflight), **s.figures())
-        for event, lines in self.refusal_lines.items():
-            lines.tell_untold(self.log, event, lambda key: {"client": key[0].hex(), "code": key[1]})
+        for lines in (self.bad_message_lines, self.unknown_stream_lines, self.open_refused_lines):
+            lines.tell_untold(self.log, lambda key: {"client": key[0].hex(), "code": key[1]})
         self.vad.close()
         self.clients.disable_monitor()
         self.disconnects.close(linger=0)

@@ -78,7 +78,7 @@ class Session:
         self.direct_s16 = mono and opened.encoding == "pcm_s16le" and opened.rate == SAMPLE_RATE
         self.pcm: np.ndarray | None = None if self.direct_s16 or (mono and opened.encoding == "f32le") else np.empty(0, np.float32)
         self.log = structlog.get_logger().bind(ingest=ingest_index, stream=opened.stream, key=key)
-        self.throttle = Throttle()  # its refused frames' lines: every frame is refused while its ring is full
+        self.throttle = Throttle("ingest.audio_refused")  # every frame is refused while its ring is full
         self.next_seq = 0
         self.in_frames = 0  # input frames (per channel) accepted
         self.largest = 0  # input frames of the longest message accepted: what the client waits for room for
@@ -221,7 +221,7 @@ class Session:
 
     def tell_untold(self) -> None:
         """As the stream goes: the refused frames its `ingest.audio_refused` lines have not told."""
-        self.throttle.tell_untold(self.log, "ingest.audio_refused", lambda code: {"code": code})
+        self.throttle.tell_untold(self.log, lambda code: {"code": code})
 
     def client_end(self) -> None:
         """The client's `end`: refused while audio it was told to resend is still missing."""

@@ -284,7 +284,7 @@ class VadRunner:
     def __init__(self, ctx: zmq.Context, threads: int = 1, on_failure: Callable[[], object] = lambda: None) -> None:
         self._bank = VadBank(threads)
         self._on_failure = on_failure  # called once per failed call, on the loop's thread
-        self._failures_logged = Throttle()  # `ingest.vad_failed` at most once a second
+        self._failures_logged = Throttle("ingest.vad_failed")  # at most once a second
         self._now = self._bank.sibling()  # the loop's, for classify_now
         self._in_round: set[str] = set()  # streams of the round in flight
         endpoint = f"inproc://vad-{next(self._ids)}"
@@ -384,5 +384,5 @@ class VadRunner:
     def close(self) -> None:
         self._rounds.put(None)
         self._thread.join(timeout=5)
-        self._failures_logged.tell_untold(log, "ingest.vad_failed", lambda _: {})  # failed calls no line counted
+        self._failures_logged.tell_untold(log, lambda _: {})  # failed calls no line counted
         self.signal.close(linger=0)

@@ -111,7 +111,7 @@ class _AuthorizedKeys:
         self.keys = authorized_keys(directory)
         self.process = process
         self.metrics = metrics
-        self.throttle = Throttle(REFUSED_LOG_INTERVAL_S, new_keys=REFUSED_NEW_KEYS_PER_INTERVAL)
+        self.throttle = Throttle("auth.refused", REFUSED_LOG_INTERVAL_S, new_keys=REFUSED_NEW_KEYS_PER_INTERVAL)
         if not self.keys:
             log.warning("auth.no_authorized_keys", directory=directory)
 
@@ -128,8 +128,7 @@ class _AuthorizedKeys:
     def log_suppressed(self) -> None:
         """The refusals no line has told yet, one line per key and one for those of keys no line
         names (held back, or forgotten): else a flood's last minute goes untold."""
-        self.throttle.tell_untold(log, "auth.refused", lambda key: {"client_key": key.decode(errors="replace")},
-                                  process=self.process)
+        self.throttle.tell_untold(log, lambda key: {"client_key": key.decode(errors="replace")}, process=self.process)
 
 
 class Authenticator(ThreadAuthenticator):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any
 
 import zmq
 
@@ -54,14 +53,6 @@ class Lost:
     why: str  # `deleted`, or `replaced` (another file at the path)
     restored: bool
     error: str = ""
-
-
-    def log(self, logger: Any, program: str) -> None:
-        """`<program>.socket_restored` (warning), or `<program>.socket_unrestored` with why not."""
-        if self.restored:
-            logger.warning(f"{program}.socket_restored", path=self.path, why=self.why)
-        else:
-            logger.warning(f"{program}.socket_unrestored", path=self.path, why=self.why, error=self.error)
 
 
 @dataclass

@@ -56,11 +56,14 @@ class Throttle:
     With `new_keys` set, at most that many lines an interval are written for keys not in the
     table, across all keys: for a caller whose keys anyone can make up at will (a CURVE client key),
     where one line per new key would make a flood of them a log writer. The lines held back, and
-    those a key forgotten from the table had suppressed, are counted for `take_untold`."""
+    those a key forgotten from the table had suppressed, are counted for `take_untold`.
+
+    `event` is the line's event: as its owner goes, `tell_untold` writes `<event>_untold`."""
 
     MAX_KEYS = 10_000  # past this, the key whose line is oldest is forgotten: a flood of new keys costs no memory
 
-    def __init__(self, interval_s: float = 1.0, max_keys: int = MAX_KEYS, new_keys: int | None = None) -> None:
+    def __init__(self, event: str, interval_s: float = 1.0, max_keys: int = MAX_KEYS, new_keys: int | None = None) -> None:
+        self.event = event
         self.interval_s = interval_s
         self.max_keys = max_keys
         self.new_keys = new_keys
@@ -112,15 +115,15 @@ class Throttle:
             untold, self._untold = self._untold, 0
         return untold
 
-    def tell_untold(self, logger: Any, event: str, fields: Callable[[Any], dict[str, Any]], **common: Any) -> None:
-        """Write what no line of `event` has told yet, as its owner goes (its process stopping, its
-        stream closing): a `<event>_untold` line per key with lines suppressed since its last one
-        (`fields(key)`, `suppressed`), and one with `held_back` for keys no longer in the table.
+    def tell_untold(self, logger: Any, fields: Callable[[Any], dict[str, Any]], **common: Any) -> None:
+        """Write what no line of the event has told yet, as its owner goes (its process stopping,
+        its stream closing): a `<event>_untold` line per key with lines suppressed since its last
+        one (`fields(key)`, `suppressed`), and one with `held_back` for keys no longer in the table.
         Without it a flood's last second goes untold: a count is told only by its key's next line."""
         for key, suppressed in self.take_suppressed().items():
-            logger.warning(f"{event}_untold", **common, **fields(key), suppressed=suppressed)
+            logger.warning(f"{self.event}_untold", **common, **fields(key), suppressed=suppressed)
         if held_back := self.take_untold():
-            logger.warning(f"{event}_untold", **common, held_back=held_back)
+            logger.warning(f"{self.event}_untold", **common, held_back=held_back)
 
 
 def configure(process: str, level: str = "info", **tags: Any) -> Any:

@@ -286,7 +286,7 @@ def test_a_flood_of_new_keys_is_forgotten_oldest_first() -> None:
     """Refusals of a new random key on every handshake must not grow the table of keys whose lines
     are throttled without bound: past its size the key written longest ago is forgotten (its next
     refusal is a first line again), the newest are still throttled."""
-    throttle = Throttle(REFUSED_LOG_INTERVAL_S, max_keys=100)
+    throttle = Throttle("auth.refused", REFUSED_LOG_INTERVAL_S, max_keys=100)
     flood = [zmq.curve_keypair()[0] for _ in range(1000)]
     assert [throttle(key) for key in flood] == [0] * len(flood)  # each a first refusal, written
     assert throttle(flood[-1]) is None  # refused again within the minute: not written
@@ -320,7 +320,7 @@ def test_a_flood_of_distinct_keys_writes_a_few_lines_a_minute_that_count_every_r
 def test_the_refusals_of_a_key_forgotten_from_the_table_are_still_told() -> None:
     """A key pushed out of a full table takes the refusals it held back with it: they are counted
     for the next line and the last word as the process stops, so the lines still tell every one."""
-    throttle = Throttle(REFUSED_LOG_INTERVAL_S, max_keys=100)
+    throttle = Throttle("auth.refused", REFUSED_LOG_INTERVAL_S, max_keys=100)
     flood = [zmq.curve_keypair()[0] for _ in range(300)]
     told = 0
     for key in flood:

@@ -731,6 +731,7 @@ def test_operations_guide_documents_every_metric() -> None:
 LOG_CALL = re.compile(r"\blog\.(debug|info|warning|error|exception)\(\s*\"([a-z_.]+)\"")
 LEVELS = {"exception": "error"}  # log.exception logs at error level
 RUN_CALL = re.compile(r"\bsupervised\.run\(\s*\"([a-z_]+)\"")  # a program's main: it logs `<name>.crashed`
+THROTTLE = re.compile(r"\bThrottle\(\s*\"([a-z_.]+)\"")  # throttled lines of an event: `<event>_untold` tells the rest
 
 
 def test_operations_guide_documents_every_log_event() -> None:
@@ -749,6 +750,8 @@ def test_operations_guide_documents_every_log_event() -> None:
             logged[event] = LEVELS.get(level, level)
         for program in RUN_CALL.findall(text):
             logged[f"{program}.crashed"] = "error"
+        for event in THROTTLE.findall(text):
+            logged[f"{event}_untold"] = "warning"
     assert len(logged) > 40
     for event, level in logged.items():
         assert event.split(".")[0] in {"broker", "worker", "ingest", "dashboard", "auth", "shm", "revive"}, event
