@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import numpy as np
 import zmq
@@ -33,6 +33,7 @@ from client.core import (
     Entry,
     IngestLost,
     Liveness,
+    RoomWait,
     ServerError,
     StreamBase,
     StreamCore,
@@ -154,19 +155,34 @@ class AsyncClient:
         partials: bool = True,
         priority: str = "realtime",
         prompt: str | None = None,
+        wait: float = 0.0,
+        on_wait: Callable[[StreamError], None] | None = None,
     ) -> AsyncStream:
         """Open a stream and wait for `ready`; raises StreamError with the server's code if refused.
 
+        `wait` and `on_wait`: an open refused for room is asked again, as `Client.open` asks it.
         Raises ValueError at once for what the protocol does not allow, as `Client.open` does.
         """
         self._check()
         msg = Open(stream=uuid.uuid4().hex if stream is None else stream, rate=rate, encoding=encoding, channels=channels, language=language,
                    model=model, partials=partials, priority=priority, prompt=prompt)
         check_open(msg)
+        room = RoomWait(wait)
+        while True:
+            try:
+                return await self._open(msg)
+            except StreamError as refused:
+                pause = room.pause(refused)
+                if room.tries == 1 and on_wait is not None:
+                    on_wait(refused)
+            await asyncio.sleep(pause)
+            self._check()  # closed meanwhile
+
+    async def _open(self, msg: Open) -> AsyncStream:
         if msg.stream in self._streams:
             raise ValueError(f"stream {msg.stream!r} is already open on this client")
-        width = SAMPLE_BYTES.get(encoding, 1) * (channels if isinstance(channels, int) and channels > 0 else 1)
-        core = StreamCore(msg.stream, priority=priority, frame_bytes=width, limits=self.limits, rate=rate)
+        width = SAMPLE_BYTES.get(msg.encoding, 1) * (msg.channels if isinstance(msg.channels, int) and msg.channels > 0 else 1)
+        core = StreamCore(msg.stream, priority=msg.priority, frame_bytes=width, limits=self.limits, rate=msg.rate)
         entry = Entry(core, msg, asyncio.get_running_loop().create_future(), asyncio.Queue())
         self._liveness.restart_if_owed_nothing(self._streams, time.monotonic())  # the open is owed a `ready` from now
         self._streams[msg.stream] = entry

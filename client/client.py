@@ -35,6 +35,7 @@ from client.core import (
     Entry,
     IngestLost,
     Liveness,
+    RoomWait,
     ServerError,
     StreamBase,
     StreamCore,
@@ -227,17 +228,34 @@ class Client:
         partials: bool = True,
         priority: str = "realtime",
         prompt: str | None = None,
+        wait: float = 0.0,
+        on_wait: Callable[[StreamError], None] | None = None,
     ) -> Stream:
         """Open a stream and wait for `ready`; raises StreamError with the server's code if refused.
 
+        `wait`: how long an open refused for room (`overloaded`, `too_many_streams`) is asked again
+        before that refusal is raised (see RoomWait; 0, the default: raised at once); `on_wait` is
+        called with the first such refusal, once, as the waiting begins.
         Raises ValueError at once for what the protocol does not allow (an id over 64 characters,
         a prompt over 1000, a language code over 16, ...).
         """
         msg = Open(stream=uuid.uuid4().hex if stream is None else stream, rate=rate, encoding=encoding, channels=channels, language=language,
                    model=model, partials=partials, priority=priority, prompt=prompt)
         check_open(msg)
-        width = SAMPLE_BYTES.get(encoding, 1) * (channels if isinstance(channels, int) and channels > 0 else 1)
-        core = StreamCore(msg.stream, priority=priority, frame_bytes=width, limits=self.limits, rate=rate)
+        room = RoomWait(wait)
+        while True:
+            try:
+                return self._open(msg)
+            except StreamError as refused:
+                pause = room.pause(refused)
+                if room.tries == 1 and on_wait is not None:
+                    on_wait(refused)
+                if self._stop.wait(pause):  # closed meanwhile: the refusal stands
+                    raise
+
+    def _open(self, msg: Open) -> Stream:
+        width = SAMPLE_BYTES.get(msg.encoding, 1) * (msg.channels if isinstance(msg.channels, int) and msg.channels > 0 else 1)
+        core = StreamCore(msg.stream, priority=msg.priority, frame_bytes=width, limits=self.limits, rate=msg.rate)
         entry = Entry(core, msg, Future(), queue.SimpleQueue())
         self._submit(lambda: self._io_open(entry, msg))
         wait((entry.opened, self._ended), self.timeout, return_when=FIRST_COMPLETED)

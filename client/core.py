@@ -11,6 +11,7 @@ import bisect
 import dataclasses
 import io
 import logging
+import random
 import threading
 import time
 from array import array
@@ -82,6 +83,39 @@ class StreamError(ServerError):
     def __init__(self, code: str, message: str, stream: str | None = None) -> None:
         super().__init__(code, message)
         self.stream = stream
+
+
+@dataclass
+class RoomWait:
+    """An `open` refused for room (`overloaded`: past the service's admission limits;
+    `too_many_streams`: at its stream limit) asked again, after a wait growing as a resume's
+    does, jittered so that opens waiting together do not ask together, for up to `seconds`: a
+    place frees as other streams end, and a call or a file that came a moment too soon need not
+    fail. Any other refusal is final at once."""
+
+    seconds: float
+    deadline: float = 0.0
+    delay: float = REOPEN_S
+    tries: int = 0
+
+    def __post_init__(self) -> None:
+        self.deadline = time.monotonic() + self.seconds
+
+    def pause(self, refused: StreamError) -> float:
+        """How long to wait before asking again; raises the refusal when it is not for room, or
+        when the wait is over (then saying how long it waited)."""
+        if refused.code not in REOPEN_CODES:
+            raise refused
+        self.tries += 1
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            if self.tries == 1:  # no wait asked for
+                raise refused
+            raise StreamError(refused.code, f"{refused.message} (still refused after waiting {self.seconds:g} s, "
+                                            f"{self.tries} tries)", refused.stream) from None
+        pause = min(random.uniform(self.delay / 2, self.delay), left)
+        self.delay = min(self.delay * 2, MAX_REOPEN_S)
+        return pause
 
 
 class IngestLost(Exception):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import sys
 import threading
 import time
@@ -30,7 +29,7 @@ import soxr
 import zmq
 
 from client.client import Client, Stream
-from client.core import MAX_REOPEN_S, REOPEN_CODES, REOPEN_S, ServerError, StreamError
+from client.core import ServerError, StreamError
 from ingest.stabilizer import joined
 from protocol.auth import Curve
 from protocol.messages import MAX_CHANNELS, OVERLOADED, RATES, Closed, ErrorMsg, Final, Partial, ProtocolError, ServerMessage
@@ -240,35 +239,16 @@ def _stream(client: Client, job: Job, offline: bool, language: str | None, parti
 
 def _open(client: Client, job: Job, reader: Reader, offline: bool, language: str | None, partials: bool,
           open_timeout: float, output: Output) -> Stream:
-    """Open the file's stream. One refused for room (`overloaded`: a realtime open past the
-    service's admission limits; `too_many_streams`: the service is full) is asked again, after a
-    wait growing as the client's re-opens after a loss do, jittered so that files waiting together
-    do not ask together, until `open_timeout` has passed: a place frees as other streams end, and
-    a folder of recordings on a busy service must not fail the files that came a moment too soon.
-    Any other refusal is final at once (a language the model lacks is refused again; an ingest
-    shutting down is left for another one by the client itself)."""
-    deadline = time.monotonic() + open_timeout
-    delay = REOPEN_S
-    tries = 0
-    while True:
-        try:
-            return client.open(rate=reader.rate, channels=reader.channels, language=language,
-                               partials=partials, priority="batch" if offline else "realtime")
-        except StreamError as exc:
-            if exc.code not in REOPEN_CODES:
-                raise
-            tries += 1
-            left = deadline - time.monotonic()
-            if left <= 0:
-                if tries == 1:  # --open-timeout 0: no wait asked for
-                    raise
-                raise StreamError(exc.code, f"{exc.message} (still refused after waiting {open_timeout:g} s, "
-                                            f"{tries} tries)", exc.stream) from None
-            if tries == 1:  # once per file: the tries that follow say nothing new
-                output.say(f"{job.file}: the service has no room for the stream ({exc}); "
-                           f"waiting up to {open_timeout:g} s for room")
-            time.sleep(min(random.uniform(delay / 2, delay), left))
-            delay = min(delay * 2, MAX_REOPEN_S)
+    """Open the file's stream. One refused for room is asked again until `open_timeout` has passed
+    (client.core.RoomWait): a folder of recordings on a busy service must not fail the files that
+    came a moment too soon. Said once per file, as the waiting begins."""
+
+    def waiting(refused: StreamError) -> None:
+        output.say(f"{job.file}: the service has no room for the stream ({refused}); "
+                   f"waiting up to {open_timeout:g} s for room")
+
+    return client.open(rate=reader.rate, channels=reader.channels, language=language, partials=partials,
+                       priority="batch" if offline else "realtime", wait=open_timeout, on_wait=waiting)
 
 
 def _send(job: Job, reader: Reader, offline: bool, frame_ms: int) -> None:

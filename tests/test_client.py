@@ -521,6 +521,38 @@ def test_transcribe_waits_for_room_on_a_busy_service(service_factory, tmp_path, 
     assert refused and all(e["code"] == code for e in refused), refused  # the service refused them meanwhile
 
 
+def test_an_open_asked_to_wait_for_room_takes_the_place_a_stream_frees(service_factory) -> None:
+    """A call that comes while the service is at its realtime cap: `open()` raises the refusal at
+    once, as it did; `open(wait=S)` asks again until a place frees (saying so once, through
+    `on_wait`), and gives up after S saying how long it waited. Both clients."""
+    service = service_factory(model="null", workers=1, ingest={"admit_max_realtime_streams": 1, "idle_timeout_s": 600})
+    said: list[StreamError] = []
+    with Client(service.address) as client:
+        first = client.open("first")
+        with pytest.raises(StreamError) as refused:
+            client.open("second")
+        assert refused.value.code == OVERLOADED
+        with pytest.raises(StreamError, match=r"still refused after waiting 1 s, [2-9] tries") as waited:
+            client.open("second", wait=1.0, on_wait=said.append)
+        assert waited.value.code == OVERLOADED and [e.code for e in said] == [OVERLOADED]
+        freed = threading.Timer(1.0, first.end)  # its place frees once its `closed` is out
+        freed.start()
+        second = client.open("second", wait=60.0)
+        freed.join()
+        assert [type(e) for e in first.events(timeout=10)][-1] is Closed
+
+        async def main() -> None:
+            async with AsyncClient(service.address) as aclient:
+                with pytest.raises(StreamError, match="still refused after waiting 1 s"):
+                    await aclient.open("third", wait=1.0)
+                asyncio.get_running_loop().call_later(1.0, second.end)
+                third = await aclient.open("third", wait=60.0, on_wait=said.append)
+                await third.end()
+                assert [e.code for e in said] == [OVERLOADED, OVERLOADED]
+
+        asyncio.run(main())
+
+
 def test_transcribe_gives_up_on_room_after_its_open_timeout(service_factory, tmp_path) -> None:
     """A file the service keeps refusing for load fails once `--open-timeout` has passed, saying
     why and for how long it waited; `--open-timeout 0` fails it at the first refusal; `--offline`
