@@ -39,4 +39,5 @@ class ResumeTokens:
         return hmac.new(self._key, stream.encode(), hashlib.sha256).digest()[:TOKEN_BYTES].hex()
 
     def valid(self, stream: str, token: str | None) -> bool:
-        return token is not None and hmac.compare_digest(self.issue(stream), token)
+        # compare_digest takes ASCII text only: a client's other characters are simply no token
+        return token is not None and token.isascii() and hmac.compare_digest(self.issue(stream), token)

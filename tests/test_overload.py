@@ -252,8 +252,8 @@ def test_realtime_stream_cap(service_factory: Any) -> None:
         assert isinstance(refused, m.ErrorMsg) and refused.code == m.OVERLOADED, refused
         assert "admit_max_realtime_streams" in refused.message and refused.stream == "three"
         assert isinstance(_open(sock, "batch", priority="batch"), m.Ready)
-        for stream, token in (("stranger", None), ("stranger", tokens["resumed"])):  # no token of its own
-            refused = _open(sock, stream, offset=16_000, resume_token=token)
+        for token in (None, tokens["resumed"], "é" * 32):  # no token of its own: none, another stream's, garbage
+            refused = _open(sock, "stranger", offset=16_000, resume_token=token)
             assert isinstance(refused, m.ErrorMsg) and refused.code == m.OVERLOADED, refused
             assert "twice that resuming" not in refused.message, refused
         # admitted before their ingest died
