@@ -20,7 +20,7 @@ MAX_CHANNELS = 8
 # taken as it arrives; named as FFmpeg names the codecs, and as other streaming ASR APIs do.
 SAMPLE_BYTES = {"pcm_s16le": 2, "f32le": 4, "pcm_mulaw": 1, "pcm_alaw": 1}
 ENCODINGS = tuple(SAMPLE_BYTES)
-# libsndfile's subtype for each G.711 encoding: the ingest decodes, and the client encodes, through it
+# libsndfile's subtype for each G.711 encoding: the ingest decodes, the client encodes, and headerless files are read through it
 G711_SUBTYPES = {"pcm_mulaw": "ULAW", "pcm_alaw": "ALAW"}
 PRIORITIES = ("realtime", "batch")
 MAX_STREAM_ID = 64

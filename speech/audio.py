@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from protocol.messages import G711_SUBTYPES
 from speech.backend import SAMPLE_RATE
 
 
@@ -14,8 +15,9 @@ from speech.backend import SAMPLE_RATE
 # writes a line of "!". NaN fails the comparison too.
 SAMPLE_LIMIT = 16.0
 RAW_SUFFIXES = (".raw", ".pcm", ".s16")  # headerless 16-bit little-endian mono
-# Headerless G.711, 8 kHz mono: the names Asterisk's recordings and SoX give such files
-G711_SUFFIXES = {".ulaw": "ULAW", ".ul": "ULAW", ".mu": "ULAW", ".alaw": "ALAW", ".al": "ALAW", ".alw": "ALAW"}
+# Headerless G.711, 8 kHz mono: the names Asterisk's recordings and SoX give such files, and their encodings
+G711_SUFFIXES = {".ulaw": "pcm_mulaw", ".ul": "pcm_mulaw", ".mu": "pcm_mulaw",
+                 ".alaw": "pcm_alaw", ".al": "pcm_alaw", ".alw": "pcm_alaw"}
 G711_RATE = 8000
 
 
@@ -34,8 +36,9 @@ def not_a_file(path: Path) -> str | None:
 def raw_format(path: Path) -> dict[str, object]:
     """What libsndfile must be told to read `path` when it is headerless G.711 (it has no header
     to say): its rate, channels and coding; nothing for any other file."""
-    subtype = G711_SUFFIXES.get(path.suffix.lower())
-    return {} if subtype is None else {"samplerate": G711_RATE, "channels": 1, "format": "RAW", "subtype": subtype}
+    encoding = G711_SUFFIXES.get(path.suffix.lower())
+    return {} if encoding is None else {"samplerate": G711_RATE, "channels": 1, "format": "RAW",
+                                        "subtype": G711_SUBTYPES[encoding]}
 
 
 def resample(audio: np.ndarray, rate: int, target: int = SAMPLE_RATE) -> np.ndarray:
