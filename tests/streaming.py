@@ -23,6 +23,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from protocol import messages as m
+from streamasr import service as svc
+from streamasr.service import LocalService
 
 LIBRIVOX = Path("/usr/share/pocketsphinx/test/data/librivox")
 CARDS = Path("/usr/share/pocketsphinx/test/data/cards")
@@ -283,6 +285,14 @@ def wait_for(check: Callable[[], Any], timeout: float = 10.0, what: str = "condi
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+def pid_of(service: LocalService, program: str) -> int:
+    """`program`'s pid while supervisord runs it: STARTING (for its `startsecs`, up to a minute) or RUNNING."""
+    def check() -> int | None:
+        info = next(p for p in svc.processes(service.cfg) if p["name"] == program)
+        return int(info["pid"]) if info["statename"] in svc.UP_STATES else None
+    return wait_for(check, 30, f"{program} running")
 
 
 def connections_from(port: int) -> int:

@@ -30,7 +30,7 @@ from conftest import Service, running, start_service
 from shm import pool
 from streamasr import service as svc
 from streamasr import supervised
-from streaming import (CHUNK_FRAMES, RATE, StreamClient, StreamResult, connections_from, read_wav, send_paced,
+from streaming import (CHUNK_FRAMES, RATE, StreamClient, StreamResult, connections_from, pid_of, read_wav, send_paced,
                        speech_files, stream_many, wait_for)
 
 GAP = np.zeros(12_000, np.int16).tobytes()  # 0.75 s of silence: a pause ends a segment
@@ -73,14 +73,6 @@ def baseline(asr: Service, corpus: dict[str, bytes]) -> dict[str, list[tuple[flo
 def finals(result: StreamResult) -> list[tuple[float, float, str]]:
     """(start, end, text) of each final: times too, so a resumed stream must continue them."""
     return [(round(f.start, 2), round(f.end, 2), f.text) for f in result.finals]
-
-
-def pid_of(service: Service, program: str) -> int:
-    """`program`'s pid while supervisord runs it: STARTING (for its `startsecs`, up to a minute) or RUNNING."""
-    def check() -> int | None:
-        info = next(p for p in svc.processes(service.cfg) if p["name"] == program)
-        return int(info["pid"]) if info["statename"] in svc.UP_STATES else None
-    return wait_for(check, 30, f"{program} running")
 
 
 def restarted(service: Service, program: str, old_pid: int) -> int:

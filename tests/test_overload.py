@@ -24,8 +24,7 @@ from metrics import allocwatch
 from protocol import messages as m
 from shm import pool
 from streamasr import service as svc
-from streaming import CARDS, StreamClient, StreamResult, hello, read_wav, speech_files, stream_many, wait_for
-from test_faults import pid_of
+from streaming import CARDS, StreamClient, StreamResult, hello, pid_of, read_wav, speech_files, stream_many, wait_for
 
 GAP = np.zeros(8_000, np.int16).tobytes()
 
