@@ -22,11 +22,10 @@ import numpy as np
 import soundfile as sf
 
 from config import settings
-from ingest.audio import Resampler
-from ingest.vad import clip_segments
 from streamasr import callsounds, remote
 from streamasr.service import launch
 from streamasr.testdata import wer
+from streamasr.vadclips import clip_segments
 
 RATES = (8000, 16000)
 HOLD_S = 20.0  # the call's time on hold
@@ -34,8 +33,7 @@ HOLD_S = 20.0  # the call's time on hold
 
 def vad_segments(audio: np.ndarray, rate: int) -> list[tuple[float, float]]:
     """Segments (seconds) the ingest's VAD opens on 16-bit `audio`, resampled to 16 kHz as the ingest does."""
-    x = Resampler(rate).process(audio.astype(np.float32) / 32768, last=True)
-    return [(round(start, 2), round(end, 2)) for start, end in clip_segments(x, settings.load(None).vad)]
+    return [(round(start, 2), round(end, 2)) for start, end in clip_segments(callsounds.as_ingest(audio, rate), settings.load(None).vad)]
 
 
 def main() -> None:

@@ -34,12 +34,13 @@ import numpy as np
 from config.settings import ModelConfig, VadConfig
 from ingest.session import Session
 from ingest.stabilizer import LocalAgreement
-from ingest.vad import CHUNK, clip_probs
+from ingest.vad import CHUNK
 from speech.audio import load_audio
 from speech.backend import SAMPLE_RATE, DecodeRequest
 from speech.ort_backend import OrtWhisperBackend
 from speech.tokenizer import TIME_PRECISION
 from streamasr.testdata import utterances, wer
+from streamasr.vadclips import clip_probs
 
 
 def main() -> None:

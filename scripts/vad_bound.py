@@ -15,31 +15,24 @@ and segmenter open with it and without it, chunks handed over as 100 ms frames h
 from __future__ import annotations
 
 import numpy as np
-import soxr
 
 from config import settings
 from ingest import vad
-from ingest.audio import Resampler
 from speech.audio import load_audio
 from streamasr import callsounds
 from streamasr.testdata import utterances
+from streamasr.vadclips import clip_segments
 
 RATE = 16000
 FRAME_CHUNKS = 3  # a 100 ms frame
 SIGNAL_S = 20.0
 
 
-def line(audio: np.ndarray, rate: int) -> np.ndarray:
-    """16 kHz float `audio` as a line at `rate` carries it, back at 16 kHz as the ingest has it."""
-    pcm = callsounds.pcm(callsounds.telephone(audio if rate == RATE else soxr.resample(audio, RATE, rate), rate))
-    return Resampler(rate).process(pcm.astype(np.float32) / 32768, last=True)
-
-
 def segments(x: np.ndarray, bound: float = vad.CELL_BOUND) -> list[tuple[float, float]]:
     """The segments the ingest opens on 16 kHz `x` with the cell state held to `bound` (inf: none)."""
     kept, vad.CELL_BOUND = vad.CELL_BOUND, bound
     try:
-        return vad.clip_segments(x, settings.load(None).vad, FRAME_CHUNKS)
+        return clip_segments(x, settings.load(None).vad, FRAME_CHUNKS)
     finally:
         vad.CELL_BOUND = kept
 
@@ -60,7 +53,7 @@ def speech(clips: list[np.ndarray]) -> None:
         for rate in (RATE, 8000):
             same, moved = 0, 0.0
             for audio in audios:
-                alone, bounded = both(line(audio, rate))
+                alone, bounded = both(callsounds.carried(audio, rate))
                 if len(alone) == len(bounded):
                     same += alone == bounded
                     moved = max([moved] + [abs(a - b) for x, y in zip(alone, bounded) for a, b in zip(x, y)])
@@ -76,7 +69,7 @@ def after_signals(sentences: list[np.ndarray]) -> None:
             signal = callsounds.signal(name, RATE, SIGNAL_S).astype(np.float32) / 32768
             heard, moved = [0, 0], []
             for sentence in sentences:
-                x = line(np.concatenate([signal, sentence, np.zeros(RATE, np.float32)]), rate)
+                x = callsounds.carried(np.concatenate([signal, sentence, np.zeros(RATE, np.float32)]), rate)
                 starts = [next((s for s, e in segments if e > SIGNAL_S + 0.5), None) for segments in both(x)]
                 heard = [n + (s is not None) for n, s in zip(heard, starts)]
                 if None not in starts:
@@ -88,7 +81,7 @@ def after_signals(sentences: list[np.ndarray]) -> None:
 def by_bound(bounds: tuple[float, ...] = (20.0, 30.0, 40.0, 50.0, 70.0)) -> None:
     """The call put on hold at 8 kHz (a sentence, 20 s of hold music, a sentence), with the bound at each of `bounds`."""
     call = callsounds.on_hold(8000, SIGNAL_S, np.random.default_rng(98))
-    x = Resampler(8000).process(call.audio.astype(np.float32) / 32768, last=True)
+    x = callsounds.as_ingest(call.audio, 8000)
     alone = segments(x, float("inf"))
     print(f"call on hold, 8 kHz, hold {call.hold[0]:.1f}-{call.hold[1]:.1f} s; segments without the bound:",
           ", ".join(f"{a:.2f}-{b:.2f}" for a, b in alone))

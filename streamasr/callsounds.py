@@ -13,6 +13,7 @@ import numpy as np
 import soxr
 
 from client.core import float_to_int16
+from ingest.audio import Resampler
 from speech.audio import load_audio
 from streamasr.testdata import utterances
 
@@ -194,6 +195,17 @@ def on_hold(rate: int, seconds: float, rng: np.random.Generator) -> Call:
 def signal(name: str, rate: int, seconds: float, seed: int = 98) -> np.ndarray:
     """SIGNALS[name], `seconds` long at `rate`, as a phone line carries it."""
     return pcm(telephone(SIGNALS[name](rate, seconds, np.random.default_rng(seed)), rate))
+
+
+def carried(audio: np.ndarray, rate: int) -> np.ndarray:
+    """16 kHz float `audio` as a line at `rate` carries it, in 16-bit PCM, and back at 16 kHz float
+    as the ingest has it."""
+    return as_ingest(pcm(telephone(audio if rate == 16000 else soxr.resample(audio, 16000, rate), rate)), rate)
+
+
+def as_ingest(audio: np.ndarray, rate: int) -> np.ndarray:
+    """16-bit `audio` at `rate` as the ingest has it: 16 kHz float, through its resampler."""
+    return Resampler(rate).process(audio.astype(np.float32) / 32768, last=True)
 
 
 def pcm(audio: np.ndarray) -> np.ndarray:

@@ -15,6 +15,8 @@ from structlog.testing import capture_logs
 from config.settings import VadConfig
 from ingest import vad
 from ingest.vad import CHUNK, MODEL_PATH, VadBank, VadRunner
+from streamasr import callsounds
+from streamasr.vadclips import clip_segments
 
 LIBRIVOX = Path("/usr/share/pocketsphinx/test/data/librivox")
 FILES = sorted(LIBRIVOX.glob("*.wav"))
@@ -382,12 +384,8 @@ def held_call_segments(calls_of: int | None) -> tuple[list[tuple[float, float]],
     sentence, 20 s of hold music, a sentence, at 8 kHz), in calls of `calls_of` chunks as a
     realtime stream hands them over, or all in one go (None) as a stream catching up does; and
     when the call was on hold."""
-    from ingest.audio import Resampler
-    from streamasr import callsounds
-
     call = callsounds.on_hold(8000, 20.0, np.random.default_rng(98))
-    x = Resampler(8000).process(call.audio.astype(np.float32) / 32768, last=True)
-    return vad.clip_segments(x, VadConfig(), calls_of), call.hold
+    return clip_segments(callsounds.as_ingest(call.audio, 8000), VadConfig(), calls_of), call.hold
 
 
 @pytest.mark.parametrize("calls_of", [1, 3, None], ids=["20 ms frames", "100 ms frames", "catching up"])
@@ -416,9 +414,9 @@ def test_the_bound_leaves_the_segments_of_speech_as_they_were(monkeypatch: pytes
     speech = [load(path) for path in FILES]
     for pause in (0.3, 1.0, 2.0):
         x = np.concatenate([part for clip in speech for part in (clip, np.zeros(int(pause * 16000), np.float32))])
-        bounded = vad.clip_segments(x, VadConfig())
+        bounded = clip_segments(x, VadConfig())
         monkeypatch.setattr(vad, "CELL_BOUND", float("inf"))
-        alone = vad.clip_segments(x, VadConfig())
+        alone = clip_segments(x, VadConfig())
         monkeypatch.undo()
         assert len(bounded) == len(alone) >= len(speech), (pause, bounded, alone)
         np.testing.assert_allclose(bounded, alone, atol=2 * CHUNK / 16000 + 1e-6, err_msg=f"pause {pause} s")
