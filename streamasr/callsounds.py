@@ -57,8 +57,8 @@ def dtmf(rate: int, seconds: float, rng: np.random.Generator) -> np.ndarray:
     at = int(0.5 * rate)
     while at < len(out):
         for digit in rng.choice(list("0123456789*#"), 10):
-            tone = _tone(rate, 0.1, DTMF[digit], -10)
-            out[at:at + len(tone)] = tone[: len(out) - at]
+            tone = _tone(rate, 0.1, DTMF[digit], -10)[: max(0, len(out) - at)]
+            out[at:at + len(tone)] = tone
             at += int(0.2 * rate)
         at += int(rng.uniform(1, 3) * rate)
     return out
