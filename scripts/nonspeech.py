@@ -5,7 +5,7 @@ sentence). For each: the segments the ingest's VAD opens (its own bank and segme
 audio resampled as the ingest does), and the partials and finals a client of a real service
 gets, with their text; for the call on hold, the WER of its finals.
 
-    python scripts/nonspeech.py [--server ADDR] [--offline] [--seconds 24] [--only hold_music,on_hold]
+    python scripts/nonspeech.py [--server ADDR] [--offline] [--seconds 24] [--only hold_music,on_hold] [--seeds 98,1,2]
 
 Without --server it starts a service of its own (whisper-tiny.en, 2 workers) and stops it after.
 """
@@ -43,20 +43,23 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=24.0, help="length of each signal")
     ap.add_argument("--only", help="comma-separated names of callsounds.SIGNALS, and on_hold")
     ap.add_argument("--parallel", type=int, default=6, help="files streamed at once")
+    ap.add_argument("--seeds", default="98", help="comma-separated seeds: each signal is made with each (the call on hold with 98)")
     args = ap.parse_args()
     names = args.only.split(",") if args.only else [*callsounds.SIGNALS, "on_hold"]
     with tempfile.TemporaryDirectory() as tmp:
         files: dict[str, tuple[str, int, list[tuple[float, float]], str]] = {}
         for name in names:
-            for rate in RATES:
-                if name == "on_hold":
-                    call = callsounds.on_hold(rate, HOLD_S, np.random.default_rng(98))
-                    audio, said = call.audio, call.said
-                else:
-                    audio, said = callsounds.signal(name, rate, args.seconds), ""
-                path = str(Path(tmp) / f"{name}-{rate}.wav")
-                sf.write(path, audio, rate, subtype="PCM_16")
-                files[path] = (name, rate, vad_segments(audio, rate), said)
+            for seed in [98] if name == "on_hold" else [int(v) for v in args.seeds.split(",")]:
+                for rate in RATES:
+                    if name == "on_hold":
+                        call = callsounds.on_hold(rate, HOLD_S, np.random.default_rng(seed))
+                        audio, said = call.audio, call.said
+                    else:
+                        audio, said = callsounds.signal(name, rate, args.seconds, seed), ""
+                    label = name if seed == 98 else f"{name} ({seed})"
+                    path = str(Path(tmp) / f"{name}-{seed}-{rate}.wav")
+                    sf.write(path, audio, rate, subtype="PCM_16")
+                    files[path] = (label, rate, vad_segments(audio, rate), said)
         service = None
         if args.server is None:
             service = launch(Path(tmp), {"model": {"name": "whisper-tiny.en"}, "workers": {"processes": 2},

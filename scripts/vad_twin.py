@@ -1,11 +1,12 @@
 """What each stream's VAD twin (`ingest.vad.TWIN_QUIET`: a second state, started fresh after every
-4 s of quiet, whose score a chunk takes when it is higher) changes, with it and without it (the
+1.5 s of quiet, whose score a chunk takes when it is higher) changes, with it and without it (the
 cell-state bound on in both), chunks handed over as 100 ms frames hand them or all at once as a
 stream catching up does:
 
 - After a call signal: 20 s of each of `streamasr/callsounds.py`'s signals (two seeds, five for
-  DTMF), then each LibriVox sentence of the dev set, at 8 and 16 kHz: sentences with no segment,
-  a segment starting more than 0.75 s late, split in two, or a segment inside the signal.
+  DTMF), then each LibriVox sentence of the dev set, made at 8 kHz as a phone line carries them,
+  and at 16 kHz: sentences with no segment, a segment starting more than 0.75 s late, split in
+  two, or a segment inside the signal.
 - The call put on hold (five seeds of its music) at 8 kHz: where the sentence after the hold starts.
 - Speech: the dev set's utterances joined with pauses of 0.3 to 10 s, at 16 kHz and on an 8 kHz
   phone line: are the segments the same, and how far did their starts and ends move?
@@ -53,9 +54,8 @@ def after_signals(sentences: list[np.ndarray]) -> None:
             counts = np.zeros((2, 4), dtype=int)
             trials = 0
             for seed in (98, 5, 1, 2, 3) if name == "dtmf" else (98, 5):
-                signal = callsounds.signal(name, RATE, SIGNAL_S, seed).astype(np.float32) / 32768
                 for sentence in sentences:
-                    x = callsounds.carried(np.concatenate([signal, sentence, np.zeros(RATE, np.float32)]), rate)
+                    x = callsounds.as_ingest(callsounds.signal_then(name, rate, SIGNAL_S, sentence, seed), rate)
                     for shape in SHAPES:
                         trials += 1
                         for i, twin in enumerate((False, True)):
@@ -90,15 +90,15 @@ def on_hold() -> None:
 
 
 def speech(clips: list[np.ndarray]) -> None:
-    print("\nspeech, pauses of   rate   segments without / with   start moved (earliest, latest)   end moved (largest)")
-    for pause in (0.3, 1.0, 2.0, 6.0, 10.0):
+    print("\nspeech, pauses of   rate   segments without / with   start moved (earliest, latest)   end moved (earliest, latest)")
+    for pause in (0.3, 0.6, 1.0, 2.0, 3.0, 6.0, 10.0):
         joined = np.concatenate([p for c in clips for p in (c, np.zeros(int(pause * RATE), np.float32))])
         for rate in (RATE, 8000):
             x = callsounds.carried(joined, rate)
             alone, twinned = np.array(segments(x, False)), np.array(segments(x, True))
             if len(alone) == len(twinned):
-                starts, ends = twinned[:, 0] - alone[:, 0], np.abs(twinned[:, 1] - alone[:, 1])
-                moved = f"{starts.min():+.3f}, {starts.max():+.3f}                    {ends.max():.3f}"
+                starts, ends = twinned[:, 0] - alone[:, 0], twinned[:, 1] - alone[:, 1]
+                moved = f"{starts.min():+.3f}, {starts.max():+.3f}                    {ends.min():+.3f}, {ends.max():+.3f}"
             else:
                 moved = "-"
             print(f"{pause:8g} s          {rate:5d}   {len(alone):4d} / {len(twinned):<4d}                 {moved}")

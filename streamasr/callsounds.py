@@ -197,6 +197,13 @@ def signal(name: str, rate: int, seconds: float, seed: int = 98) -> np.ndarray:
     return pcm(telephone(SIGNALS[name](rate, seconds, np.random.default_rng(seed)), rate))
 
 
+def signal_then(name: str, rate: int, seconds: float, speech: np.ndarray, seed: int = 98) -> np.ndarray:
+    """`seconds` of SIGNALS[name], then `speech` (16 kHz float) and a second of silence, at `rate`
+    as a phone line carries them: a caller who dialled digits, or heard a tone, and speaks."""
+    spoken = pcm(telephone(speech if rate == 16000 else soxr.resample(speech, 16000, rate), rate))
+    return np.concatenate([signal(name, rate, seconds, seed), spoken, np.zeros(rate, np.int16)])
+
+
 def carried(audio: np.ndarray, rate: int) -> np.ndarray:
     """16 kHz float `audio` as a line at `rate` carries it, in 16-bit PCM, and back at 16 kHz float
     as the ingest has it."""
