@@ -13,11 +13,15 @@ stream catching up does:
 - The cost: microseconds per chunk through `VadBank.process` of streams whose twins run (on
   quiet: noise at -20 dBFS), alternating with and without.
 
-    python scripts/vad_twin.py
+    python scripts/vad_twin.py [--twin 125:24]
+
+`--twin Q:W` measures a twin started after Q quiet chunks and counted after W instead of the
+shipped one (`TWIN_QUIET`, `TWIN_WARM_UP`).
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -133,6 +137,11 @@ def cost(rounds: int = 5) -> None:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--twin", help="QUIET:WARM_UP, in chunks of 32 ms")
+    args = parser.parse_args()
+    if args.twin:
+        vad.TWIN_QUIET, vad.TWIN_WARM_UP = (int(v) for v in args.twin.split(":"))
     clips = [(u.name, load_audio(u.path)) for u in utterances()]
     after_signals([c for name, c in clips if name.startswith("librivox/")])
     on_hold()
