@@ -128,6 +128,29 @@ def test_a_silero_graph_laid_out_otherwise_runs_as_shipped(tmp_path: Path, unbou
     np.testing.assert_allclose(ours, [reference.process(c) for c in chunks(x)], atol=1e-5)
 
 
+def score_in_mixed_calls(bank: VadBank, streams: dict[str, list[np.ndarray]],
+                         rng: np.random.Generator) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
+    """Each stream's chunks through `bank` in calls of 0-4 chunks of each stream, the streams
+    interleaved at random and each stream's chunks in order, as a loop that fell behind or 100 ms
+    frames hand them over: every chunk's score, and how many of its stream's chunks each call held."""
+    pending = {key: list(queue) for key, queue in streams.items()}
+    scores: dict[str, list[float]] = {key: [] for key in streams}
+    counts: dict[str, list[int]] = {key: [] for key in streams}
+    while any(pending.values()):
+        keys: list[str] = []
+        batch: list[np.ndarray] = []
+        for key, queue in pending.items():
+            count = min(int(rng.integers(0, 5)), len(queue))
+            counts[key].append(count)
+            keys += [key] * count
+            batch += [queue.pop(0) for _ in range(count)]
+        left = {key: [i for i, k in enumerate(keys) if k == key] for key in set(keys)}
+        order = [left[keys[i]].pop(0) for i in rng.permutation(len(keys))]
+        for i, p in zip(order, bank.process([keys[i] for i in order], [batch[i] for i in order]).tolist(), strict=True):
+            scores[keys[i]].append(p)
+    return scores, counts
+
+
 @pytest.mark.parametrize("graph", ["rewritten", "rewritten, calls of 5 chunks", "shipped"])
 def test_a_stream_s_chunks_in_one_call_score_as_one_at_a_time(graph: str, bank: VadBank, unbounded: None,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
@@ -140,25 +163,10 @@ def test_a_stream_s_chunks_in_one_call_score_as_one_at_a_time(graph: str, bank: 
         bank = VadBank(rewrite=False)
     elif "calls of" in graph:
         monkeypatch.setattr(vad, "CALL_CHUNKS", 5)
-    rng = np.random.default_rng(2)
     streams = {f"seq{i}": load(path) for i, path in enumerate(FILES[:4])}
-    pending = {key: chunks(x) for key, x in streams.items()}
-    ours: dict[str, list[float]] = {key: [] for key in streams}
     for key in streams:
         bank.add(key)
-    while any(pending.values()):
-        keys: list[str] = []
-        batch: list[np.ndarray] = []
-        for key, queue in pending.items():
-            for _ in range(min(int(rng.integers(0, 5)), len(queue))):
-                keys.append(key)
-                batch.append(queue.pop(0))
-        # streams interleaved at random; each stream's chunks stay in order
-        left = {key: [i for i, k in enumerate(keys) if k == key] for key in set(keys)}
-        mixed = [left[keys[i]].pop(0) for i in rng.permutation(len(keys))]
-        probs = bank.process([keys[i] for i in mixed], [batch[i] for i in mixed])
-        for i, p in zip(mixed, probs.tolist(), strict=True):
-            ours[keys[i]].append(p)
+    ours, _ = score_in_mixed_calls(bank, {key: chunks(x) for key, x in streams.items()}, np.random.default_rng(2))
     for key, x in streams.items():
         bank.remove(key)
         reference = SileroVAD(16000)
@@ -519,31 +527,17 @@ def test_streams_with_and_without_a_running_twin_score_in_one_call_as_alone() ->
         "speech alone": chunks(np.concatenate([sentence, sentence])),
         "after DTMF": chunks(callsounds.carried(np.concatenate([callsounds.signal("dtmf", 16000, 5.0) / 32768, sentence]), 8000)),
     }
-    rng = np.random.default_rng(5)
-    mixed, bank = VadBank(), {key: [] for key in streams}  # per stream: its chunks per call
-    scores: dict[str, list[float]] = {key: [] for key in streams}
-    pending = {key: list(queue) for key, queue in streams.items()}
+    mixed = VadBank()
     for key in streams:
         mixed.add(key)
-    while any(pending.values()):
-        keys: list[str] = []
-        batch: list[np.ndarray] = []
-        for key, queue in pending.items():
-            count = min(int(rng.integers(0, 5)), len(queue))
-            bank[key].append(count)
-            keys += [key] * count
-            batch += [queue.pop(0) for _ in range(count)]
-        left = {key: [i for i, k in enumerate(keys) if k == key] for key in set(keys)}
-        order = [left[keys[i]].pop(0) for i in rng.permutation(len(keys))]
-        for i, p in zip(order, mixed.process([keys[i] for i in order], [batch[i] for i in order]).tolist()):
-            scores[keys[i]].append(p)
+    scores, counts = score_in_mixed_calls(mixed, streams, np.random.default_rng(5))
     assert mixed._streams.running[[mixed._streams.rows[k] for k in ("after busy tone", "after DTMF")]].all()
     assert not mixed._streams.running[mixed._streams.rows["speech alone"]]
     for key, queue in streams.items():
         alone = VadBank()
         alone.add(key)
         at, mine = 0, []
-        for count in bank[key]:
+        for count in counts[key]:
             if count:
                 mine += alone.process([key] * count, queue[at : at + count]).tolist()
             at += count
