@@ -200,14 +200,18 @@ def signal(name: str, rate: int, seconds: float, seed: int = 98) -> np.ndarray:
 def signal_then(name: str, rate: int, seconds: float, speech: np.ndarray, seed: int = 98) -> np.ndarray:
     """`seconds` of SIGNALS[name], then `speech` (16 kHz float) and a second of silence, at `rate`
     as a phone line carries them: a caller who dialled digits, or heard a tone, and speaks."""
-    spoken = pcm(telephone(speech if rate == 16000 else soxr.resample(speech, 16000, rate), rate))
-    return np.concatenate([signal(name, rate, seconds, seed), spoken, np.zeros(rate, np.int16)])
+    return np.concatenate([signal(name, rate, seconds, seed), on_line(speech, rate), np.zeros(rate, np.int16)])
+
+
+def on_line(audio: np.ndarray, rate: int) -> np.ndarray:
+    """16 kHz float `audio` as a line at `rate` carries it, in 16-bit PCM."""
+    return pcm(telephone(audio if rate == 16000 else soxr.resample(audio, 16000, rate), rate))
 
 
 def carried(audio: np.ndarray, rate: int) -> np.ndarray:
-    """16 kHz float `audio` as a line at `rate` carries it, in 16-bit PCM, and back at 16 kHz float
-    as the ingest has it."""
-    return as_ingest(pcm(telephone(audio if rate == 16000 else soxr.resample(audio, 16000, rate), rate)), rate)
+    """16 kHz float `audio` as a line at `rate` carries it, and back at 16 kHz float as the ingest
+    has it."""
+    return as_ingest(on_line(audio, rate), rate)
 
 
 def as_ingest(audio: np.ndarray, rate: int) -> np.ndarray:
