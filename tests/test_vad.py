@@ -129,26 +129,24 @@ def test_a_silero_graph_laid_out_otherwise_runs_as_shipped(tmp_path: Path, unbou
 
 
 def score_in_mixed_calls(bank: VadBank, streams: dict[str, list[np.ndarray]],
-                         rng: np.random.Generator) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
+                         rng: np.random.Generator) -> dict[str, list[float]]:
     """Each stream's chunks through `bank` in calls of 0-4 chunks of each stream, the streams
     interleaved at random and each stream's chunks in order, as a loop that fell behind or 100 ms
-    frames hand them over: every chunk's score, and how many of its stream's chunks each call held."""
+    frames hand them over: every chunk's score."""
     pending = {key: list(queue) for key, queue in streams.items()}
     scores: dict[str, list[float]] = {key: [] for key in streams}
-    counts: dict[str, list[int]] = {key: [] for key in streams}
     while any(pending.values()):
         keys: list[str] = []
         batch: list[np.ndarray] = []
         for key, queue in pending.items():
             count = min(int(rng.integers(0, 5)), len(queue))
-            counts[key].append(count)
             keys += [key] * count
             batch += [queue.pop(0) for _ in range(count)]
         left = {key: [i for i, k in enumerate(keys) if k == key] for key in set(keys)}
         order = [left[keys[i]].pop(0) for i in rng.permutation(len(keys))]
         for i, p in zip(order, bank.process([keys[i] for i in order], [batch[i] for i in order]).tolist(), strict=True):
             scores[keys[i]].append(p)
-    return scores, counts
+    return scores
 
 
 @pytest.mark.parametrize("graph", ["rewritten", "rewritten, calls of 5 chunks", "shipped"])
@@ -166,7 +164,7 @@ def test_a_stream_s_chunks_in_one_call_score_as_one_at_a_time(graph: str, bank: 
     streams = {f"seq{i}": load(path) for i, path in enumerate(FILES[:4])}
     for key in streams:
         bank.add(key)
-    ours, _ = score_in_mixed_calls(bank, {key: chunks(x) for key, x in streams.items()}, np.random.default_rng(2))
+    ours = score_in_mixed_calls(bank, {key: chunks(x) for key, x in streams.items()}, np.random.default_rng(2))
     for key, x in streams.items():
         bank.remove(key)
         reference = SileroVAD(16000)
@@ -516,29 +514,37 @@ def test_the_twin_runs_alike_on_both_graphs(tmp_path: Path) -> None:
     assert all(np.abs(np.subtract(rewritten[key], never[key])).max() > 0.01 for key in streams)
 
 
-def test_streams_with_and_without_a_running_twin_score_in_one_call_as_alone() -> None:
-    """A call holds streams whose twins run beside streams whose twins have not started, each with
-    0-4 chunks, in mixed order: every chunk scores what it scores when its stream is called
-    alone with the same chunks per call (the twins' sequences and decoder rows are matched to
-    their streams' chunks, not to their places in the call)."""
+def test_a_stream_scores_the_same_however_its_chunks_are_handed_over() -> None:
+    """The bound and the twin's restarts change a stream's state only at its checkpoints, counted
+    from its start, and no call takes a stream past one: each chunk scores the same in calls of
+    one chunk, of three (100 ms frames), all at once (catching up), or 0-4 at a time beside other
+    streams in mixed order, whose twins run or have not started. Before, the bound acted at the
+    end of each call: speech with pauses, the same audio, was segmented differently under
+    another load."""
     sentence = load_audio(next(u.path for u in utterances() if u.name.startswith("librivox/")))
+    pauses = np.concatenate([part for path in FILES for part in (load(path), np.zeros(12_000, np.float32))])
     streams = {
+        "speech with pauses": chunks(pauses),
         "after busy tone": chunks(callsounds.carried(np.concatenate([callsounds.signal("busy", 16000, 6.0) / 32768, sentence]), 8000)),
         "speech alone": chunks(np.concatenate([sentence, sentence])),
         "after DTMF": chunks(callsounds.carried(np.concatenate([callsounds.signal("dtmf", 16000, 5.0) / 32768, sentence]), 8000)),
     }
+
+    def alone(key: str, calls_of: int) -> list[float]:
+        bank = VadBank()
+        bank.add(key)
+        queue = streams[key]
+        return [p for at in range(0, len(queue), calls_of) for p in bank.process([key] * len(queue[at : at + calls_of]),
+                                                                                  queue[at : at + calls_of]).tolist()]
+
     mixed = VadBank()
     for key in streams:
         mixed.add(key)
-    scores, counts = score_in_mixed_calls(mixed, streams, np.random.default_rng(5))
-    assert mixed._streams.running[[mixed._streams.rows[k] for k in ("after busy tone", "after DTMF")]].all()
-    assert not mixed._streams.running[mixed._streams.rows["speech alone"]]
+    scores = score_in_mixed_calls(mixed, streams, np.random.default_rng(5))
+    running = mixed._streams.running[[mixed._streams.rows[key] for key in streams]]
+    assert running.tolist() == [False, True, False, True]  # twins start after 1.5 s of quiet
     for key, queue in streams.items():
-        alone = VadBank()
-        alone.add(key)
-        at, mine = 0, []
-        for count in counts[key]:
-            if count:
-                mine += alone.process([key] * count, queue[at : at + count]).tolist()
-            at += count
-        np.testing.assert_allclose(scores[key], mine, atol=1e-5, err_msg=key)
+        one = alone(key, 1)
+        for calls_of in (3, len(queue)):
+            np.testing.assert_array_equal(alone(key, calls_of), one, err_msg=f"{key}, calls of {calls_of}")
+        np.testing.assert_array_equal(scores[key], one, err_msg=f"{key}, mixed")
