@@ -1,7 +1,7 @@
 """What each stream's VAD twin (`ingest.vad.TWIN_QUIET`: a second state, started fresh after every
 1.5 s of quiet, whose score a chunk takes when it is higher) changes, with it and without it (the
-cell-state bound on in both), chunks handed over as 100 ms frames hand them or all at once as a
-stream catching up does:
+cell-state bound on in both), chunks handed over as 100 ms frames hand them (how they are grouped
+into calls changes no score):
 
 - After a call signal: 20 s of each of `streamasr/callsounds.py`'s signals (two seeds, five for
   DTMF), then each LibriVox sentence of the dev set, made at 8 kHz as a phone line carries them,
@@ -36,15 +36,14 @@ from streamasr.vadclips import clip_segments
 
 RATE = 16000
 SIGNAL_S = 20.0
-SHAPES = (3, None)  # calls of a 100 ms frame's chunks, or all at once
 Segments = list[tuple[float, float]]
 
 
-def segments(x: np.ndarray, twin: bool, calls_of: int | None = 3) -> Segments:
+def segments(x: np.ndarray, twin: bool) -> Segments:
     kept = vad.TWIN_QUIET
     vad.TWIN_QUIET = kept if twin else 0
     try:
-        return clip_segments(x, settings.load(None).vad, calls_of)
+        return clip_segments(x, settings.load(None).vad, calls_of=3)
     finally:
         vad.TWIN_QUIET = kept
 
@@ -60,16 +59,15 @@ def after_signals(sentences: list[np.ndarray]) -> None:
             for seed in (98, 5, 1, 2, 3) if name == "dtmf" else (98, 5):
                 for sentence in sentences:
                     x = callsounds.as_ingest(callsounds.signal_then(name, rate, SIGNAL_S, sentence, seed), rate)
-                    for shape in SHAPES:
-                        trials += 1
-                        for i, twin in enumerate((False, True)):
-                            found = segments(x, twin, shape)
-                            after = [s for s in found if s[1] > SIGNAL_S + 0.5]
-                            start = after[0][0] - SIGNAL_S if after else None
-                            if start is not None:
-                                onsets[i].append(start)
-                            counts[i] += [start is None, start is not None and start > 0.75, len(after) > 1,
-                                          sum(1 for s in found if s[1] < SIGNAL_S + 0.2)]
+                    trials += 1
+                    for i, twin in enumerate((False, True)):
+                        found = segments(x, twin)
+                        after = [s for s in found if s[1] > SIGNAL_S + 0.5]
+                        start = after[0][0] - SIGNAL_S if after else None
+                        if start is not None:
+                            onsets[i].append(start)
+                        counts[i] += [start is None, start is not None and start > 0.75, len(after) > 1,
+                                      sum(1 for s in found if s[1] < SIGNAL_S + 0.2)]
             totals += counts
             cells = "   ".join(f"{a:3d} / {b:<3d}" for a, b in zip(*counts))
             print(f"{name:20s} {rate:5d}  {trials:5d}   {cells}")
@@ -81,15 +79,14 @@ def after_signals(sentences: list[np.ndarray]) -> None:
 
 
 def on_hold() -> None:
-    print("\ncall on hold at 8 kHz (seeds 98, 1-4; calls of 1, 3 chunks, all at once): sentence after the hold starts, s")
+    print("\ncall on hold at 8 kHz (seeds 98, 1-4): sentence after the hold starts, s")
     for twin in (False, True):
         starts = []
         for seed in (98, 1, 2, 3, 4):
             call = callsounds.on_hold(8000, SIGNAL_S, np.random.default_rng(seed))
             x = callsounds.as_ingest(call.audio, 8000)
-            for shape in (1, 3, None):
-                after = [s for s in segments(x, twin, shape) if s[1] > call.hold[1] + 0.5]
-                starts.append(f"{after[0][0] - call.hold[1]:+.2f}{'/' * (len(after) - 1)}" if after else "lost")
+            after = [s for s in segments(x, twin) if s[1] > call.hold[1] + 0.5]
+            starts.append(f"{after[0][0] - call.hold[1]:+.2f}{'/' * (len(after) - 1)}" if after else "lost")
         print(f"  {'with' if twin else 'without'} the twin: {' '.join(starts)}   ('/': split)")
 
 
