@@ -1,10 +1,10 @@
 """Silero VAD v5 over many streams at once, with onnxruntime.
 
 The graph (Silero's 16 kHz branch, rewritten in `vad_graph`) classifies every waiting chunk of
-every stream in one call: each 32 ms chunk behind the last 64 samples before it, the model
-state of each stream, and which chunks are whose (see `vad_graph.batched_graph`). Per-call
-overhead then scales neither with the number of streams nor with how many chunks each has
-waiting (three for a 100 ms frame).
+every stream in one call (two where a stream's chunks pass one of its checkpoints, below): each
+32 ms chunk behind the last 64 samples before it, the model state of each stream, and which
+chunks are whose (see `vad_graph.batched_graph`). Per-call overhead then scales neither with the
+number of streams nor with how many chunks each has waiting (three for a 100 ms frame).
 """
 
 from __future__ import annotations
@@ -335,7 +335,7 @@ class VadRunner:
     frames, sending jobs and answering results, instead of holding all of them behind it.
 
     One round in flight at a time, holding every chunk due: a stream may have several, in order,
-    and the bank classifies them all in one call. So however few rounds a busy loop starts, each
+    and the bank classifies them all in a call or a few. So however few rounds a busy loop starts, each
     catches the VAD up. The loop `submit`s a round, polls `signal` and
     `take`s the probabilities when it is readable. Streams are added and removed only between
     rounds: adding one may grow the per-stream arrays a round in flight reads.
