@@ -625,8 +625,9 @@ class Entry:
     asyncio.Queue of (receive time, message or exception); both have the methods used here.
     `request` is the `open` as first sent, `failure` what sending on the stream raises from then on.
     `resume_token` is the one the stream's last `ready` gave (a realtime stream's, from a service
-    that gives them). `send_newer_fields` is cleared when a service refuses `resume_language` or
-    `resume_token` (one older than them, in a mixed deploy): the stream's later resumes go without both.
+    that gives them). `refused` holds those of `resume_language` and `resume_token` a service
+    refused as unknown fields (one older than them, in a mixed deploy): the stream's later resumes
+    go without them, and with the other.
     """
 
     core: StreamCore
@@ -635,7 +636,7 @@ class Entry:
     events: Any
     failure: Exception | None = None
     resume_token: str | None = None
-    send_newer_fields: bool = True
+    refused: set[str] = dataclasses.field(default_factory=set)
 
     def resume(self, until: float) -> Open:
         """The `open` that continues this stream on a new connection (its kept audio then follows).
@@ -650,7 +651,7 @@ class Entry:
         self.core.reopen_at = None
         return dataclasses.replace(self.request, offset=self.core.offset, resume_text=prompt_tail(self.core.last_text),
                                    resume_language=self.resumed_language(),
-                                   resume_token=self.resume_token if self.send_newer_fields else None)
+                                   resume_token=self.resume_token if "resume_token" not in self.refused else None)
 
     def resumed_language(self) -> str | None:
         """The `resume_language` of a resume: the language the last final with words was heard in.
@@ -658,11 +659,14 @@ class Entry:
         Sent only when the service said one (so a client that never heard one sends an old service
         no field it lacks) and the stream was opened without a language, which else decides every decode.
         """
-        return self.core.last_language if self.send_newer_fields and self.request.language is None else None
+        return self.core.last_language if "resume_language" not in self.refused and self.request.language is None else None
 
-    def sends_newer_fields(self) -> bool:
-        """Whether its resume carries a field a service of an older release refuses."""
-        return self.resumed_language() is not None or (self.send_newer_fields and self.resume_token is not None)
+    def newer_fields(self) -> set[str]:
+        """The fields of its resume that a service of an older release refuses."""
+        carried = {"resume_language"} if self.resumed_language() is not None else set()
+        if self.resume_token is not None and "resume_token" not in self.refused:
+            carried.add("resume_token")
+        return carried
 
     def fail(self, failure: Exception, now: float) -> None:
         self.failure = failure
@@ -769,14 +773,17 @@ def route(streams: dict[str, Entry], msg: ServerMessage, now: float) -> bool:
     elif isinstance(msg, ErrorMsg) and not entry.opened.done():
         del streams[sid]
         entry.opened.set_exception(StreamError(msg.code, msg.message, sid))
-    elif isinstance(msg, ErrorMsg) and not core.ready and msg.seq is None and msg.code == BAD_MESSAGE and entry.sends_newer_fields():
+    elif isinstance(msg, ErrorMsg) and not core.ready and msg.seq is None and msg.code == BAD_MESSAGE and entry.newer_fields():
         # A service older than `resume_language` or `resume_token` refuses them as unknown fields
         # (`check_open` found the rest of the open well-formed): resumed again at once without
-        # both, its partials then detecting their language until the next final, and admitted
-        # as a new stream is.
-        log.warning("stream %s: the service refused resume_language or resume_token (%s); resuming without them",
-                    sid, msg.message)
-        entry.send_newer_fields = False
+        # those it names (both, if it names neither), its partials then detecting their language
+        # until the next final, or admitted as a new stream is. One that knows the other field
+        # still gets it.
+        carried = entry.newer_fields()
+        named = {field for field in carried if repr(field) in msg.message}
+        entry.refused |= named or carried
+        log.warning("stream %s: resuming without %s, which the service refused (%s)", sid,
+                    " and ".join(sorted(named or carried)), msg.message)
         core.reopen_at = now
     elif isinstance(msg, ErrorMsg) and not core.ready and msg.seq is None:
         retry_at = now + core.reopen_s

@@ -664,16 +664,18 @@ class FakeIngest:
     and its `closed`, which gives `end_reason` and all the audio taken as `durable`; `stalled`
     makes it a service that stopped decoding (its workers stopped): it acks audio, never moves
     the window past the first 30 s, and never answers `end`. `heard` is the language of a final it
-    sends after each first `ready` (a service that says one); `older` makes it a service before
-    `open.resume_language` and `resume_token`, which refuses an open naming either, even at nil,
-    `bad_message`, as a real one refuses any field it does not know; `token` is the `resume_token`
-    its `ready`s give (one that an ingest of a newer release gave, with `older`: a mixed deploy).
+    sends after each first `ready` (a service that says one); `unknown` makes it a service of an
+    older release, before those fields of `open`: it refuses an open naming any of them, even at
+    nil, `bad_message`, naming them, as a real one refuses any field it does not know; `token` is
+    the `resume_token` its `ready`s give (one that an ingest of a newer release gave, with
+    `unknown`: a mixed deploy).
     """
 
     def __init__(self, *, ingest: str | None = None, resumed: dict[str, Any] | None = None, garble_hellos: tuple[int, ...] = (),
                  refuse_reopens: bool = False, ready_delay: float = 0.0,
                  at_end: Callable[[str], list[ServerMessage]] | None = None, end_reason: str = "end",
-                 stalled: bool = False, heard: str | None = None, older: bool = False, token: str | None = None) -> None:
+                 stalled: bool = False, heard: str | None = None, unknown: frozenset[str] = frozenset(),
+                 token: str | None = None) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
@@ -687,7 +689,7 @@ class FakeIngest:
         self.end_reason = end_reason
         self.stalled = stalled
         self.heard = heard
-        self.older = older
+        self.unknown = unknown
         self.token = token
         self.opens: list[Open] = []  # every open received
         self.taken: Counter[str] = Counter()  # input frames of each stream, acked when `at_end` is given
@@ -720,7 +722,7 @@ class FakeIngest:
                 reply: ServerMessage = Welcome(**fields)
             elif isinstance(msg, Open) and self.refuse_reopens and msg.stream in self.opened:
                 reply = ErrorMsg(code=OVERLOADED, message="the service is busy", stream=msg.stream)
-            elif isinstance(msg, Open) and self.older and (newer := NEWER_OPEN_FIELDS & msgpack.unpackb(frames[0]).keys()):
+            elif isinstance(msg, Open) and (newer := self.unknown & msgpack.unpackb(frames[0]).keys()):
                 self.opens.append(msg)
                 reply = ErrorMsg(code=BAD_MESSAGE, message=f"open: unknown fields {sorted(newer)}", stream=msg.stream)
             elif isinstance(msg, Open):
@@ -950,7 +952,7 @@ def test_a_resume_an_older_service_refuses_for_its_language_is_sent_again_withou
     """A stream resumed on a service before `open.resume_language` (a mixed or rolled-back
     deploy) is refused `bad_message` for the field: each client re-opens it at once without the
     field, and the stream goes on, where failing it would lose the audio it keeps."""
-    fake = FakeIngest(heard="es", older=True)
+    fake = FakeIngest(heard="es", unknown=NEWER_OPEN_FIELDS)
     try:
         with Client(fake.address, timeout=2.0, liveness=0.5, resume_timeout=5.0) as client:
             stream = client.open("s")
@@ -973,13 +975,17 @@ def test_a_resume_an_older_service_refuses_for_its_language_is_sent_again_withou
         fake.close()
 
 
-@pytest.mark.parametrize("older", [False, True], ids=["same-release", "older-ingest"])
-def test_a_resume_brings_back_the_token_its_ready_gave(older: bool) -> None:
+@pytest.mark.parametrize("unknown", [set(), {"resume_token"}, NEWER_OPEN_FIELDS],
+                         ids=["same-release", "ingest-before-tokens", "ingest-before-both"])
+def test_a_resume_brings_back_the_token_its_ready_gave(unknown: set[str]) -> None:
     """A realtime stream's `ready` gives a resume token: its resume sends it back, which is what
     holds the resume to twice the admission limits rather than refusing it as new load. An ingest
     of an older release (a mixed deploy: a newer one gave the token) refuses the field: the
-    stream is resumed again at once without it (nor `resume_language`), and goes on."""
-    fake = FakeIngest(heard="es", older=older, token="0123abcd")
+    stream is resumed again at once without it, and goes on. Without `resume_language` too when
+    the ingest refuses that as well; with it when the ingest knows it, so the resume keeps the
+    stream's language."""
+    fake = FakeIngest(heard="es", unknown=frozenset(unknown), token="0123abcd")
+    older = bool(unknown)
     try:
         with Client(fake.address, timeout=2.0, liveness=0.5, resume_timeout=5.0) as client:
             stream = client.open("s")
@@ -987,8 +993,8 @@ def test_a_resume_brings_back_the_token_its_ready_gave(older: bool) -> None:
             assert wait_for(lambda: client.reconnects >= 1 and len(fake.opens) >= 2 + older, 10.0)
             stream.send(np.zeros(RATE // 10, np.int16))  # the stream carries on
         opens = [(o.offset, o.resume_language, o.resume_token) for o in fake.opens][:2 + older]
-        resumed = [(0, "es", "0123abcd")] + [(0, None, None)] * older
-        assert opens == [(0, None, None), *resumed], opens
+        again = (0, None if "resume_language" in unknown else "es", None)
+        assert opens == [(0, None, None), (0, "es", "0123abcd"), *[again] * older], opens
     finally:
         fake.close()
 

@@ -583,6 +583,33 @@ def test_a_resume_refused_for_its_language_by_an_older_service_is_sent_again_wit
     assert "s" not in streams
 
 
+def test_a_resume_refused_for_one_newer_field_keeps_the_other() -> None:
+    """A service that knows `resume_language` but not `resume_token` (a release between them)
+    names the one it refuses: the re-open goes again without that one only, so the resume keeps
+    its language; a refusal that names neither drops both."""
+    c = core()
+    streams = {"s": entry(c)}
+    streams["s"].resume_token = "0123abcd"
+    route(streams, Final("s", seg=0, text="Hola.", start=0.1, end=1.2, durable=150, language="es"), 1.0)
+    assert streams["s"].resume(until=60.0).resume_token == "0123abcd"
+    route(streams, ErrorMsg(BAD_MESSAGE, "open: unknown fields 'resume_token'", stream="s"), 2.0)
+    assert "s" in streams and c.reopen_at == 2.0  # sent again by the next pass of the IO loop
+    again = streams["s"].reopen()
+    assert (again.resume_language, again.resume_token) == ("es", None)
+    assert streams["s"].resume(until=60.0).resume_language == "es"  # later resumes too
+    route(streams, ErrorMsg(BAD_MESSAGE, "open: unknown fields 'resume_language'", stream="s"), 3.0)
+    assert "s" in streams and streams["s"].reopen().resume_language is None
+
+    c = core()
+    streams = {"s": entry(c)}
+    streams["s"].resume_token = "0123abcd"
+    route(streams, Final("s", seg=0, text="Hola.", start=0.1, end=1.2, durable=150, language="es"), 1.0)
+    streams["s"].resume(until=60.0)
+    route(streams, ErrorMsg(BAD_MESSAGE, "open: a field it does not like", stream="s"), 2.0)
+    again = streams["s"].reopen()
+    assert (again.resume_language, again.resume_token) == (None, None)
+
+
 def test_a_resumed_stream_continues_its_segment_numbers_and_totals() -> None:
     c = core()
     streams = {"s": entry(c)}
