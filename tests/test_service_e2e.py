@@ -165,6 +165,21 @@ def test_a_call_where_nobody_speaks_gets_no_caption(service, tmp_path: Path) -> 
     assert not worded, worded
 
 
+def test_dialled_digits_cost_no_decode(service, tmp_path: Path) -> None:
+    """Runs of DTMF digits on an 8 kHz line, live, at the five seeds where Silero scored some as
+    speech: segments opened on them, each partial decode came back empty, and one final read
+    "Beep, beep, beep, beep.". A keypad tone and the chunks just after one score no speech now:
+    no segment opens, so the client gets neither a partial nor a final."""
+    files = []
+    for seed in (2, 3, 4, 5, 6):
+        path = tmp_path / f"dtmf-{seed}.wav"
+        sf.write(path, callsounds.signal("dtmf", 8000, 24.0, seed), 8000, subtype="PCM_16")
+        files.append(str(path))
+    by_file, _ = _streamed(service, "--realtime", *files, refs=dict.fromkeys(files, ""))
+    decoded = [(Path(f).name, r["type"], r["text"]) for f, rows in by_file.items() for r in rows if r["type"] in ("partial", "final")]
+    assert not decoded, decoded
+
+
 @pytest.mark.parametrize("rate, mode", [(8000, "--offline"), (8000, "--realtime"), (16000, "--offline")])
 def test_a_call_put_on_hold_keeps_its_words_and_captions_none_of_the_music(service, tmp_path: Path, rate: int, mode: str) -> None:
     """A sentence, 20 s of hold music, a sentence, sent as a batch or live: the finals have both

@@ -482,6 +482,17 @@ def test_speech_after_dtmf_or_a_busy_tone_on_a_phone_line_is_heard(signal: str, 
     assert sum(start is None for start in sentences_after(signal, calls_of)) >= 2  # what the twin is for
 
 
+def test_dialled_digits_open_no_segment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs of DTMF digits, 24 s at eight seeds on an 8 kHz line: Silero (its twin above all)
+    scored some as speech, the gaps between digits highest, and segments opened that cost
+    decodes and once read "Beep, beep, beep, beep.". A keypad tone and the chunks just after one
+    score 0: no segment opens."""
+    calls = [callsounds.as_ingest(callsounds.signal("dtmf", 8000, 24.0, seed), 8000) for seed in range(1, 9)]
+    assert [clip_segments(x, VadConfig(), 3) for x in calls] == [[]] * len(calls)
+    monkeypatch.setattr(vad, "TONE_HANGOVER", -1)  # tones scored as Silero scores them
+    assert sum(bool(clip_segments(x, VadConfig(), 3)) for x in calls) >= 3  # what it is for
+
+
 def test_the_twin_runs_alike_on_both_graphs(tmp_path: Path) -> None:
     """A stream's twin runs beside it in the same graph call: on the rewritten graph, as an LSTM
     sequence more on the same chunks' features; on Silero's own graph, as a row more of its input.

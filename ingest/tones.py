@@ -1,0 +1,57 @@
+"""Keypad (DTMF) tones in the VAD's chunks.
+
+A caller's dialled digits are no speech, yet Silero scores runs of them on a phone line as speech
+now and then, and the 100 ms gaps between digits above all (its state lags the tone by a chunk or
+two): a segment opens, costs decodes, and Whisper may caption it "Beep, beep." A DTMF tone is
+one frequency of each of two groups and next to nothing else, which speech never is: its two
+frequencies hold 0.97-1.00 of a whole tone chunk's energy, where speech (the dev set and
+espeak-ng voices, 21,000 chunks at 16 kHz and on an 8 kHz line) held at most 0.67
+(docs/PERFORMANCE.md, "Non-speech on a call").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+LOW = (697.0, 770.0, 852.0, 941.0)  # Hz, the keypad's rows
+HIGH = (1209.0, 1336.0, 1477.0, 1633.0)  # and its columns
+SHARE = 0.9  # of a chunk's energy in one frequency of each group, at least
+LEAST = 0.1  # in each of the two: a level difference ("twist") of up to 9.5 dB between them
+FLOOR = 1e-5  # mean square (-50 dBFS): quieter chunks are not taken for tones
+# The probes: each frequency and half a bin either side (the keypad's own tolerance is 1.5 %, up
+# to 25 Hz), so a tone anywhere in it falls within a third of a bin of one.
+OFFSETS = (-0.5, 0.0, 0.5)
+
+
+class DtmfDetector:
+    """Which chunks (rows of CHUNK samples at `rate`) are DTMF tones: each chunk projected on a
+    Hann-windowed sine and cosine per probe, one matrix product for a whole call's chunks."""
+
+    def __init__(self, chunk: int, rate: int) -> None:
+        self._window = np.hanning(chunk + 1)[:-1].astype(np.float32)
+        t = np.arange(chunk) / rate
+        bin_hz = rate / chunk
+
+        def probes(freqs: tuple[float, ...]) -> np.ndarray:
+            f = np.array([[hz + k * bin_hz for k in OFFSETS] for hz in freqs]).ravel()
+            phase = 2 * np.pi * f[None, :] * t[:, None]
+            return (self._window[:, None] * np.concatenate([np.cos(phase), np.sin(phase)], axis=1)).astype(np.float32)
+
+        self._low, self._high = probes(LOW), probes(HIGH)
+        self._chunk = chunk
+
+    def __call__(self, chunks: np.ndarray) -> np.ndarray:
+        loud = np.einsum("ij,ij->i", chunks, chunks) > FLOOR * self._chunk
+        if not loud.any():  # silence, as much of a call is: nothing more to compute
+            return loud
+        windowed = chunks * self._window
+        energy = np.einsum("ij,ij->i", windowed, windowed)
+        # a pure tone at a probe holds a third of N x the windowed energy in its (cos, sin) pair
+        scale = 3.0 / (self._chunk * np.maximum(energy, 1e-20))
+        low, high = (self._strongest(chunks @ probes) * scale for probes in (self._low, self._high))
+        return loud & (low + high >= SHARE) & (np.minimum(low, high) >= LEAST)
+
+    @staticmethod
+    def _strongest(projected: np.ndarray) -> np.ndarray:
+        half = projected.shape[1] // 2
+        return (projected[:, :half] ** 2 + projected[:, half:] ** 2).max(axis=1)
