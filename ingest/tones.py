@@ -25,33 +25,26 @@ OFFSETS = (-0.5, 0.0, 0.5)
 
 class DtmfDetector:
     """Which chunks (rows of CHUNK samples at `rate`) are DTMF tones: each chunk projected on a
-    Hann-windowed sine and cosine per probe, one matrix product for a whole call's chunks."""
+    Hann-windowed cosine and sine per probe, one matrix product for a whole call's chunks."""
 
     def __init__(self, chunk: int, rate: int) -> None:
-        self._window = np.hanning(chunk + 1)[:-1].astype(np.float32)
-        t = np.arange(chunk) / rate
+        window = np.hanning(chunk + 1)[:-1]
         bin_hz = rate / chunk
-
-        def probes(freqs: tuple[float, ...]) -> np.ndarray:
-            f = np.array([[hz + k * bin_hz for k in OFFSETS] for hz in freqs]).ravel()
-            phase = 2 * np.pi * f[None, :] * t[:, None]
-            return (self._window[:, None] * np.concatenate([np.cos(phase), np.sin(phase)], axis=1)).astype(np.float32)
-
-        self._low, self._high = probes(LOW), probes(HIGH)
+        probes = np.array([hz + k * bin_hz for hz in LOW + HIGH for k in OFFSETS])
+        phase = 2 * np.pi * probes[None, :] * (np.arange(chunk) / rate)[:, None]
+        # the cosines of every probe (the low group's first), then their sines
+        self._probes = (window[:, None] * np.concatenate([np.cos(phase), np.sin(phase)], axis=1)).astype(np.float32)
+        self._weights = np.stack([np.ones(chunk), window**2], axis=1).astype(np.float32)  # energy: raw, windowed
         self._chunk = chunk
 
     def __call__(self, chunks: np.ndarray) -> np.ndarray:
-        loud = np.einsum("ij,ij->i", chunks, chunks) > FLOOR * self._chunk
+        energy = (chunks * chunks) @ self._weights
+        loud = energy[:, 0] > FLOOR * self._chunk
         if not loud.any():  # silence, as much of a call is: nothing more to compute
             return loud
-        windowed = chunks * self._window
-        energy = np.einsum("ij,ij->i", windowed, windowed)
-        # a pure tone at a probe holds a third of N x the windowed energy in its (cos, sin) pair
-        scale = 3.0 / (self._chunk * np.maximum(energy, 1e-20))
-        low, high = (self._strongest(chunks @ probes) * scale for probes in (self._low, self._high))
-        return loud & (low + high >= SHARE) & (np.minimum(low, high) >= LEAST)
-
-    @staticmethod
-    def _strongest(projected: np.ndarray) -> np.ndarray:
+        projected = chunks @ self._probes
         half = projected.shape[1] // 2
-        return (projected[:, :half] ** 2 + projected[:, half:] ** 2).max(axis=1)
+        # a pure tone at a probe holds a third of N x the windowed energy in its (cos, sin) pair
+        power = (projected[:, :half] ** 2 + projected[:, half:] ** 2) * (3.0 / self._chunk) / np.maximum(energy[:, 1:], 1e-20)
+        low, high = power[:, : half // 2].max(axis=1), power[:, half // 2 :].max(axis=1)
+        return loud & (low + high >= SHARE) & (np.minimum(low, high) >= LEAST)
