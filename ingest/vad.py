@@ -300,8 +300,9 @@ class VadBank:
         prob = out[:n, 0]
         if mine.size:  # those chunks score the higher of the stream's and its twin's, once the twin has warmed up
             prob[mine] = np.where(twin_heard >= TWIN_WARM_UP, np.maximum(prob[mine], out[n:, 0]), prob[mine])
-        prob[self._toned(batch[:n, CONTEXT:], index, at, steps, lengths)] = 0.0
         chunks = lengths[:b] if lengths is not None else 1
+        if (toned := self._toned(batch[:n, CONTEXT:], index, at, steps, chunks)) is not None:
+            prob[toned] = 0.0
         streams.heard[index] += chunks
         checkpoint = streams.heard[index] % CHECKPOINT == 0
         # each stream's chunks by step; a stream with fewer than `steps` has its last repeated
@@ -315,18 +316,22 @@ class VadBank:
         return prob
 
     def _toned(self, chunks: np.ndarray, index: np.ndarray, at: np.ndarray, steps: int,
-               lengths: np.ndarray | None) -> np.ndarray:
+               lengths: np.ndarray | int) -> np.ndarray | None:
         """Whether each chunk is a keypad tone or one of the TONE_HANGOVER chunks after one of its
-        stream's, in this call or before; each stream's chunks since its last tone are kept."""
+        stream's, in this call or before (None: none is); each stream's chunks since its last
+        tone are kept."""
         streams = self._streams
         b = len(index)
         tone = self._tones(chunks)
+        if not tone.any() and (streams.tone_ago[index] >= TONE_HANGOVER).all():  # as most calls
+            streams.tone_ago[index] += lengths
+            return None
         last = np.full(b * steps, -1)  # by stream and step: the step of the stream's last tone so far
         last[at[tone]] = (at % steps)[tone]
         last = np.maximum.accumulate(last.reshape(b, steps), axis=1)
         step = np.arange(steps)
         ago = np.where(last >= 0, step - last, streams.tone_ago[index][:, None] + step + 1)
-        streams.tone_ago[index] = ago[np.arange(b), lengths[:b] - 1 if lengths is not None else 0]
+        streams.tone_ago[index] = ago[np.arange(b), np.asarray(lengths) - 1]
         return ago.ravel()[at] <= TONE_HANGOVER
 
     def _restart_twins(self, index: np.ndarray, chunks: np.ndarray | int, trailing: np.ndarray,
