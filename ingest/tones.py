@@ -4,9 +4,10 @@ A caller's dialled digits are no speech, yet Silero scores runs of them on a pho
 now and then, and the 100 ms gaps between digits above all (its state lags the tone by a chunk or
 two): a segment opens, costs decodes, and Whisper may caption it "Beep, beep." A DTMF tone is
 one frequency of each of two groups and next to nothing else, which speech never is: its two
-frequencies hold 0.97-1.00 of a whole tone chunk's energy, where speech (the dev set and
-espeak-ng voices, 21,000 chunks at 16 kHz and on an 8 kHz line) held at most 0.67
-(docs/PERFORMANCE.md, "Non-speech on a call").
+frequencies hold SHARE (0.9) or more of the energy of each chunk wholly inside a key's tone,
+within the keypad's tolerances, where speech (85 recorded and espeak-ng clips, 8,400 loud
+chunks at 16 kHz and as many on an 8 kHz line) held at most 0.67
+(`scripts/tone_share.py`; docs/PERFORMANCE.md, "Non-speech on a call").
 """
 
 from __future__ import annotations
@@ -42,9 +43,18 @@ class DtmfDetector:
         loud = energy[:, 0] > FLOOR * self._chunk
         if not loud.any():  # silence, as much of a call is: nothing more to compute
             return loud
+        low, high = self._shares(chunks, energy[:, 1])
+        return loud & (low + high >= SHARE) & (np.minimum(low, high) >= LEAST)
+
+    def shares(self, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Whether each chunk is loud enough to be a tone, and the share of its energy in the
+        strongest probe of each group: what `scripts/tone_share.py` compares."""
+        energy = (chunks * chunks) @ self._weights
+        return (energy[:, 0] > FLOOR * self._chunk, *self._shares(chunks, energy[:, 1]))
+
+    def _shares(self, chunks: np.ndarray, windowed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         projected = chunks @ self._probes
         half = projected.shape[1] // 2
         # a pure tone at a probe holds a third of N x the windowed energy in its (cos, sin) pair
-        power = (projected[:, :half] ** 2 + projected[:, half:] ** 2) * (3.0 / self._chunk) / np.maximum(energy[:, 1:], 1e-20)
-        low, high = power[:, : half // 2].max(axis=1), power[:, half // 2 :].max(axis=1)
-        return loud & (low + high >= SHARE) & (np.minimum(low, high) >= LEAST)
+        power = (projected[:, :half] ** 2 + projected[:, half:] ** 2) * (3.0 / self._chunk) / np.maximum(windowed, 1e-20)[:, None]
+        return power[:, : half // 2].max(axis=1), power[:, half // 2 :].max(axis=1)
