@@ -56,5 +56,6 @@ class DtmfDetector:
         projected = chunks @ self._probes
         half = projected.shape[1] // 2
         # a pure tone at a probe holds a third of N x the windowed energy in its (cos, sin) pair
-        power = (projected[:, :half] ** 2 + projected[:, half:] ** 2) * (3.0 / self._chunk) / np.maximum(windowed, 1e-20)[:, None]
+        scale = 3.0 / (self._chunk * np.maximum(windowed, 1e-20))
+        power = (projected[:, :half] ** 2 + projected[:, half:] ** 2) * scale[:, None]
         return power[:, : half // 2].max(axis=1), power[:, half // 2 :].max(axis=1)

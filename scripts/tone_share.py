@@ -53,7 +53,8 @@ def shares(detect: tones.DtmfDetector, x: np.ndarray) -> np.ndarray:
 def main() -> None:
     detect = tones.DtmfDetector(CHUNK, SAMPLE_RATE)
     speech = [load_audio(u.path) for u in utterances()]
-    speech += [np.fromfile(RAW / name, np.int16).astype(np.float32) / 32768 for name in ("numbers.raw", "something.raw")]
+    speech += [np.fromfile(RAW / name, np.int16).astype(np.float32) / 32768
+               for name in ("numbers.raw", "something.raw")]
     speech += [espeak(text, voice) for voice in VOICES for text in SAID]
     print(f"{'audio':28s} {'rate':>5s} {'loud chunks':>11s} {'highest share':>13s} {'tones':>6s}")
     for rate in (SAMPLE_RATE, 8000):
