@@ -13,19 +13,16 @@ each at 16 kHz and on an 8 kHz phone line. A chunk at `tones.SHARE` or more is a
 
 from __future__ import annotations
 
-import io
-import subprocess
+import tempfile
 from pathlib import Path
 
 import numpy as np
-import soundfile as sf
-import soxr
 
 from ingest import tones
 from ingest.vad import CHUNK, SAMPLE_RATE
 from speech.audio import load_audio
 from streamasr import callsounds
-from streamasr.testdata import utterances
+from streamasr.testdata import spoken, utterances
 
 RAW = Path("/usr/share/pocketsphinx/test/data")
 SAID = ["Press one for sales, two for support, or stay on the line.",
@@ -35,12 +32,6 @@ SAID = ["Press one for sales, two for support, or stay on the line.",
         "Seven, seven, seven. Nine, nine, nine. Oh, oh, oh.",
         "Hello? Hello? Can you hear me now?"]
 VOICES = ["en", "en-us", "en+f3", "en+m3", "en-us+f2", "en+whisper", "de", "fr", "es", "it", "pt", "zh"]
-
-
-def espeak(text: str, voice: str) -> np.ndarray:
-    wav = subprocess.run(["espeak-ng", "-v", voice, "--stdout", text], capture_output=True, check=True).stdout
-    audio, rate = sf.read(io.BytesIO(wav), dtype="float32")
-    return soxr.resample(audio, rate, SAMPLE_RATE)
 
 
 def shares(detect: tones.DtmfDetector, x: np.ndarray) -> np.ndarray:
@@ -53,9 +44,9 @@ def shares(detect: tones.DtmfDetector, x: np.ndarray) -> np.ndarray:
 def main() -> None:
     detect = tones.DtmfDetector(CHUNK, SAMPLE_RATE)
     speech = [load_audio(u.path) for u in utterances()]
-    speech += [np.fromfile(RAW / name, np.int16).astype(np.float32) / 32768
-               for name in ("numbers.raw", "something.raw")]
-    speech += [espeak(text, voice) for voice in VOICES for text in SAID]
+    speech += [load_audio(RAW / name) for name in ("numbers.raw", "something.raw")]
+    with tempfile.TemporaryDirectory() as tmp:
+        speech += [load_audio(spoken(text, Path(tmp) / "said.wav", voice)) for voice in VOICES for text in SAID]
     print(f"{'audio':28s} {'rate':>5s} {'loud chunks':>11s} {'highest share':>13s} {'tones':>6s}")
     for rate in (SAMPLE_RATE, 8000):
         found = np.concatenate([shares(detect, callsounds.carried(x, rate) if rate == 8000 else x) for x in speech])
