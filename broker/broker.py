@@ -254,13 +254,18 @@ class Broker:
                 # a quarter interval leaves peers most of their patience; past it, it was blind.
                 late_s = now - turned - self._interval_s
                 if late_s > self._interval_s / 4:
-                    self._excuse_peers(late_s, now)
+                    self._excuse_peers(late_s, now, turned)
                 turned = now
                 stop.drain()
                 for sock, handle in handlers.items():
                     if sock in events:
                         self._drain(sock, handle)
                 now = time.monotonic()
+                # A freeze can land after the poll returned too: the turn's own work then took
+                # that long, and its peers' messages wait unread as after a late poll.
+                if now - turned > self._interval_s / 4:
+                    self._excuse_peers(now - turned, now, turned)
+                    turned = now
                 if now >= tick:
                     self._check_peers(now)
                     self._check_socket_files()
@@ -499,9 +504,10 @@ class Broker:
 
     # -- liveness ------------------------------------------------------------------------------
 
-    def _excuse_peers(self, blind_s: float, now: float) -> None:
-        """The loop turns at least once a heartbeat interval; a turn `blind_s` later than that
-        (the broker was frozen or starved) is time it did not listen, not silence of its peers.
+    def _excuse_peers(self, blind_s: float, now: float, since: float) -> None:
+        """The loop turns at least once a heartbeat interval, and each turn's work is short; a
+        turn `blind_s` later or longer than that (the broker was frozen or starved since the turn
+        that began at `since`) is time it did not listen, not silence of its peers.
         They found it silent meanwhile and are replacing their sockets, which drops what they
         had queued for it: without this, the first check after the wake would give up every
         peer for lost, re-queue the jobs at the workers as losses and drop the ingests' queued jobs."""
@@ -509,7 +515,7 @@ class Broker:
             link.seen += blind_s
         self.dispatcher.excuse(blind_s)  # the answers to the jobs the workers hold may be waiting unread
         self._replacing_until = now + self._patience_s
-        log.warning("broker.was_not_listening", seconds=round(blind_s + self._interval_s, 3))
+        log.warning("broker.was_not_listening", seconds=round(now - since, 3))
 
     def _check_peers(self, now: float) -> None:
         """Declare silent peers dead and heartbeat the idle links; ingests get the admission figures every tick."""

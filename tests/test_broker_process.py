@@ -36,6 +36,7 @@ from broker import jobs as wire
 from broker.broker import SHARE_WINDOW_S, Broker
 from broker.jobs import FAILED, OK, REALTIME, Job, JobResult
 from broker.queue import job_key
+from broker.signals import StopSignal
 from config import settings
 from config.settings import Config
 from metrics.registry import endpoint as metrics_endpoint
@@ -624,6 +625,54 @@ def test_a_broker_frozen_past_its_peers_patience_gives_none_of_them_up(running: 
     running.wait_workers(2)  # both registered again
 
 
+def broker_serving_workers(tmp_path: Path, **overrides: Any) -> Broker:
+    """A broker in this process, its worker socket bound: a test drives its loop, or its handlers
+    by hand, to put a fault exactly where it wants."""
+    cfg = settings.load(None, {"run_dir": str(tmp_path / "run"), **overrides})
+    cfg.run_path.mkdir(parents=True)
+    broker = Broker(cfg)
+    broker._worker_sock.bind(cfg.broker_worker_endpoint)
+    return broker
+
+
+def worker_socket(broker: Broker, identity: bytes) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity)
+    sock.connect(broker.cfg.broker_worker_endpoint)
+    return sock
+
+
+def test_a_broker_frozen_while_it_handles_a_message_gives_no_peer_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A freeze can land after the loop's poll returned, while the turn handles what it read: the
+    poll was on time, but the turn itself took as long as the freeze, and what its peers sent
+    meanwhile waits unread. The peer check that ends that turn found every peer silent and gave
+    them all up. The broker runs in this process and its freeze is a sleep in its handler: a
+    SIGSTOP cannot be made to land there."""
+    broker = broker_serving_workers(tmp_path, broker={"heartbeat_ms": HEARTBEAT_MS, "liveness": 3})
+    frozen_s = 3 * HEARTBEAT_MS * 3 / 1000  # three times the peers' patience
+    ident = b"worker-3-1"
+    sock = worker_socket(broker, ident)
+    handle = broker._on_worker
+    try:
+        with StopSignal() as stop, capture_logs() as logs:
+            def freezing(frames: list[bytes], now: float) -> None:
+                handle(frames, now)
+                if frames[1] == wire.READY:  # registered: the host stalls now
+                    time.sleep(frozen_s)
+                    stop.stopping = True  # the loop ends after this turn
+
+            monkeypatch.setattr(broker, "_on_worker", freezing)
+            sock.send_multipart([wire.READY, wire.pack({"capacity": 1, "pid": 1, "model": "null"})])
+            broker._serve(stop)
+        assert ident in broker.worker_links
+        assert not [e for e in logs if e["event"] == "broker.worker_lost"], logs
+        excused = [e for e in logs if e["event"] == "broker.was_not_listening"]
+        assert len(excused) == 1 and excused[0]["seconds"] >= frozen_s, excused
+    finally:
+        sock.close(linger=0)
+        broker.close()
+
+
 def test_an_idle_broker_is_listening_and_a_frozen_one_is_not(cluster: Cluster) -> None:
     """With no peer talking (workers still loading the model, or all restarting) the broker
     sleeps until each heartbeat tick: that is listening. Taken for a freeze, every idle tick
@@ -1165,18 +1214,9 @@ def test_a_worker_that_said_goodbye_before_its_connection_closed_has_left_not_be
     (still queued on the job socket), the worker has left all the same: logging it lost would
     count a loss against every job it handed back, and put a worker stop in the operators' alerts.
     The broker runs in this process, so the check comes exactly between the two."""
-    cfg = settings.load(None, {"run_dir": str(tmp_path / "run")})
-    cfg.run_path.mkdir(parents=True)
-    broker = Broker(cfg)
-    broker._worker_sock.bind(cfg.broker_worker_endpoint)
+    broker = broker_serving_workers(tmp_path)
     ident = b"worker-3-1"
-    socks = []
-    for identity in (ident, wire.heartbeat_identity(ident)):
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, identity)
-        sock.connect(cfg.broker_worker_endpoint)
-        socks.append(sock)
-    job_sock, hb_sock = socks
+    job_sock, hb_sock = (worker_socket(broker, identity) for identity in (ident, wire.heartbeat_identity(ident)))
 
     def read(count: int) -> None:
         for _ in range(count):
@@ -1211,14 +1251,9 @@ def test_a_worker_whose_goodbye_comes_while_the_broker_dispatches_to_it_has_left
     the worker has left, and the job it handed back (never started) counts no loss, which would
     bring it nearer to being given up. The broker runs in this process, so the send comes
     exactly between the two."""
-    cfg = settings.load(None, {"run_dir": str(tmp_path / "run")})
-    cfg.run_path.mkdir(parents=True)
-    broker = Broker(cfg)
-    broker._worker_sock.bind(cfg.broker_worker_endpoint)
+    broker = broker_serving_workers(tmp_path)
     ident = b"worker-3-1"
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, ident)
-    sock.connect(cfg.broker_worker_endpoint)
+    sock = worker_socket(broker, ident)
     now = time.monotonic()
     held, sent_later = (Job(job_id=i, ingest=0, stream="s", shm="shm", slot=0, generation=1, start=0, end=SAMPLES,
                             final=True, priority=REALTIME, deadline=now + 60, seg=i, created=now) for i in (1, 2))
