@@ -7,9 +7,12 @@ client may send one (by mistake, to carry its own times), and would pass the lim
 the streams already admitted. So the `ready` of an admitted realtime stream carries a token, an
 HMAC of the stream's id under a key every ingest of the instance shares, and only a resume that
 brings its stream's token back gets the headroom. The key comes from `serve`
-(STREAMASR_RESUME_KEY, new for each start of the instance); an ingest started without it makes
-one of its own, so tokens of other ingests are not taken there, and their resumes are admitted
-as new streams are (refused only while the service is at its limits, and retried by the client).
+(STREAMASR_RESUME_KEY), which keeps it in the run directory: the streams of a stopped instance
+resume with their tokens on its next start (an upgrade restarts the whole service while its
+calls go on; its new streams must not take the places of those it served). An ingest started
+without it makes one of its own, so tokens of other ingests are not taken there, and their
+resumes are admitted as new streams are (refused only while the service is at its limits, and
+retried by the client).
 """
 
 from __future__ import annotations
@@ -18,14 +21,33 @@ import hashlib
 import hmac
 import os
 import secrets
+import string
+from pathlib import Path
 
 KEY_VARIABLE = "STREAMASR_RESUME_KEY"
+KEY_FILE = "resume.key"  # in the run directory, readable by the service's user only
+KEY_BYTES = 32
 TOKEN_BYTES = 16  # of the HMAC kept: 128 bits, 32 hex characters on the wire
 
 
-def new_key() -> str:
-    """A key for an instance's ingests: `serve` sets it in their environment."""
-    return secrets.token_hex(32)
+def instance_key(run: Path) -> str:
+    """The key for an instance's ingests, `serve` sets it in their environment: the one its run
+    directory keeps, or a new one kept there (a file that holds no key is replaced). Deleting
+    the file voids every token given so far, at the next start."""
+    path = run / KEY_FILE
+    try:
+        key = path.read_text().strip()
+    except (FileNotFoundError, UnicodeDecodeError):
+        key = ""
+    if len(key) == 2 * KEY_BYTES and all(c in string.hexdigits for c in key):
+        return key
+    key = secrets.token_hex(KEY_BYTES)
+    partial = path.with_suffix(".tmp")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(key + "\n")
+    os.replace(partial, path)  # whole or not at all: a torn key would void the tokens at the next start
+    return key
 
 
 class ResumeTokens:
@@ -33,7 +55,7 @@ class ResumeTokens:
 
     def __init__(self, key: str | None = None) -> None:
         key = key if key is not None else os.environ.get(KEY_VARIABLE)
-        self._key = key.encode() if key else secrets.token_bytes(32)
+        self._key = key.encode() if key else secrets.token_bytes(KEY_BYTES)
 
     def issue(self, stream: str) -> str:
         return hmac.new(self._key, stream.encode(), hashlib.sha256).digest()[:TOKEN_BYTES].hex()

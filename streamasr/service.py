@@ -223,6 +223,7 @@ def prepare(cfg: Config) -> dict[str, str]:
         partial.write_text(settings.dump(cfg))
         os.replace(partial, config_file)
         (run / "logs").mkdir(mode=0o700, exist_ok=True)
+        resume_key = resume.instance_key(run)
     except OSError as exc:  # a full or read-only file system
         with contextlib.suppress(OSError):
             partial.unlink(missing_ok=True)
@@ -238,7 +239,7 @@ def prepare(cfg: Config) -> dict[str, str]:
         STREAMASR_HOME=str(HOME),
         STREAMASR_WORKERS=str(cfg.worker_count),
         STREAMASR_INGEST_PROCS=str(cfg.ingest.processes),
-        STREAMASR_RESUME_KEY=resume.new_key(),  # one for every ingest of this start: see ingest/resume.py
+        STREAMASR_RESUME_KEY=resume_key,  # the same for every ingest, and every start: see ingest/resume.py
         PYTHONUNBUFFERED="1",
     )
     return env
@@ -714,6 +715,13 @@ def launch(root: Path, overrides: dict[str, Any] | None = None, ready_timeout: f
     cfg = settings.load(None, settings.merge(overrides, own))
     config_file = root / f"{instance}.toml"
     config_file.write_text(settings.dump(cfg))
+    return start(cfg, config_file, ready_timeout, cls)
+
+
+def start(cfg: Config, config_file: Path, ready_timeout: float = 300.0,
+          cls: type[LocalService] = LocalService) -> LocalService:
+    """`streamasr serve` of the instance `config_file` sets up, waited for as `launch` does: a
+    stopped one starts again as it would for its operator."""
     env = {**os.environ, "STREAMASR_CONFIG": str(config_file)}
     proc = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "serve"], cwd=HOME, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

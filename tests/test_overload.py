@@ -276,6 +276,46 @@ def test_realtime_stream_cap(service_factory: Any) -> None:
         sock.close()
 
 
+def test_a_stream_served_before_the_service_restarted_resumes_with_its_token(service_factory: Any) -> None:
+    """An upgrade stops the whole service and starts it again while its calls go on: the streams
+    it served resume on the new start with the tokens the old one gave, and are held to twice
+    the admission limits as after a lost ingest, so the new streams that came first do not take
+    their places. The key is kept in the run directory; without it, the first start's tokens
+    were void and such a resume was refused as a new stream."""
+    service = service_factory(model="null", workers=1, ingest={"admit_max_realtime_streams": 1})
+    sock = _dealer(hello(service.address).ingest)
+    try:
+        token = _admitted_token(sock, "resumed")
+    finally:
+        sock.close()
+    key_file = service.cfg.run_path / "resume.key"
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    assert service.stop() == 0
+    again = svc.start(service.cfg, service.config_file, cls=type(service))
+    sock = _dealer(hello(again.address).ingest)
+    try:
+        assert isinstance(_open(sock, "one"), m.Ready)  # a new stream came first, and takes the cap
+        refused = _open(sock, "stranger", offset=16_000)
+        assert isinstance(refused, m.ErrorMsg) and refused.code == m.OVERLOADED, refused
+        assert isinstance(_open(sock, "resumed", offset=16_000, resume_token=token), m.Ready)
+    finally:
+        sock.close()
+        assert again.stop() == 0
+    # a key file that holds no key is replaced, and the tokens given under it are void
+    key_file.write_text("not a key\n")
+    again = svc.start(service.cfg, service.config_file, cls=type(service))
+    sock = _dealer(hello(again.address).ingest)
+    try:
+        assert isinstance(_open(sock, "one"), m.Ready)
+        refused = _open(sock, "resumed", offset=16_000, resume_token=token)
+        assert isinstance(refused, m.ErrorMsg) and refused.code == m.OVERLOADED, refused
+    finally:
+        sock.close()
+        assert again.stop() == 0
+    assert len(key_file.read_text().strip()) == 64
+    assert pool.segments(service.cfg.instance) == []
+
+
 def test_a_burst_of_resuming_streams_is_cut_at_twice_the_busy_limit(service_factory: Any) -> None:
     """Streams resuming at an offset, all at once on idle workers (the herd of a lost ingest,
     each with its token): each counts as admitted within the figures' window, as a new stream
