@@ -12,6 +12,7 @@ sent meanwhile waits in the streams' queues.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -27,6 +28,7 @@ from client.core import (
     CLOSED,
     LIVENESS_S,
     LOST,
+    REOPEN_CODES,
     RESUME_TIMEOUT_S,
     SAMPLE_BYTES,
     Abandoned,
@@ -160,7 +162,7 @@ class AsyncClient:
     ) -> AsyncStream:
         """Open a stream and wait for `ready`; raises StreamError with the server's code if refused.
 
-        `wait` and `on_wait`: an open refused for room is asked again, as `Client.open` asks it.
+        `wait` and `on_wait`: an open the service has no room for waits for a place as `Client.open`'s does.
         Raises ValueError at once for what the protocol does not allow, as `Client.open` does.
         """
         self._check()
@@ -170,26 +172,31 @@ class AsyncClient:
         room = RoomWait(wait)
         while True:
             try:
-                return await self._open(msg)
+                return await self._open(dataclasses.replace(msg, wait=room.hold_for()), room, on_wait)
             except StreamError as refused:
                 pause = room.pause(refused)
-                if room.tries == 1 and on_wait is not None:
-                    on_wait(refused)
+                if refused.code in REOPEN_CODES:
+                    room.tell(refused, on_wait)
             await asyncio.sleep(pause)
             self._check()  # closed meanwhile
 
-    async def _open(self, msg: Open) -> AsyncStream:
+    async def _open(self, msg: Open, room: RoomWait, on_wait: Callable[[StreamError], None] | None) -> AsyncStream:
         if msg.stream in self._streams:
             raise ValueError(f"stream {msg.stream!r} is already open on this client")
         width = SAMPLE_BYTES.get(msg.encoding, 1) * (msg.channels if isinstance(msg.channels, int) and msg.channels > 0 else 1)
         core = StreamCore(msg.stream, priority=msg.priority, frame_bytes=width, limits=self.limits, rate=msg.rate)
-        entry = Entry(core, msg, asyncio.get_running_loop().create_future(), asyncio.Queue())
+        loop = asyncio.get_running_loop()
+        entry = Entry(core, msg, loop.create_future(), asyncio.Queue(), held=loop.create_future())
         self._liveness.restart_if_owed_nothing(self._streams, time.monotonic())  # the open is owed a `ready` from now
         self._streams[msg.stream] = entry
         if not self._reconnecting and not self._abandoned.hold(msg.stream):  # else sent by the reconnect, or once released
             self._send(encode(msg))
         try:
-            async with asyncio.timeout(self.timeout):
+            # a held open is answered when a place frees or its wait is over: `timeout` counts from then
+            async with asyncio.timeout(self.timeout + (msg.wait or 0.0)):
+                await asyncio.wait((entry.opened, entry.held), return_when=asyncio.FIRST_COMPLETED)
+                if not entry.opened.done():  # held for room: said once, then the answer is waited for
+                    room.tell(entry.held.result(), on_wait)
                 await asyncio.shield(entry.opened)
         except TimeoutError:
             self._abandon(entry)

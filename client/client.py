@@ -11,6 +11,7 @@ from its last `durable` point; callers see the same Stream objects carry on.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import socket
@@ -29,6 +30,7 @@ from client.core import (
     CLOSED,
     LIVENESS_S,
     LOST,
+    REOPEN_CODES,
     RESUME_TIMEOUT_S,
     SAMPLE_BYTES,
     Abandoned,
@@ -233,9 +235,10 @@ class Client:
     ) -> Stream:
         """Open a stream and wait for `ready`; raises StreamError with the server's code if refused.
 
-        `wait`: how long an open refused for room (`overloaded`, `too_many_streams`) is asked again
-        before that refusal is raised (see RoomWait; 0, the default: raised at once); `on_wait` is
-        called with the first such refusal, once, as the waiting begins.
+        `wait`: how long an open the service has no room for (`overloaded`, `too_many_streams`) waits
+        for a place before that refusal is raised (see RoomWait: the service holds it, first come
+        first served; 0, the default: raised at once); `on_wait` is called once, with why, as the
+        waiting begins.
         Raises ValueError at once for what the protocol does not allow (an id over 64 characters,
         a prompt over 1000, a language code over 16, ...).
         """
@@ -245,20 +248,25 @@ class Client:
         room = RoomWait(wait)
         while True:
             try:
-                return self._open(msg)
+                return self._open(dataclasses.replace(msg, wait=room.hold_for()), room, on_wait)
             except StreamError as refused:
                 pause = room.pause(refused)
-                if room.tries == 1 and on_wait is not None:
-                    on_wait(refused)
+                if refused.code in REOPEN_CODES:
+                    room.tell(refused, on_wait)
                 if self._stop.wait(pause):  # closed meanwhile: the refusal stands
                     raise
 
-    def _open(self, msg: Open) -> Stream:
+    def _open(self, msg: Open, room: RoomWait, on_wait: Callable[[StreamError], None] | None) -> Stream:
         width = SAMPLE_BYTES.get(msg.encoding, 1) * (msg.channels if isinstance(msg.channels, int) and msg.channels > 0 else 1)
         core = StreamCore(msg.stream, priority=msg.priority, frame_bytes=width, limits=self.limits, rate=msg.rate)
-        entry = Entry(core, msg, Future(), queue.SimpleQueue())
+        entry = Entry(core, msg, Future(), queue.SimpleQueue(), held=Future())
         self._submit(lambda: self._io_open(entry, msg))
-        wait((entry.opened, self._ended), self.timeout, return_when=FIRST_COMPLETED)
+        # a held open is answered when a place frees or its wait is over: `timeout` counts from then
+        deadline = time.monotonic() + self.timeout + (msg.wait or 0.0)
+        waiting = {entry.opened, entry.held, self._ended}
+        while wait(waiting, max(deadline - time.monotonic(), 0.0), return_when=FIRST_COMPLETED).done == {entry.held}:
+            waiting.discard(entry.held)  # held for room: said once, then the answer is waited for
+            room.tell(entry.held.result(), on_wait)
         if entry.opened.done():
             entry.opened.result()
         elif self._ended.done():  # before it took the open (say, while a resume failed): nothing will answer it

@@ -16,6 +16,7 @@ import threading
 import time
 from array import array
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -27,6 +28,7 @@ from protocol.messages import (
     BAD_MESSAGE,
     G711_SUBTYPES,
     MAX_F32_SAMPLE,
+    MAX_OPEN_WAIT_S,
     MAX_PROMPT_CHARS,
     NOT_READY,
     OUT_OF_ORDER,
@@ -47,6 +49,7 @@ from protocol.messages import (
     ProtocolError,
     Ready,
     ServerMessage,
+    Waiting,
     Welcome,
     decode_client,
     encode,
@@ -87,35 +90,52 @@ class StreamError(ServerError):
 
 @dataclass
 class RoomWait:
-    """An `open` refused for room (`overloaded`: past the service's admission limits;
-    `too_many_streams`: at its stream limit) asked again, after a wait growing as a resume's
-    does, jittered so that opens waiting together do not ask together, for up to `seconds`: a
-    place frees as other streams end, and a call or a file that came a moment too soon need not
-    fail. Any other refusal is final at once."""
+    """An `open` the service has no room for (`overloaded`: past its admission limits;
+    `too_many_streams`: at its stream limit) waited on for up to `seconds`: a place frees as
+    other streams end, and a call or a file that came a moment too soon need not fail. The open
+    asks the service to hold it for what is left of the wait (`open.wait`): the ingest admits
+    the opens it holds in the order they came, as places free. Refused all the same (its client
+    at its own stream limit, the ingest's held opens at theirs), or by a service older than that
+    field, it is asked again after a wait growing as a resume's does, jittered so that opens
+    waiting together do not ask together. Any other refusal is final at once."""
 
     seconds: float
     deadline: float = 0.0
     delay: float = REOPEN_S
-    tries: int = 0
+    held: bool = True  # whether the service holds opens: until one refuses `wait` as an unknown field
+    told: bool = False  # whether the caller was told the open waits
 
     def __post_init__(self) -> None:
         self.deadline = time.monotonic() + self.seconds
 
+    def hold_for(self) -> float | None:
+        """The `wait` to open with: what is left of the wait, while the service holds opens."""
+        left = self.deadline - time.monotonic()
+        return min(left, MAX_OPEN_WAIT_S) if self.held and left > 0 else None
+
     def pause(self, refused: StreamError) -> float:
         """How long to wait before asking again; raises the refusal when it is not for room, or
         when the wait is over (then saying how long it waited)."""
+        if self.held and refused.code == BAD_MESSAGE and "'wait'" in refused.message:
+            self.held = False  # a service older than the field: asked again at once, without it
+            return 0.0
         if refused.code not in REOPEN_CODES:
             raise refused
-        self.tries += 1
         left = self.deadline - time.monotonic()
         if left <= 0:
-            if self.tries == 1:  # no wait asked for
+            if not self.seconds:  # no wait asked for
                 raise refused
-            raise StreamError(refused.code, f"{refused.message} (still refused after waiting {self.seconds:g} s, "
-                                            f"{self.tries} tries)", refused.stream) from None
+            raise StreamError(refused.code, f"{refused.message} (still refused after waiting {self.seconds:g} s)",
+                              refused.stream) from None
         pause = min(random.uniform(self.delay / 2, self.delay), left)
         self.delay = min(self.delay * 2, MAX_REOPEN_S)
         return pause
+
+    def tell(self, why: StreamError, on_wait: Callable[[StreamError], None] | None) -> None:
+        """Tell the caller, once, that the open waits for room, and why."""
+        if not self.told and on_wait is not None:
+            on_wait(why)
+        self.told = True
 
 
 class IngestLost(Exception):
@@ -624,6 +644,8 @@ class Entry:
     `opened` is a concurrent.futures or asyncio Future, `events` a queue.SimpleQueue or
     asyncio.Queue of (receive time, message or exception); both have the methods used here.
     `request` is the `open` as first sent, `failure` what sending on the stream raises from then on.
+    `held` (a Future of the same kind, or None) is set to why, at the first `waiting` for the open:
+    the service holds it for room.
     `resume_token` is the one the stream's last `ready` gave (a realtime stream's, from a service
     that gives them). `refused` holds those of `resume_language` and `resume_token` a service
     refused as unknown fields (one older than them, in a mixed deploy): the stream's later resumes
@@ -634,6 +656,7 @@ class Entry:
     request: Open
     opened: Any
     events: Any
+    held: Any = None
     failure: Exception | None = None
     resume_token: str | None = None
     refused: set[str] = dataclasses.field(default_factory=set)
@@ -649,7 +672,8 @@ class Entry:
     def reopen(self) -> Open:
         """The `open` of the current connection again, after the service refused it for being busy."""
         self.core.reopen_at = None
-        return dataclasses.replace(self.request, offset=self.core.offset, resume_text=prompt_tail(self.core.last_text),
+        # a resume is never held: refused, it is asked again until the resume's own deadline
+        return dataclasses.replace(self.request, wait=None, offset=self.core.offset, resume_text=prompt_tail(self.core.last_text),
                                    resume_language=self.resumed_language(),
                                    resume_token=self.resume_token if "resume_token" not in self.refused else None)
 
@@ -755,6 +779,9 @@ def route(streams: dict[str, Entry], msg: ServerMessage, now: float) -> bool:
             entry.resume_token = msg.resume_token
         if not entry.opened.done():
             entry.opened.set_result(None)
+    elif isinstance(msg, Waiting):
+        if entry.held is not None and not entry.held.done() and not entry.opened.done():
+            entry.held.set_result(StreamError(msg.code, msg.message, sid))
     elif isinstance(msg, Ack):
         core.on_ack(msg)
     elif isinstance(msg, ErrorMsg) and msg.code == UNKNOWN_STREAM and not entry.opened.done():

@@ -76,6 +76,12 @@ CLIENT_QUEUE = 10_000
 # broker hears that ingest is gone (at most once more, as a service held to its limits holds at
 # most them). Past twice the limits it is refused as a new stream is, and retried by its client.
 RESUME_HEADROOM = 2.0
+# An open held for room (`open.wait`) is told so at once and then this often, so that its client,
+# owed a `ready`, keeps hearing the ingest (the reference clients take 10 s of silence for death).
+WAIT_NOTICE_S = 2.0
+# How often the held opens are tried against the room at most: each try counts the open streams.
+HELD_CHECK_S = 0.05
+HELD_PER_RING = 4  # opens held for room at most, per audio ring of the ingest
 # While the broker stays away the ingest reconnects each patience (3 s by default), and says it is
 # still away at most this often: a line each patience was some 1,200 lines an hour from each ingest.
 BROKER_AWAY_REPEAT_S = 60.0
@@ -91,6 +97,22 @@ class _BrokerAway:
     reconnects: int = 0
 
 
+@dataclass(slots=True)
+class _Held:
+    """An open held for room (`open.wait`): admitted in the order they came, each priority on its
+    own, as streams end or the figures fall; refused when its wait is over."""
+
+    ident: bytes
+    msg: m.Open
+    fd: int
+    resuming: bool
+    since: float
+    until: float
+    code: str  # what it would be refused with now, and why
+    message: str
+    told: float = 0.0  # when it was last sent `waiting`
+
+
 class IngestServer:
     def __init__(self, cfg: Config, index: int):
         self.cfg = cfg
@@ -102,6 +124,9 @@ class IngestServer:
         self.endpoint = cfg.ingest_endpoint(index)
         share = math.ceil(cfg.ingest.max_streams / cfg.ingest.processes) if cfg.ingest.max_streams else cfg.shm.streams_per_ingest
         self.max_streams = min(cfg.shm.streams_per_ingest, share)
+        # Opens held for room at most (`_hold`): a few bytes each, but a line of thousands is a
+        # wait of many minutes, better refused at once (its clients ask again later).
+        self.max_held = HELD_PER_RING * cfg.shm.streams_per_ingest
         self.resume_tokens = ResumeTokens()
         self.ctx = zmq.Context()
         self.vad = VadRunner(self.ctx, threads=1, on_failure=lambda: self.metrics.inc("errors_total", code=m.INTERNAL))
@@ -130,6 +155,8 @@ class IngestServer:
         self.broker: zmq.Socket | None = None
         self.sessions: dict[str, Session] = {}
         self.per_client: dict[bytes, int] = {}
+        self.held: dict[tuple[bytes, str], _Held] = {}  # opens waiting for room, by client and stream, first first
+        self.held_due = 0.0  # when they are next tried: see _serve_held
         self.fds: dict[bytes, int] = {}  # the file descriptor of each connection with open streams: see _on_disconnects
         self.gone: dict[bytes, float] = {}  # connections a send found closed, and when: see _drop_gone
         # the refusal lines, at most one a second per client and code; as the process stops each
@@ -316,6 +343,9 @@ class IngestServer:
         elif isinstance(msg, m.Open):
             self._open(ident, msg, frames[1].get(zmq.SRCFD))
         elif isinstance(msg, m.End):
+            if (held := self.held.pop((ident, msg.stream), None)) is not None:
+                # its client stopped waiting: the open is answered first, then the `end` (unknown_stream)
+                self._refuse(ident, msg.stream, held.code, f"{held.message} (ended while it waited for room)")
             session = self._session(ident, msg.stream, None)
             if session is not None:
                 session.client_end()
@@ -334,19 +364,21 @@ class IngestServer:
             return None
         return session
 
-    def _open(self, ident: bytes, msg: m.Open, fd: int) -> None:
-        key = f"{ident.hex()}/{msg.stream}"
+    def _refuse(self, ident: bytes, stream: str, code: str, message: str) -> None:
+        """Refuse an open: answered, counted, and logged (at most a line a second per client and code)."""
+        self.metrics.inc("refusals_total", code=code)
+        if (suppressed := self.open_refused_lines((ident, code))) is not None:
+            self.log.warning("ingest.open_refused", client=ident.hex(), stream=stream, code=code, reason=message,
+                             suppressed=suppressed)
+        self._send(ident, m.ErrorMsg(code=code, message=message, stream=stream))
 
+    def _open(self, ident: bytes, msg: m.Open, fd: int) -> None:
         def refuse(code: str, message: str) -> None:
-            self.metrics.inc("refusals_total", code=code)
-            if (suppressed := self.open_refused_lines((ident, code))) is not None:
-                self.log.warning("ingest.open_refused", client=ident.hex(), stream=msg.stream, code=code, reason=message,
-                                 suppressed=suppressed)
-            self._send(ident, m.ErrorMsg(code=code, message=message, stream=msg.stream))
+            self._refuse(ident, msg.stream, code, message)
 
         if self.draining:
             return refuse(m.NOT_READY, "the service is shutting down")
-        if key in self.sessions:
+        if f"{ident.hex()}/{msg.stream}" in self.sessions or (ident, msg.stream) in self.held:
             return refuse(m.DUPLICATE_STREAM, f"stream {msg.stream!r} is already open on this connection")
         if msg.model is not None and msg.model != self.cfg.model.name:
             return refuse(m.UNKNOWN_MODEL, f"model {msg.model!r} is not served here; this service runs {self.cfg.model.name!r}")
@@ -354,12 +386,29 @@ class IngestServer:
             return refuse(m.UNKNOWN_LANGUAGE, why)
         if why := language_refusal(self.cfg.model.name, self.languages, msg.resume_language):
             return refuse(m.UNKNOWN_LANGUAGE, f"resume_language: {why}")
-        if self.per_client.get(ident, 0) >= self.cfg.ingest.max_streams_per_client:
+        held_here = sum(h.ident == ident for h in self.held.values()) if self.held else 0
+        if self.per_client.get(ident, 0) + held_here >= self.cfg.ingest.max_streams_per_client:
             return refuse(m.TOO_MANY_STREAMS, f"at most {self.cfg.ingest.max_streams_per_client} open streams per client")
-        if len(self.sessions) >= self.max_streams:
-            return refuse(m.TOO_MANY_STREAMS, "the service is at its stream limit; try again later")
         # a resume with the token that shows it was admitted before
         resuming = msg.offset > 0 and self.resume_tokens.valid(msg.stream, msg.resume_token)
+        # A new open does not pass those held for room before it (a resume, admitted before, does).
+        ahead = [h for h in self.held.values() if h.msg.priority == msg.priority] if not resuming else []
+        if ahead:
+            room: tuple[str, str] | None = (ahead[0].code, f"{ahead[0].message} ({len(ahead)} "
+                                                           f"{'opens wait' if len(ahead) > 1 else 'open waits'} for room before it)")
+        else:
+            room = self._no_room(msg, resuming)
+        if room is None:
+            self._admit(ident, msg, fd, resuming)
+        elif msg.wait and len(self.held) < self.max_held:
+            self._hold(ident, msg, fd, resuming, room)
+        else:
+            refuse(*room)
+
+    def _no_room(self, msg: m.Open, resuming: bool) -> tuple[str, str] | None:
+        """Why the service has no room for the stream now (code, message), if it has none."""
+        if len(self.sessions) >= self.max_streams:
+            return m.TOO_MANY_STREAMS, "the service is at its stream limit; try again later"
         if msg.priority == "realtime":
             # Admitting another realtime stream would delay every admitted one; batch streams
             # are still taken, credits slow them down instead. One resuming is held to twice the limits.
@@ -369,24 +418,28 @@ class IngestServer:
             realtime = self._realtime_open() + self.realtime_elsewhere  # open over the service, as last heard
             cap = cfg.admit_max_realtime_streams * headroom
             if cap and realtime >= cap:
-                return refuse(m.OVERLOADED, f"the service admits {cfg.admit_max_realtime_streams} realtime streams at a time "
-                                            f"(ingest.admit_max_realtime_streams{', twice that resuming' if resuming else ''}); "
-                                            "try again later or open with priority batch")
+                return (m.OVERLOADED, f"the service admits {cfg.admit_max_realtime_streams} realtime streams at a time "
+                                      f"(ingest.admit_max_realtime_streams{', twice that resuming' if resuming else ''}); "
+                                      "try again later or open with priority batch")
             if max_load and self.load > max_load:
-                return refuse(m.OVERLOADED, f"the service is past its capacity (realtime streams wait {self.load:.1f} s for a model); "
-                                            "try again later or open with priority batch")
+                return (m.OVERLOADED, f"the service is past its capacity (realtime streams wait {self.load:.1f} s for a model); "
+                                      "try again later or open with priority batch")
             # Extrapolated only while the workers are at least half busy, counting the streams
             # admitted too recently to show in the figures (a burst): a share measured on other
             # streams (sent faster than real time, say) must not turn streams away from idle workers.
             busy = self.stream_share * (realtime + 1)
             unseen = self._recent_admissions(time.monotonic()) + self.recent_elsewhere
             if max_busy and self.busy + self.stream_share * unseen >= max_busy / 2 and busy > max_busy:
-                return refuse(m.OVERLOADED, f"the service is at its capacity (with another realtime stream the models would be "
-                                            f"{100 * busy:.0f} % busy); try again later or open with priority batch")
+                return (m.OVERLOADED, f"the service is at its capacity (with another realtime stream the models would be "
+                                      f"{100 * busy:.0f} % busy); try again later or open with priority batch")
+        return None
+
+    def _admit(self, ident: bytes, msg: m.Open, fd: int, resuming: bool, waited_s: float | None = None) -> None:
+        key = f"{ident.hex()}/{msg.stream}"
         try:
             ring = self.pool.acquire()
         except PoolExhausted:
-            return refuse(m.TOO_MANY_STREAMS, "no free audio buffer; try again later")
+            return self._refuse(ident, msg.stream, m.TOO_MANY_STREAMS, "no free audio buffer; try again later")
         session = Session(key, ident, msg, ring, self.cfg, self.index, self.pool.name, self.metrics)
         self.sessions[key] = session
         self.scratch[key] = np.empty(CHUNK, np.float32)
@@ -395,12 +448,52 @@ class IngestServer:
         self.vad.add(key)
         session.log.info("ingest.stream_opened", rate=msg.rate, encoding=msg.encoding, channels=msg.channels,
                          priority=msg.priority, language=msg.language, partials=msg.partials, offset=msg.offset,
-                         resume_language=msg.resume_language, resuming=resuming)
+                         resume_language=msg.resume_language, resuming=resuming,
+                         **({} if waited_s is None else {"waited_s": round(waited_s, 3)}))
         token = self.resume_tokens.issue(msg.stream) if msg.priority == "realtime" else None
-        self._send(ident, m.Ready(stream=msg.stream, window=session.window(), resume_token=token))
+        told = self._send(ident, m.Ready(stream=msg.stream, window=session.window(), resume_token=token))
         session.acked_window = session.window()
-        if msg.priority == "realtime":  # a resuming one too: its demand here is not in the figures yet
+        # A resuming one too: its demand here is not in the figures yet. One whose client is gone
+        # (it went while its open was held) is dropped with the connection: no demand to come.
+        if msg.priority == "realtime" and told:
             self.admitted.append(time.monotonic())
+
+    def _hold(self, ident: bytes, msg: m.Open, fd: int, resuming: bool, room: tuple[str, str]) -> None:
+        """Keep an open the service has no room for, as its `wait` asks: a stream that ends, or
+        figures that fall, let in the one that came first, not whichever client asks again first."""
+        now = time.monotonic()
+        held = _Held(ident, msg, fd, resuming, now, now + float(msg.wait or 0), *room)
+        self.held[(ident, msg.stream)] = held
+        position = sum(h.msg.priority == msg.priority for h in self.held.values())
+        self.log.info("ingest.open_waiting", client=ident.hex(), stream=msg.stream, code=room[0], reason=room[1],
+                      position=position, wait_s=msg.wait)
+        self._tell_held(held, position, now)
+
+    def _tell_held(self, held: _Held, position: int, now: float) -> None:
+        held.told = now
+        self._send(held.ident, m.Waiting(stream=held.msg.stream, position=position, code=held.code, message=held.message))
+
+    def _serve_held(self, now: float) -> None:
+        """Admit the held opens in the order they came, each priority on its own, while there is
+        room; refuse those whose wait is over as they would have been at once; tell the others."""
+        self.held_due = now + HELD_CHECK_S
+        positions: dict[str, int] = {}  # of the opens kept waiting, per priority: an earlier one blocks the rest
+        for key, held in list(self.held.items()):
+            priority = held.msg.priority
+            if priority not in positions:
+                room = self._no_room(held.msg, held.resuming)
+                if room is None:
+                    del self.held[key]
+                    self._admit(held.ident, held.msg, held.fd, held.resuming, waited_s=now - held.since)
+                    continue
+                held.code, held.message = room
+            if now >= held.until:
+                del self.held[key]
+                self._refuse(held.ident, held.msg.stream, held.code, held.message)
+                continue
+            positions[priority] = positions.get(priority, 0) + 1
+            if now - held.told >= WAIT_NOTICE_S:
+                self._tell_held(held, positions[priority], now)
 
     def _recent_admissions(self, now: float) -> int:
         """Realtime streams admitted here within the broker's figures' window: their demand is not in them yet."""
@@ -424,7 +517,8 @@ class IngestServer:
             if ident not in self.gone:
                 self.gone[ident] = time.monotonic()
                 self.newly_gone = True
-                self.log.warning("ingest.client_gone", client=ident.hex(), streams=self.per_client.get(ident, 0), event_type=msg.type,
+                self.log.warning("ingest.client_gone", client=ident.hex(), streams=self.per_client.get(ident, 0),
+                                 waiting=sum(h.ident == ident for h in self.held.values()), event_type=msg.type,
                                  reason="closed" if exc.errno == zmq.EHOSTUNREACH else "not_reading", error=exc.strerror)
             return False
 
@@ -437,6 +531,8 @@ class IngestServer:
         Left to the idle timeout they would hold their rings and be decoded, for nobody, for 30 s.
         """
         self.newly_gone = False
+        for key in [key for key, held in self.held.items() if held.ident in self.gone]:
+            del self.held[key]  # nobody to admit: its client resumes elsewhere, or died
         for s in [s for s in self.sessions.values() if s.client in self.gone and not s.abandoned]:
             s.log.warning("ingest.stream_dropped", reason="client_gone", pending_jobs=len(s.inflight), **s.figures())
             s.abandon()
@@ -591,6 +687,7 @@ class IngestServer:
         for priority, count in active.items():
             self.metrics.set("streams_active", count, priority=priority)
         self.metrics.set("shm_rings_used", self.pool.in_use)
+        self.metrics.set("opens_waiting", len(self.held))
 
     # ------------------------------------------------------------------ main loop
 
@@ -604,6 +701,9 @@ class IngestServer:
         self.stop_at = now + self.cfg.ingest.drain_timeout_s
         self.log.info("ingest.draining", streams=len(self.sessions))
         self._beat(now)  # at once: the front door must stop sending new clients here
+        for held in self.held.values():
+            self._refuse(held.ident, held.msg.stream, m.NOT_READY, "the service is shutting down")
+        self.held.clear()
         for key, s in self.sessions.items():
             s.wind_down(now + self.cfg.ingest.drain_pause_s)
             self._changed(key)
@@ -648,6 +748,8 @@ class IngestServer:
             timeout = self.hb_interval / 2
             if (vad_wait := self._vad_wait(time.monotonic())) is not None:
                 timeout = min(timeout, vad_wait)
+            if self.held:  # a place that frees goes to the first held open at once, not at the next wake
+                timeout = min(timeout, max(0.0, self.held_due - time.monotonic()))
             events = dict(poller.poll(timeout=math.ceil(timeout * 1000)))
             if stop.fileno() in events:
                 stop.drain()
@@ -673,6 +775,8 @@ class IngestServer:
                 self._check_socket_files()
             if self.draining:
                 self._wind_down(now)
+            elif self.held and now >= self.held_due:
+                self._serve_held(now)
             if self.dirty:
                 self._flush()
             self._run_vad(now)

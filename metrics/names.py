@@ -49,6 +49,7 @@ SPECS: dict[str, MetricSpec] = {s.name: s for s in (
     MetricSpec("finals_revised_total", "counter", "ingest",
                "Finals whose whole-segment decode changed words partials had marked stable."),
     MetricSpec("shm_rings_used", "gauge", "ingest", "Shared-memory audio rings holding a stream."),
+    MetricSpec("opens_waiting", "gauge", "ingest", "Opens held for room (open.wait), first come first served."),
     MetricSpec("shm_rings_total", "gauge", "ingest", "Shared-memory audio rings preallocated."),
     MetricSpec("jobs_queued", "gauge", "broker", "Jobs waiting for a worker.", ("priority",)),
     MetricSpec("jobs_inflight", "gauge", "broker", "Jobs handed to a worker and not yet answered."),

@@ -27,6 +27,7 @@ MAX_STREAM_ID = 64
 MAX_PROMPT_CHARS = 1000
 MAX_OFFSET = 2**48  # input frames: years of audio at 48 kHz
 MAX_RESUME_TOKEN = 64
+MAX_OPEN_WAIT_S = 3600  # the longest an open may ask to be held for room: an hour
 # Largest f32le sample magnitude taken (full scale is ±1; NaN and infinity are refused too,
 # bad_format). The bound leaves room for overshoot and rules out overflow in the ingest's channel
 # mix-down and resampler, which a merely finite check does not (two samples near float32's
@@ -109,6 +110,9 @@ class Open:
     # the `resume_token` of the stream's last `ready`: it shows the stream was admitted before, so
     # the resume is held to twice the admission limits, not refused as a new stream would be
     resume_token: str | None = None
+    # seconds the ingest may hold the open while the service has no room for it, first come first
+    # served, before refusing it (nil or 0: refused at once)
+    wait: float | None = None
 
 
 @dataclass(slots=True)
@@ -149,6 +153,18 @@ class Ready:
     stream: str
     window: int  # the client may send input frames (per channel) up to this index before the next ack
     resume_token: str | None = None  # a realtime stream's: sent back in the `open` that resumes it
+
+
+@dataclass(slots=True)
+class Waiting:
+    """An open the ingest holds for room (`open.wait`): at once, then every few seconds until its
+    `ready` or its refusal."""
+
+    type: ClassVar[str] = "waiting"
+    stream: str
+    position: int  # 1: the next open this ingest admits, when room frees
+    code: str  # what it would be refused with now: overloaded or too_many_streams
+    message: str  # and why
 
 
 @dataclass(slots=True)
@@ -226,9 +242,9 @@ class StatusReply:
 
 
 ClientMessage = Hello | Open | Audio | End | Status
-ServerMessage = Welcome | Ready | Ack | Partial | Final | ErrorMsg | Closed | StatusReply
+ServerMessage = Welcome | Ready | Waiting | Ack | Partial | Final | ErrorMsg | Closed | StatusReply
 _CLIENT = {cls.type: cls for cls in (Hello, Open, Audio, End, Status)}
-_SERVER = {cls.type: cls for cls in (Welcome, Ready, Ack, Partial, Final, ErrorMsg, Closed, StatusReply)}
+_SERVER = {cls.type: cls for cls in (Welcome, Ready, Waiting, Ack, Partial, Final, ErrorMsg, Closed, StatusReply)}
 # The header fields of each message (audio samples travel in frame 1, never in the map), and the
 # encoder's field names: both looked up per message, so computed once.
 _KNOWN = {cls: frozenset(f.name for f in fields(cls)) - {"data"} for cls in (*_CLIENT.values(), *_SERVER.values())}
@@ -352,6 +368,9 @@ def decode_client(frames: Sequence[bytes | memoryview], limits: Limits = Limits(
         _check(_optional_str(msg.resume_language, 16), BAD_MESSAGE, "resume_language must be a language code or nil", sid)
         _check(_optional_str(msg.resume_token, MAX_RESUME_TOKEN), BAD_MESSAGE,
                f"resume_token must be a string of at most {MAX_RESUME_TOKEN} characters or nil", sid)
+        _check(msg.wait is None or (isinstance(msg.wait, (int, float)) and not isinstance(msg.wait, bool)
+                                    and 0 <= msg.wait <= MAX_OPEN_WAIT_S), BAD_MESSAGE,
+               f"wait must be a number of seconds in 0..{MAX_OPEN_WAIT_S} or nil", sid)
     elif isinstance(msg, Audio):
         _check(_is_int(msg.seq) and 0 <= msg.seq < 2**63, BAD_MESSAGE, "audio: seq must be a non-negative integer", sid)
         _check(len(frames) == 2, BAD_MESSAGE, "audio: the samples must follow in frame 1", sid, msg.seq)

@@ -239,9 +239,10 @@ def _stream(client: Client, job: Job, offline: bool, language: str | None, parti
 
 def _open(client: Client, job: Job, reader: Reader, offline: bool, language: str | None, partials: bool,
           open_timeout: float, output: Output) -> Stream:
-    """Open the file's stream. One refused for room is asked again until `open_timeout` has passed
-    (client.core.RoomWait): a folder of recordings on a busy service must not fail the files that
-    came a moment too soon. Said once per file, as the waiting begins."""
+    """Open the file's stream. One the service has no room for waits, held by the service in line
+    with other callers', until `open_timeout` has passed (client.core.RoomWait): a folder of
+    recordings on a busy service must not fail the files that came a moment too soon. Said once
+    per file, as the waiting begins."""
 
     def waiting(refused: StreamError) -> None:
         output.say(f"{job.file}: the service has no room for the stream ({refused}); "

@@ -7,9 +7,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -231,6 +233,88 @@ def test_stream_limits(service_factory: Any) -> None:
     finally:
         a.close()
         b.close()
+
+
+def _answer(sock: zmq.Socket, timeout_s: float = 10.0) -> m.ServerMessage:
+    assert sock.poll(timeout_s * 1000), "no answer"
+    return m.decode_server(sock.recv_multipart())
+
+
+def _after_waiting(sock: zmq.Socket) -> m.ServerMessage:
+    """The answer to an open held for room: what comes after its `waiting`s."""
+    while isinstance(answer := _answer(sock), m.Waiting):
+        pass
+    return answer
+
+
+def _gauge(service: Any, name: str) -> float | None:
+    """A gauge of the service's Prometheus text, summed over its processes; None while the dashboard is not up."""
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{service.cfg.metrics.dashboard_port}/metrics", timeout=10).read().decode()
+    except OSError:
+        return None
+    return sum(float(v) for v in re.findall(rf"^streamasr_{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
+
+
+def test_opens_held_for_room_are_admitted_first_come_first_served(service_factory: Any) -> None:
+    """Calls that come while the service is full and ask to wait (`open.wait`) are held by the
+    ingest and admitted in the order they came as places free: a call that waited a minute is
+    not passed by one that asked a moment ago, as it was by whichever client happened to ask
+    again first. Each held open hears `waiting` (its place in line) at once and every 2 s; one
+    that does not wait, or whose wait runs out, is refused as before; one its client ends is
+    answered, then the `end`; one whose client goes away is forgotten."""
+    service = service_factory(model="null", workers=1, ingest={"admit_max_realtime_streams": 1, "idle_timeout_s": 600})
+    ingest = hello(service.address).ingest
+    first, second, gone, third, other = socks = [_dealer(ingest) for _ in range(5)]
+    try:
+        assert isinstance(_open(first, "one"), m.Ready)
+        held = _open(second, "b", wait=60)
+        assert isinstance(held, m.Waiting) and (held.stream, held.position, held.code) == ("b", 1, m.OVERLOADED), held
+        assert "admit_max_realtime_streams" in held.message, held
+        assert isinstance(_open(gone, "g", wait=60), m.Waiting)
+        held = _open(third, "c", wait=60)
+        assert isinstance(held, m.Waiting) and held.position == 3, held
+        assert wait_for(lambda: _gauge(service, "opens_waiting") == 3, 30, "three opens waiting on the dashboard")
+        # one that does not wait is refused at once, and says how many wait before it
+        refused = _open(other, "now")
+        assert isinstance(refused, m.ErrorMsg) and refused.code == m.OVERLOADED, refused
+        assert "(3 opens wait for room before it)" in refused.message, refused
+        # a batch stream needs no realtime room: it passes them
+        assert isinstance(_open(other, "batch", priority="batch", wait=60), m.Ready)
+        # one whose wait runs out is refused as it would have been at once
+        asked = time.monotonic()
+        assert isinstance(_open(other, "short", wait=1), m.Waiting)
+        late = _answer(other)
+        assert isinstance(late, m.ErrorMsg) and late.code == m.OVERLOADED and late.stream == "short", late
+        assert time.monotonic() - asked >= 0.9
+        # one its client ends: the open is answered, then the end
+        assert isinstance(_open(other, "ended", wait=60), m.Waiting)
+        other.send_multipart(m.encode(m.End(stream="ended")))
+        answers = [_answer(other), _answer(other)]
+        assert [(a.type, a.code) for a in answers] == [("error", m.OVERLOADED), ("error", m.UNKNOWN_STREAM)], answers
+        assert "ended while it waited for room" in answers[0].message, answers
+        gone.close()  # forgotten once a `waiting` finds its connection closed
+        # still waiting: told so again within 2 s, in the same place
+        again = _answer(third, 5)
+        assert isinstance(again, m.Waiting) and again.stream == "c" and again.position in (2, 3), again
+        _end(first, "one")  # the place goes to the first in line
+        assert isinstance(_after_waiting(second), m.Ready)
+        time.sleep(0.5)
+        assert all(isinstance(_answer(third), m.Waiting) for _ in range(third.poll(0)))  # not yet
+        _end(second, "b")  # and the next to the next, the client gone passed over
+        opened = _after_waiting(third)
+        assert isinstance(opened, m.Ready) and opened.stream == "c", opened
+        events = service.events("ingest-0")
+        waited = {e["stream"]: e["waited_s"] for e in events if e["event"] == "ingest.stream_opened" and "waited_s" in e}
+        # the client gone may be admitted before a `waiting` finds it gone: its `ready` does, and it is dropped
+        assert list(waited) in (["b", "c"], ["b", "g", "c"]) and waited["c"] > waited["b"] > 0, waited
+        dropped = [e["stream"] for e in events if e["event"] == "ingest.stream_dropped"]
+        assert dropped == ["g"] if "g" in waited else not dropped, dropped
+        assert [e["stream"] for e in events if e["event"] == "ingest.open_waiting"] == ["b", "g", "c", "short", "ended"]
+        assert wait_for(lambda: _gauge(service, "opens_waiting") == 0, 30, "no open waiting on the dashboard")
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def test_realtime_stream_cap(service_factory: Any) -> None:

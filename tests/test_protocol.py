@@ -25,6 +25,8 @@ CLIENT_MESSAGES = [
     m.Open(stream="call-eu", rate=8000, encoding="pcm_alaw", channels=2),
     m.Open(stream="s3", offset=96_000, resume_text="Hoy vamos a la playa.", resume_language="es",
            resume_token="9f86d081884c7d659a2feaa0c55ad015"),  # a resume
+    m.Open(stream="s4", wait=300.0),  # held for room up to 5 minutes
+    m.Open(stream="s5", wait=m.MAX_OPEN_WAIT_S),
     m.Audio(stream="s1", seq=0, data=b"\x01\x00" * 160),
     m.Audio(stream="s1", seq=2**63 - 1, data=b""),
     m.End(stream="s1"),
@@ -35,6 +37,7 @@ SERVER_MESSAGES = [
     m.Welcome(ingest="tcp://127.0.0.1:7701", limits={"max_frame_bytes": 262144, "max_message_bytes": 1048576}),
     m.Ready(stream="s1", window=960000),
     m.Ready(stream="s2", window=960000, resume_token="9f86d081884c7d659a2feaa0c55ad015"),
+    m.Waiting(stream="s4", position=3, code=m.OVERLOADED, message="the service is at its capacity"),
     m.Ack(stream="s1", seq=41, samples=67200, window=1027200),
     m.Partial(stream="s1", seg=0, text="go forward ten", stable="go forward", start=0.31, end=1.47, language="en"),
     m.Final(stream="s1", seg=0, text="go forward ten meters", start=0.31, end=2.47, avg_logprob=-0.21, no_speech_prob=0.01,
@@ -156,6 +159,12 @@ REFUSALS: list[tuple[str, list[Any], str]] = [
     ("prompt too long", open_(prompt="p" * (m.MAX_PROMPT_CHARS + 1)), m.BAD_MESSAGE),
     ("resume_language not a string", open_(resume_language=["es"]), m.BAD_MESSAGE),
     ("resume_language too long", open_(resume_language="x" * 17), m.BAD_MESSAGE),
+    ("wait negative", open_(wait=-1), m.BAD_MESSAGE),
+    ("wait over an hour", open_(wait=m.MAX_OPEN_WAIT_S + 0.5), m.BAD_MESSAGE),
+    ("wait not a number", open_(wait="60"), m.BAD_MESSAGE),
+    ("wait as a bool", open_(wait=True), m.BAD_MESSAGE),
+    ("wait not a number at all", open_(wait=float("nan")), m.BAD_MESSAGE),
+    ("wait infinite", open_(wait=float("inf")), m.BAD_MESSAGE),
     # versions and formats
     ("newer protocol version", [pack({"type": "hello", "version": 2})], m.UNSUPPORTED_VERSION),
     ("unsupported rate", open_(rate=11025), m.BAD_FORMAT),
@@ -223,9 +232,9 @@ scalars = st.one_of(
 values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5),
                       max_leaves=20)
 field_names = st.sampled_from(["type", "stream", "seq", "rate", "encoding", "channels", "language", "model",
-                               "partials", "priority", "prompt", "offset", "resume_text", "resume_language", "version",
+                               "partials", "priority", "prompt", "offset", "resume_text", "resume_language", "wait", "version",
                                "data", "window", "x"])
-message_types = st.sampled_from(["hello", "open", "audio", "end", "status", "ready", "bogus"])
+message_types = st.sampled_from(["hello", "open", "audio", "end", "status", "ready", "waiting", "bogus"])
 
 
 def refused_or_parsed(frames: list[bytes]) -> None:
