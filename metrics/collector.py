@@ -658,7 +658,8 @@ class Collector:
             # what a realtime open is admitted against (docs/RELIABILITY.md, "Overload")
             "admission": {"realtime_cap": self.cfg.ingest.admit_max_realtime_streams or None,
                           "wait_s": total(gauges, "admission_wait_seconds"), "busy": total(gauges, "admission_busy_ratio"),
-                          "stream_share": total(gauges, "admission_stream_share")},
+                          "stream_share": total(gauges, "admission_stream_share"),
+                          "opens_waiting": total(gauges, "opens_waiting")},
             "workers": [{"name": i.process, "busy_ratio": i.busy_ratio()} for i in sorted(self._workers(), key=lambda i: i.process)],
             "throughput": {"jobs_per_s": sum(rates.values()), "by_kind": rates},
             "latency": latency,

@@ -140,6 +140,7 @@ def _frame(snap: dict[str, Any], source: str) -> Group:
     summary.add_row("realtime cap", _num(adm["realtime_cap"]) if adm["realtime_cap"] else "none",
                     "realtime wait", _seconds(adm["wait_s"]), "workers busy", f"{100 * adm['busy']:.0f} %",
                     "per stream", f"{100 * adm['stream_share']:.0f} %")
+    summary.add_row("opens held", _num(adm.get("opens_waiting", 0)), "", "", "", "", "", "")  # waiting for room; none from an older dashboard
 
     procs = _table("processes")  # what names a row (name, state, pid) and its memory are never cut; the other figures wrap
     for name, justify in (("name", "left"), ("state", "left"), ("pid", "right"), ("CPU %", "right"), ("RSS", "right"),

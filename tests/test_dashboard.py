@@ -152,7 +152,7 @@ def test_http_endpoints(fake_instance) -> None:
                         what="all publishers in the snapshot")
         assert sorted(p["name"] for p in snap["processes"]) == sorted(names)
         assert snap["admission"]["realtime_cap"] is None  # no cap set
-        assert set(snap["admission"]) == {"realtime_cap", "wait_s", "busy", "stream_share"}
+        assert set(snap["admission"]) == {"realtime_cap", "wait_s", "busy", "stream_share", "opens_waiting"}
         content_type, body = get(url + "metrics")
         assert content_type.startswith("text/plain")
         assert "streamasr_jobs" in {f.name for f in text_string_to_metric_families(body.decode())}
@@ -282,7 +282,7 @@ def test_top_prints_one_frame_from_the_dashboard_or_its_own_collector(fake_insta
     assert top.main(cfg, once=True, url="http://127.0.0.1:9/") == 0  # no dashboard there: a collector of its own
     frame = capsys.readouterr().out
     assert "via collector" in frame and all(name in frame for name in names)
-    assert "per stream" in frame  # the admission row
+    assert "per stream" in frame and "opens held" in frame  # the admission rows
     with running_dashboard(config_file) as url:
         wait_for(lambda: len(json.loads(get(url + "api/snapshot")[1])["processes"]) == 3, what="the dashboard's view")
         assert top.main(cfg, once=True, url=url) == 0
@@ -512,7 +512,7 @@ def test_full_service_dashboard_under_bench(service_factory, tmp_path: Path) -> 
     assert figures["streamasr_shm_rings_total"][()] == svc.cfg.shm.streams_per_ingest
     for name in ("streamasr_streams_active", "streamasr_shm_rings_used", "streamasr_jobs_queued", "streamasr_jobs_inflight",
                  "streamasr_busy_seconds_total", "streamasr_admission_wait_seconds", "streamasr_admission_busy_ratio",
-                 "streamasr_admission_stream_share"):
+                 "streamasr_admission_stream_share", "streamasr_opens_waiting"):
         assert name in figures, name
     for name in ("streamasr_partial_latency_seconds", "streamasr_final_latency_seconds", "streamasr_batch_size"):
         assert figures[name + "_count"][()] > 0, name

@@ -274,7 +274,10 @@ def test_opens_held_for_room_are_admitted_first_come_first_served(service_factor
         assert isinstance(_open(gone, "g", wait=60), m.Waiting)
         held = _open(third, "c", wait=60)
         assert isinstance(held, m.Waiting) and held.position == 3, held
-        assert wait_for(lambda: _gauge(service, "opens_waiting") == 3, 30, "three opens waiting on the dashboard")
+        assert wait_for(lambda: _gauge(service, "opens_waiting") == 3, 30, "three opens waiting in the metrics")
+        snapshot = f"http://127.0.0.1:{service.cfg.metrics.dashboard_port}/api/snapshot"  # what the page and `top` show
+        assert wait_for(lambda: json.loads(urllib.request.urlopen(snapshot, timeout=10).read())["admission"]["opens_waiting"] == 3,
+                        10, "three opens waiting on the dashboard")
         # one that does not wait is refused at once, and says how many wait before it
         refused = _open(other, "now")
         assert isinstance(refused, m.ErrorMsg) and refused.code == m.OVERLOADED, refused

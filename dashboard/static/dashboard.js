@@ -85,6 +85,7 @@ function render(s) {
   setMetric("admission-wait", seconds(s.admission.wait_s));
   setMetric("admission-busy", percent(s.admission.busy));
   setMetric("admission-share", percent(s.admission.stream_share));
+  setMetric("opens-waiting", number(s.admission.opens_waiting ?? 0));  // a dashboard before held opens has none
   setMetric("queued-realtime", number(s.queued.realtime || 0));
   setMetric("queued-batch", number(s.queued.batch || 0));
   setMetric("inflight", number(s.inflight));
