@@ -483,6 +483,7 @@ class VadRunner:
                 self._probs = self._bank.process(*round_)
             except BaseException as exc:  # handed to the loop, which owns error handling
                 self._probs = exc
+            del round_  # its chunks, views of the rings, are not kept while the thread waits for the next
             self._done.send(b"")
         self._done.close(linger=0)
 

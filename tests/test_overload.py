@@ -510,8 +510,11 @@ def test_a_long_stream_leaves_nothing_behind_per_segment(service_factory: Any, m
     ingest and the worker hold must not grow with its segments (its finals, partials, jobs,
     acks). One batch stream of 900 short utterances, each followed by a pause the VAD ends it at;
     each serving process marks what it holds three times along it. Between the last two marks
-    hundreds of segments pass: what grows there is in flight (a VAD round, a batch), far below
-    a block per segment, which anything kept per segment, job or ack costs."""
+    hundreds of segments pass: what grows there is in flight (a VAD round, a batch), or numpy's
+    cache of the small buffers it freed (which tracemalloc counts held where they were first
+    allocated: 45 blocks in 20,000 calls of a few small temporaries alone), below three quarters
+    of a block per segment (72-243 blocks in 450 segments measured); anything kept per segment,
+    job or ack costs a block or more each."""
     monkeypatch.setenv(allocwatch.ENV, str(tmp_path))  # before the start: the processes inherit it
     service = service_factory(model="null", workers=1)
     pids = _serving(service)
@@ -530,7 +533,7 @@ def test_a_long_stream_leaves_nothing_behind_per_segment(service_factory: Any, m
     segments = finals_at[2] - finals_at[1]
     assert segments >= 300, finals_at
     for name, (growth, top) in _held_growth(tmp_path, pids).items():
-        assert growth < segments / 2, (name, segments, growth, top)
+        assert growth < 3 * segments / 4, (name, segments, growth, top)
 
 
 def test_connections_that_come_and_go_leave_nothing_behind(service_factory: Any, monkeypatch: pytest.MonkeyPatch,
