@@ -307,6 +307,7 @@ class Broker:
             else:  # a worker this broker does not know (it restarted, or gave it up as silent): jobs wait meanwhile
                 self._ask_to_register(self._worker_sock, ident, now)
             if kind != wire.HEARTBEAT:
+                self.metrics.inc("errors_total", code=m.INTERNAL)
                 log.warning("broker.bad_worker_message", worker=ident.decode(errors="replace"), error=f"{kind[:16]!r} on the heartbeat socket")
             return
         link = self.worker_links.get(ident)

@@ -386,8 +386,7 @@ class IngestServer:
             return refuse(m.UNKNOWN_LANGUAGE, why)
         if why := language_refusal(self.cfg.model.name, self.languages, msg.resume_language):
             return refuse(m.UNKNOWN_LANGUAGE, f"resume_language: {why}")
-        held_here = sum(h.ident == ident for h in self.held.values()) if self.held else 0
-        if self.per_client.get(ident, 0) + held_here >= self.cfg.ingest.max_streams_per_client:
+        if self.per_client.get(ident, 0) + self._held_by(ident) >= self.cfg.ingest.max_streams_per_client:
             return refuse(m.TOO_MANY_STREAMS, f"at most {self.cfg.ingest.max_streams_per_client} open streams per client")
         # a resume with the token that shows it was admitted before
         resuming = msg.offset > 0 and self.resume_tokens.valid(msg.stream, msg.resume_token)
@@ -469,6 +468,10 @@ class IngestServer:
                       position=position, wait_s=msg.wait)
         self._tell_held(held, position, now)
 
+    def _held_by(self, ident: bytes) -> int:
+        """The opens a client has held for room: they count among its streams."""
+        return sum(h.ident == ident for h in self.held.values()) if self.held else 0
+
     def _tell_held(self, held: _Held, position: int, now: float) -> None:
         held.told = now
         self._send(held.ident, m.Waiting(stream=held.msg.stream, position=position, code=held.code, message=held.message))
@@ -518,7 +521,7 @@ class IngestServer:
                 self.gone[ident] = time.monotonic()
                 self.newly_gone = True
                 self.log.warning("ingest.client_gone", client=ident.hex(), streams=self.per_client.get(ident, 0),
-                                 waiting=sum(h.ident == ident for h in self.held.values()), event_type=msg.type,
+                                 waiting=self._held_by(ident), event_type=msg.type,
                                  reason="closed" if exc.errno == zmq.EHOSTUNREACH else "not_reading", error=exc.strerror)
             return False
 

@@ -35,7 +35,7 @@ class MetricSpec:
 SPECS: dict[str, MetricSpec] = {s.name: s for s in (
     MetricSpec("streams_active", "gauge", "ingest", "Open client streams.", ("priority",)),
     MetricSpec("refusals_total", "counter", "ingest", "Client requests refused (limits, bad input, overload).", ("code",)),
-    MetricSpec("errors_total", "counter", "any", "Internal errors, by protocol error code.", ("code",)),
+    MetricSpec("errors_total", "counter", "broker, ingest, worker", "Internal errors, by protocol error code.", ("code",)),
     MetricSpec("auth_refusals_total", "counter", "broker, ingest",
                "CURVE handshakes refused: the client's public key is not authorized."),
     MetricSpec("partial_latency_seconds", "histogram", "ingest",

@@ -1245,6 +1245,38 @@ def test_a_worker_that_said_goodbye_before_its_connection_closed_has_left_not_be
         broker.close()
 
 
+def test_a_worker_message_the_broker_cannot_read_is_logged_and_counted_on_either_socket(tmp_path: Path) -> None:
+    """A worker of another version may send a kind this broker does not know, on its job socket
+    or its heartbeat socket. Either is an error an operator must see in `errors_total` as well as
+    in the log (an alert watches the counter), and neither costs the worker its place."""
+    broker = broker_serving_workers(tmp_path)
+    ident = b"worker-3-1"
+    job_sock, hb_sock = (worker_socket(broker, identity) for identity in (ident, wire.heartbeat_identity(ident)))
+
+    def read() -> None:
+        assert broker._worker_sock.poll(5000), "the broker heard nothing"
+        broker._on_worker(broker._worker_sock.recv_multipart(), time.monotonic())
+
+    def errors() -> float:
+        return sum(c[2] for c in broker.metrics.snapshot()["counters"] if c[0] == "errors_total")
+
+    try:
+        job_sock.send_multipart([wire.READY, wire.pack({"capacity": 1, "pid": 1, "model": "null"})])
+        read()
+        with capture_logs() as logs:
+            for sock in (job_sock, hb_sock):
+                sock.send_multipart([b"NEWKIND", b""])
+                read()
+        bad = [(e["worker"], e["log_level"]) for e in logs if e["event"] == "broker.bad_worker_message"]
+        assert bad == [(ident.decode(), "warning"), (wire.heartbeat_identity(ident).decode(), "warning")], logs
+        assert errors() == 2
+        assert ident in broker.worker_links
+    finally:
+        for sock in (job_sock, hb_sock):
+            sock.close(linger=0)
+        broker.close()
+
+
 def test_a_worker_whose_goodbye_comes_while_the_broker_dispatches_to_it_has_left_not_been_lost(tmp_path: Path) -> None:
     """The worker says LEAVING and closes its sockets after the broker's loop last read them; the
     loop then sends it a job, which finds the connection closed. The goodbye is waiting unread:

@@ -172,3 +172,69 @@ def test_strings_with_control_characters_dump_as_toml_reads_them() -> None:
     text = 'line1\nline2\t"quoted" \\ back\r\x00\x1f\x7f é'
     cfg = settings.load(None, {"model": {"null_text": text}})
     assert settings.load(None, tomllib.loads(settings.dump(cfg))).model.null_text == text
+
+
+def test_every_setting_is_in_the_operations_reference() -> None:
+    """docs/OPERATIONS.md's "Settings" tables are where an operator looks a key up: each key of
+    the config must have its row under its table's heading, with the default `serve` runs with
+    (the embedded file, which the test above holds to `Config()`) and the range `load` holds it
+    to, and no row may name a key the config no longer has (a file that set it would be
+    refused as unknown)."""
+    import dataclasses
+    import re
+    from typing import Literal, get_args, get_origin, get_type_hints
+
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "OPERATIONS.md").read_text()
+    start = guide.index("\n## Settings\n") + 1
+    end = guide.find("\n## ", start)
+    documented: dict[str, dict[str, list[str]]] = {}
+    table: str | None = None
+    for line in guide[start:end if end >= 0 else None].splitlines():
+        if line.startswith("### "):
+            heading = re.fullmatch(r"### (?:Top level|`\[(\w+)\]`)", line)
+            assert heading, f"a settings heading names no table: {line!r}"
+            table = heading.group(1) or ""
+            assert table not in documented, f"two headings for [{table}]"
+            documented[table] = {}
+        elif line.startswith("| `"):
+            assert table is not None, f"a settings row before any table's heading: {line!r}"
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            key = cells[0].strip("`")
+            assert len(cells) == 4 and key not in documented[table], (table, line)
+            documented[table][key] = cells
+
+    def number(x: float) -> str:
+        return f"{int(x):,}" if float(x).is_integer() else f"{x:g}"
+
+    def bounds(f: dataclasses.Field[Any], hint: Any) -> str:
+        """The range column as the guide writes it."""
+        if get_origin(hint) is Literal:
+            return ", ".join(f'`"{choice}"`' for choice in get_args(hint))
+        if hint is bool:
+            return "`true`, `false`"
+        if hint is str:
+            return "—"
+        lo, hi = f.metadata.get("range", (0, None))
+        return f"{number(lo)} or more" if hi is None else f"{number(lo)} to {number(hi)}"
+
+    cfg = Config()
+    expected: dict[str, dict[str, tuple[Any, str]]] = {"": {}}
+    for f in dataclasses.fields(Config):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            hints = get_type_hints(type(value))
+            expected[f.name] = {g.name: (getattr(value, g.name), bounds(g, hints[g.name])) for g in dataclasses.fields(value)}
+        else:
+            expected[""][f.name] = (value, bounds(f, get_type_hints(Config)[f.name]))
+
+    assert set(documented) == set(expected), ("tables missing", set(expected) - set(documented),
+                                              "tables the config lacks", set(documented) - set(expected))
+    for table, keys in expected.items():
+        where = f"[{table}]" if table else "top level"
+        rows = documented[table]
+        assert set(rows) == set(keys), (where, "missing", set(keys) - set(rows), "stale", set(rows) - set(keys))
+        for key, (default, limits) in keys.items():
+            _, shown, shown_limits, _ = rows[key]
+            value = tomllib.loads(f"v = {shown.strip('`')}")["v"]  # the default as TOML would read it
+            assert value == default and type(value) is type(default), (where, key, shown, default)
+            assert shown_limits == limits, (where, key, shown_limits, limits)
