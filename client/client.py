@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 import uuid
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, wait
 from typing import Callable, Iterator
 
 import numpy as np
@@ -74,6 +74,7 @@ LINGER_MS = 500  # let the last `end`s reach the server when closing right after
 HEARTBEAT_MS = 2000  # ZeroMQ-level pings on the ingest connection: a vanished peer shows as a disconnect
 HEARTBEAT_TIMEOUT_MS = 6000
 STOP_POLL_MS = 50  # how often a resume waiting on the front door looks whether close() was called
+CANCEL_POLL_S = 0.05  # how often an open waiting on the service looks whether its caller withdrew it (`open(cancel=)`)
 
 
 def client_socket(ctx: zmq.Context, curve: Curve | None) -> zmq.Socket:
@@ -232,13 +233,15 @@ class Client:
         prompt: str | None = None,
         wait: float = 0.0,
         on_wait: Callable[[StreamError], None] | None = None,
+        cancel: threading.Event | None = None,
     ) -> Stream:
         """Open a stream and wait for `ready`; raises StreamError with the server's code if refused.
 
         `wait`: how long an open the service has no room for (`overloaded`, `too_many_streams`) waits
         for a place before that refusal is raised (see RoomWait: the service holds it, first come
         first served; 0, the default: raised at once); `on_wait` is called once, with why, as the
-        waiting begins.
+        waiting begins. `cancel`: set from another thread (its caller hung up, Ctrl-C), the open
+        is withdrawn within CANCEL_POLL_S, the service told (`end`), and CancelledError raised.
         Raises ValueError at once for what the protocol does not allow (an id over 64 characters,
         a prompt over 1000, a language code over 16, ...).
         """
@@ -248,15 +251,25 @@ class Client:
         room = RoomWait(wait)
         while True:
             try:
-                return self._open(dataclasses.replace(msg, wait=room.hold_for()), room, on_wait)
+                return self._open(dataclasses.replace(msg, wait=room.hold_for()), room, on_wait, cancel)
             except StreamError as refused:
                 pause = room.pause(refused)
                 if refused.code in REOPEN_CODES:
                     room.tell(refused, on_wait)
-                if self._stop.wait(pause):  # closed meanwhile: the refusal stands
+                if self._paused(pause, cancel, msg.stream):  # closed meanwhile: the refusal stands
                     raise
 
-    def _open(self, msg: Open, room: RoomWait, on_wait: Callable[[StreamError], None] | None) -> Stream:
+    def _paused(self, seconds: float, cancel: threading.Event | None, stream: str) -> bool:
+        """Wait `seconds` before an open is asked again: True if the client closed meanwhile;
+        CancelledError if its caller withdrew it."""
+        until = time.monotonic() + seconds
+        while (left := until - time.monotonic()) > 0 and not self._stop.wait(min(left, CANCEL_POLL_S) if cancel else left):
+            if cancel is not None and cancel.is_set():
+                raise CancelledError(f"stream {stream}: open withdrawn by its caller")
+        return self._stop.is_set()
+
+    def _open(self, msg: Open, room: RoomWait, on_wait: Callable[[StreamError], None] | None,
+              cancel: threading.Event | None) -> Stream:
         width = SAMPLE_BYTES.get(msg.encoding, 1) * (msg.channels if isinstance(msg.channels, int) and msg.channels > 0 else 1)
         core = StreamCore(msg.stream, priority=msg.priority, frame_bytes=width, limits=self.limits, rate=msg.rate)
         entry = Entry(core, msg, Future(), queue.SimpleQueue(), held=Future())
@@ -264,15 +277,22 @@ class Client:
         # a held open is answered when a place frees or its wait is over: `timeout` counts from then
         deadline = time.monotonic() + self.timeout + (msg.wait or 0.0)
         waiting = {entry.opened, entry.held, self._ended}
-        while wait(waiting, max(deadline - time.monotonic(), 0.0), return_when=FIRST_COMPLETED).done == {entry.held}:
-            waiting.discard(entry.held)  # held for room: said once, then the answer is waited for
-            room.tell(entry.held.result(), on_wait)
+        while True:
+            left = max(deadline - time.monotonic(), 0.0)
+            done = wait(waiting, min(left, CANCEL_POLL_S) if cancel else left, return_when=FIRST_COMPLETED).done
+            if done == {entry.held}:
+                waiting.discard(entry.held)  # held for room: said once, then the answer is waited for
+                room.tell(entry.held.result(), on_wait)
+            elif done or not left or (cancel is not None and cancel.is_set()):
+                break
         if entry.opened.done():
             entry.opened.result()
         elif self._ended.done():  # before it took the open (say, while a resume failed): nothing will answer it
             raise self._ended.result()
-        else:
+        else:  # its `end` withdraws it where the service holds it, and ends it if it was opened meanwhile
             self._submit(lambda: self._io_abandon(entry))
+            if cancel is not None and cancel.is_set():
+                raise CancelledError(f"stream {msg.stream}: open withdrawn by its caller")
             raise TimeoutError(f"stream {msg.stream}: no answer to open within {self.timeout:.1f}s")
         return Stream(self, entry, msg)
 

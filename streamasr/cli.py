@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from typing import Any
 
@@ -148,16 +149,21 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def interrupted(command: str) -> int:
+    """Ctrl-C: said as such, not as a traceback; the status a shell gives a command SIGINT ended."""
+    print(f"streamasr {command}: interrupted", file=sys.stderr)
+    return 128 + signal.SIGINT
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "bench-model":
-        from streamasr import bench_model
+    if argv and argv[0] in ("bench", "bench-model"):  # their own parsers
+        import importlib
 
-        return bench_model.main(argv[1:])
-    if argv and argv[0] == "bench":
-        from streamasr import bench
-
-        return bench.main(argv[1:])
+        try:
+            return importlib.import_module(f"streamasr.{argv[0].replace('-', '_')}").main(argv[1:])
+        except KeyboardInterrupt:  # a service the bench started is stopped on the way out
+            return interrupted(argv[0])
 
     parser = argparse.ArgumentParser(prog="streamasr", description="Real-time streaming speech recognition over ZeroMQ.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -230,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         code = args.func(args)
         sys.stdout.flush()
         return code
+    except KeyboardInterrupt:  # `transcribe` ends its streams first
+        return interrupted(args.command)
     except (ConfigError, ModelError) as exc:  # before any process started: the operator's to fix
         print(f"streamasr {args.command}: error: {exc}", file=sys.stderr)
         return 2

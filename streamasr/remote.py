@@ -6,19 +6,22 @@ takes the next file when its last one is done. A file's sender thread reads its 
 block and paces it at wall-clock rate (as a microphone would deliver it) or, offline, pushes it
 as fast as the server's credit allows; the thread that took the file turns its events into
 output lines with client-side latencies. A file the service has no room for yet (its open
-refused as busy) waits for a place, asking again, for up to `--open-timeout`. A file is opened
-when its stream starts, and only the blocks on their way are held, so a day of recordings
-streams in the memory, and the threads, of the streams open at once.
+refused as busy) waits for a place, held by the service, for up to `--open-timeout`. A file is
+opened when its stream starts, and only the blocks on their way are held, so a day of recordings
+streams in the memory, and the threads, of the streams open at once. Ctrl-C ends the streams
+with the audio sent so far and keeps what they transcribed (a second one quits at once).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Iterator, TextIO
@@ -42,6 +45,7 @@ EVENT_TIMEOUT_S = 120.0  # longest silence from the server before a stream is gi
 CREDIT_TIMEOUT_S = 120.0  # longest an offline stream waits for the window to move
 STALL_POLL_S = 0.5  # how often a stream's reader, waiting for events, looks whether its sender gave up for lack of credit
 OPEN_TIMEOUT_S = 300.0  # how long a file waits for the service to take its stream (`--open-timeout`)
+INTERRUPTED = 128 + signal.SIGINT  # the exit status of a run Ctrl-C ended, as a shell gives a command SIGINT killed
 
 
 class Reader:
@@ -116,6 +120,8 @@ class Job:
     seconds: float  # the file's length, as its header (or size) says
     stream: Stream | None = None
     sent_all: bool = False  # every sample went out: a transcript is the whole file's
+    sent_s: float = 0.0  # of the file's audio, what went out
+    interrupted: bool = False  # Ctrl-C came before all of it went out
     stalled: threading.Event = field(default_factory=threading.Event)  # no credit for CREDIT_TIMEOUT_S: the service stopped taking it
     finals: list[str] = field(default_factory=list)
     closed: Closed | None = None
@@ -179,7 +185,8 @@ def run(
         print(f"cannot connect to {server}: {exc}", file=sys.stderr)
         return 1
     output = Output(out, as_json)
-    with client:
+    stop = threading.Event()  # Ctrl-C: streams end with what they sent, files not begun are left
+    with client, _interruptible(stop):
         # the ingest refuses a connection more open streams than this: the other files wait for a place
         allowed = client.limits.max_streams_per_client
         if parallel is not None and parallel > allowed:
@@ -188,31 +195,65 @@ def run(
         places = min(parallel or allowed, allowed, len(jobs))
         # a thread per place, not per file: each takes the next file once done with its last (its `closed` frees the ingest's place)
         with ThreadPoolExecutor(places, thread_name_prefix="transcribe") as pool:
-            done = [pool.submit(_stream, client, job, offline, language, partials, frame_ms, open_timeout, output) for job in jobs]
+            done = [pool.submit(_stream, client, job, offline, language, partials, frame_ms, open_timeout, output, stop)
+                    for job in jobs]
             for future in done:
                 future.result()  # a fault of this code, not of a file: raised rather than lost
     for job in jobs:
+        ended = job.closed is not None and job.closed.reason == "end"  # every sample sent was transcribed
         if job.error is not None:
             print(f"{job.file}: {job.error}", file=sys.stderr)
             failed = True
-            if not job.sent_all or job.closed is None or job.closed.reason != "end":
+            if not ended or not (job.sent_all or job.interrupted):
                 continue  # cut short: its transcript would pass for the whole file's
             # a segment the service could not transcribe still had its final (what its partials agreed
             # on) and the stream went on: the transcript is the file's, with that error said
+        if job.interrupted:  # the part it has is given, and said to be a part
+            if not ended or not job.sent_s:
+                print(f"{job.file}: interrupted before it was transcribed", file=sys.stderr)
+                continue
+            print(f"{job.file}: interrupted: the transcript of its first {job.sent_s:.1f} s of {job.seconds:.1f} s",
+                  file=sys.stderr)
         text = joined(job.finals)  # Chinese or Japanese finals follow each other with no space, as in `--local`
         if as_json:
             audio_s = job.closed.audio_s if job.closed is not None else job.seconds
             output.json({"type": "summary", "file": job.file, "text": text, "segments": len(job.finals),
-                         "audio_s": round(audio_s, 3), "wall_s": round(job.wall_s, 3)})
+                         "audio_s": round(audio_s, 3), "wall_s": round(job.wall_s, 3), "interrupted": job.interrupted})
         else:
             out.write(f"{job.file}: {text}\n" if len(jobs) > 1 else f"{text}\n")
     out.flush()
-    return 1 if failed else 0
+    return INTERRUPTED if stop.is_set() else 1 if failed else 0
+
+
+@contextmanager
+def _interruptible(stop: threading.Event) -> Iterator[None]:
+    """Ctrl-C sets `stop` (said once on stderr); a second one quits at once, as Ctrl-C does. Off
+    the main thread (an application's) signals are its own, and `stop` is never set here."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupted(signum: int, _frame: object) -> None:
+        if stop.is_set():
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        stop.set()
+        print("interrupted: ending the streams with the audio sent so far (Ctrl-C again to quit at once)", file=sys.stderr)
+
+    before = signal.signal(signal.SIGINT, interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def _stream(client: Client, job: Job, offline: bool, language: str | None, partials: bool, frame_ms: int,
-            open_timeout: float, output: Output) -> None:
+            open_timeout: float, output: Output, stop: threading.Event) -> None:
     """Open the file, then its stream; send on a helper thread while this one reads events until `closed`."""
+    if stop.is_set():
+        job.interrupted = True
+        return
     try:
         reader = Reader(job.file)
     except (OSError, RuntimeError, ValueError) as exc:  # changed since it was checked: gone, cut to nothing
@@ -220,12 +261,15 @@ def _stream(client: Client, job: Job, offline: bool, language: str | None, parti
         return
     with reader:
         try:
-            job.stream = _open(client, job, reader, offline, language, partials, open_timeout, output)
+            job.stream = _open(client, job, reader, offline, language, partials, open_timeout, output, stop)
+        except CancelledError:  # Ctrl-C while it waited for room
+            job.interrupted = True
+            return
         except (ServerError, TimeoutError, ValueError) as exc:  # ValueError: an open the protocol does not allow (--language)
             job.error = f"cannot open a stream: {exc}"
             return
         job.started = time.monotonic()
-        sender = threading.Thread(target=_send, args=(job, reader, offline, frame_ms),
+        sender = threading.Thread(target=_send, args=(job, reader, offline, frame_ms, stop),
                                   name=f"{threading.current_thread().name}-send")
         sender.start()
         try:
@@ -238,7 +282,7 @@ def _stream(client: Client, job: Job, offline: bool, language: str | None, parti
 
 
 def _open(client: Client, job: Job, reader: Reader, offline: bool, language: str | None, partials: bool,
-          open_timeout: float, output: Output) -> Stream:
+          open_timeout: float, output: Output, stop: threading.Event) -> Stream:
     """Open the file's stream. One the service has no room for waits, held by the service in line
     with other callers', until `open_timeout` has passed (client.core.RoomWait): a folder of
     recordings on a busy service must not fail the files that came a moment too soon. Said once
@@ -249,28 +293,30 @@ def _open(client: Client, job: Job, reader: Reader, offline: bool, language: str
                    f"waiting up to {open_timeout:g} s for room")
 
     return client.open(rate=reader.rate, channels=reader.channels, language=language, partials=partials,
-                       priority="batch" if offline else "realtime", wait=open_timeout, on_wait=waiting)
+                       priority="batch" if offline else "realtime", wait=open_timeout, on_wait=waiting, cancel=stop)
 
 
-def _send(job: Job, reader: Reader, offline: bool, frame_ms: int) -> None:
+def _send(job: Job, reader: Reader, offline: bool, frame_ms: int, stop: threading.Event) -> None:
     """Read and send the file block by block, then `end`. A file that fails part-way (cut short,
     corrupt) or whose audio cannot be sent fails this file alone: what was sent is ended, and its
-    transcript, a part's, is not given as the file's."""
+    transcript, a part's, is not given as the file's. Ctrl-C (`stop`) ends it where it is."""
     stream = job.stream
     assert stream is not None
     sent = 0  # frames, at the stream's rate
     try:
         for block in reader.blocks(OFFLINE_BLOCK_MS if offline else frame_ms):
-            if offline:
-                stream.send(block, timeout=CREDIT_TIMEOUT_S)
-                continue
+            if stop.is_set():
+                job.interrupted = True
+                break
             sent += len(block)
-            # a frame exists once its last sample has been "recorded": send at the end of its span
-            delay = job.started + sent / reader.rate - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-            stream.send(block)
-        job.sent_all = True
+            if not offline:  # a frame exists once its last sample has been "recorded": sent at the end of its span
+                delay = job.started + sent / reader.rate - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+            stream.send(block, timeout=CREDIT_TIMEOUT_S if offline else None)
+            job.sent_s = sent / reader.rate
+        else:
+            job.sent_all = True
     except TimeoutError as exc:  # no credit (before OSError's clause: TimeoutError is one); the rest is left unsent
         job.error = job.error or f"sending audio failed: {exc}"
         job.stalled.set()

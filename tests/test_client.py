@@ -6,12 +6,14 @@ import asyncio
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
+from concurrent.futures import CancelledError
 from pathlib import Path
 from typing import Any, Callable
 
@@ -625,6 +627,116 @@ def test_an_open_that_waits_on_a_service_older_than_held_opens_is_asked_again() 
             assert len(waits) == 2 and 29 < waits[0] <= 30 and waits[1] is None, waits
     finally:
         fake.close()
+
+
+def test_a_call_that_hangs_up_while_it_waits_for_room_withdraws_its_open(service_factory) -> None:
+    """A caller who hangs up while its open waits for room (`open(wait=S, cancel=event)`, the
+    event set from another thread; an AsyncClient's `open` task cancelled) gets CancelledError,
+    and the service lets its place in line go: the place that frees goes to the call behind it,
+    not to nobody. Closing the client would fail every other stream on it."""
+    service = service_factory(model="null", workers=1, ingest={"admit_max_realtime_streams": 1, "idle_timeout_s": 600})
+    hung_up = threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def call(name: str, cancel: threading.Event | None) -> None:
+        if name == "c":
+            async def main() -> None:
+                async with AsyncClient(service.address) as aclient:
+                    opening = asyncio.ensure_future(aclient.open(name, wait=60.0))
+                    while not cancel.is_set():
+                        await asyncio.sleep(0.02)
+                    opening.cancel()
+                    try:
+                        await opening
+                    except asyncio.CancelledError as exc:
+                        outcome[name] = exc
+
+            asyncio.run(main())
+            return
+        with Client(service.address) as client:
+            try:
+                stream = client.open(name, wait=60.0, cancel=cancel)
+            except CancelledError as exc:
+                outcome[name] = exc
+                return
+            outcome[name] = "admitted"
+            stream.end()
+            drain(stream)
+
+    def held() -> list[str]:
+        return [e["stream"] for e in service.events("ingest-0") if e["event"] == "ingest.open_waiting"]
+
+    with Client(service.address) as holder:
+        first = holder.open("first")
+        callers = [threading.Thread(target=call, args=(name, cancel)) for name, cancel in (("a", hung_up), ("b", None), ("c", hung_up))]
+        for caller, name in zip(callers, "abc"):
+            caller.start()
+            assert wait_for(lambda: name in held(), 20), f"call {name} held"
+        hung_up.set()
+        for caller in callers[::2]:
+            caller.join(10)
+        assert isinstance(outcome.get("a"), CancelledError) and isinstance(outcome.get("c"), asyncio.CancelledError), outcome
+
+        def withdrawn() -> list[str]:
+            return [e["stream"] for e in service.events("ingest-0") if e["event"] == "ingest.open_refused"
+                    and e["reason"].endswith("(ended while it waited for room)")]
+
+        assert wait_for(lambda: sorted(withdrawn()) == ["a", "c"], 10), withdrawn()
+        first.end()
+        drain(first)
+        callers[1].join(30)
+    assert outcome == {"a": outcome["a"], "b": "admitted", "c": outcome["c"]}, outcome
+    opened = [e["stream"] for e in service.events("ingest-0") if e["event"] == "ingest.stream_opened"]
+    assert opened == ["first", "b"], opened
+
+
+def test_ctrl_c_ends_a_transcription_with_what_it_sent_and_keeps_its_transcript(service, tmp_path) -> None:
+    """Ctrl-C while `streamasr transcribe` streams ends the streams with the audio sent so far:
+    their transcript is given, said to be a part (how much of the file), a file not begun is said
+    to be left, and the exit status is a SIGINT's (130), with no traceback. The stream ends as an
+    `end` ends it, not as a client gone: the ingest closes it with reason `end`. A second Ctrl-C
+    quits at once."""
+    path = tmp_path / "long.wav"
+    soundfile.write(path, speech_with_pauses(10), RATE, subtype="PCM_16")  # about 30 s, a final every 3 s
+    argv = [sys.executable, "-m", "streamasr.cli", "transcribe", "--server", service.address, "--json", "--parallel", "1",
+            str(path), str(path)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rows = []
+    for line in proc.stdout:  # the first file's first final: it is well under way
+        rows.append(json.loads(line))
+        if rows[-1]["type"] == "final" and rows[-1]["text"].strip():
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    rows += [json.loads(line) for line in out.splitlines()]
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert "Traceback" not in err, err
+    said = err.splitlines()
+    assert said[0] == "interrupted: ending the streams with the audio sent so far (Ctrl-C again to quit at once)", said
+    assert said[2:] == [f"{path}: interrupted before it was transcribed"], said
+    part = re.fullmatch(rf"{re.escape(str(path))}: interrupted: the transcript of its first ([0-9.]+) s of ([0-9.]+) s", said[1])
+    assert part, said
+    sent_s, whole_s = map(float, part.groups())
+    assert 3 < sent_s < whole_s - 5 and abs(whole_s - len(speech_with_pauses(10)) / RATE) < 0.1, said
+    [summary] = [r for r in rows if r["type"] == "summary"]
+    finals = [r["text"].strip() for r in rows if r["type"] == "final" and r["text"].strip()]
+    assert summary["interrupted"] is True and summary["text"] == " ".join(finals), summary
+    assert abs(summary["audio_s"] - sent_s) < 0.2, (summary, sent_s)
+    assert "forward" in summary["text"].lower() and summary["segments"] == len(finals), summary
+    assert all(r["end"] <= sent_s + 0.1 for r in rows if r["type"] == "final"), rows
+    closed = [e for e in service.events("ingest-0") if e["event"] in ("ingest.stream_closed", "ingest.stream_dropped")
+              and abs(e.get("audio_s", 0) - summary["audio_s"]) < 0.01]
+    assert [(e["event"], e["reason"]) for e in closed] == [("ingest.stream_closed", "end")], closed
+
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if json.loads(line)["type"] == "partial":
+            break
+    proc.send_signal(signal.SIGINT)
+    assert proc.stderr.readline().startswith("interrupted: ending the streams")
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGINT
 
 
 def test_transcribe_gives_up_on_room_after_its_open_timeout(service_factory, tmp_path) -> None:
