@@ -109,6 +109,11 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     if args.local:
         from streamasr import local
 
+        if "-" in args.files:
+            print("streamasr transcribe: error: - (standard input) is streamed to a service, not read with --local",
+                  file=sys.stderr)
+            return 2
+
         model = _config(args).model  # --model and --precision over the config's [model]
         return local.run(args.files, model, language=args.language, as_json=args.json, threads=args.threads)
     from streamasr import remote, service
@@ -190,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("transcribe", help="transcribe files, in-process (--local) or by streaming them to a service")
     _common(p)
-    p.add_argument("files", nargs="+")
+    p.add_argument("files", nargs="+", help="audio files; - is standard input, headerless 16 kHz 16-bit mono (a live "
+                                            "source: sent as it comes, each final printed as it comes; Ctrl-C ends it)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--local", action="store_true", help="run the model in this process")
     where.add_argument("--server", metavar="ADDR", help="service address (default: the config's)")

@@ -8,8 +8,10 @@ as fast as the server's credit allows; the thread that took the file turns its e
 output lines with client-side latencies. A file the service has no room for yet (its open
 refused as busy) waits for a place, held by the service, for up to `--open-timeout`. A file is
 opened when its stream starts, and only the blocks on their way are held, so a day of recordings
-streams in the memory, and the threads, of the streams open at once. Ctrl-C ends the streams
-with the audio sent so far and keeps what they transcribed (a second one quits at once).
+streams in the memory, and the threads, of the streams open at once. `-` is standard input: a
+live source (`arecord`, `ffmpeg` writing to a pipe) sent as it comes, each final printed as it
+comes. Ctrl-C ends the streams with the audio sent so far and keeps what they transcribed (a
+second one quits at once).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -38,7 +41,8 @@ from protocol.auth import Curve
 from protocol.messages import MAX_CHANNELS, OVERLOADED, RATES, Closed, ErrorMsg, Final, Partial, ProtocolError, ServerMessage
 from speech.audio import RAW_SUFFIXES, not_a_file, raw_format, to_mono
 
-RAW_RATE = 16000  # headerless files (RAW_SUFFIXES): 16 kHz s16le mono
+RAW_RATE = 16000  # headerless files (RAW_SUFFIXES) and standard input: 16 kHz s16le mono
+STDIN = "-"  # the file argument that names standard input
 RESAMPLED_RATE = 16000  # what a file at a rate the protocol does not take is streamed at
 OFFLINE_BLOCK_MS = 1000  # audio an offline stream reads and queues at a time: far below a window (about 60 s)
 EVENT_TIMEOUT_S = 120.0  # longest silence from the server before a stream is given up
@@ -53,20 +57,28 @@ class Reader:
     memory holds what is being streamed rather than whole files: at the file's rate and channels
     if the protocol takes that rate (else resampled to 16 kHz as they are read), mixed to mono
     past the channels a stream carries. Headerless files and a file without samples are taken as
-    `transcribe --local` takes them. Opening reads the header alone."""
+    `transcribe --local` takes them. Opening reads the header alone. Standard input (STDIN) is
+    headerless, of a length known at its end; a pipe or a device is `live`: it comes at the speed
+    it is spoken, and is sent as it comes rather than paced again."""
 
     def __init__(self, path: str) -> None:
-        if why := not_a_file(Path(path)):
-            raise ValueError(why)
         self._raw: BinaryIO | None = None
         self._file: soundfile.SoundFile | None = None
-        if Path(path).suffix.lower() in RAW_SUFFIXES:
+        self.live = False
+        self.frames: int | None
+        if path == STDIN:  # not closed with the reader: it is opened again for the stream
+            self._raw = sys.stdin.buffer
+            self.live = not stat.S_ISREG(os.fstat(self._raw.fileno()).st_mode)
+            self.file_rate, channels, self.frames = RAW_RATE, 1, None
+        elif why := not_a_file(Path(path)):
+            raise ValueError(why)
+        elif Path(path).suffix.lower() in RAW_SUFFIXES:
             self._raw = open(path, "rb")
             self.file_rate, channels, self.frames = RAW_RATE, 1, os.fstat(self._raw.fileno()).st_size // 2
         else:
             self._file = soundfile.SoundFile(path, **raw_format(Path(path)))
             self.file_rate, channels, self.frames = self._file.samplerate, self._file.channels, self._file.frames
-        if not self.frames:
+        if self.frames == 0:
             self.close()
             raise ValueError("the file holds no audio samples")
         self.mix = channels > MAX_CHANNELS
@@ -74,8 +86,8 @@ class Reader:
         self.rate = self.file_rate if self.file_rate in RATES else RESAMPLED_RATE
 
     @property
-    def seconds(self) -> float:
-        return self.frames / self.file_rate
+    def seconds(self) -> float | None:
+        return None if self.frames is None else self.frames / self.file_rate
 
     def blocks(self, ms: int) -> Iterator[np.ndarray]:
         """The samples, (frames, channels) int16 or float32, `ms` of the file at a time (a
@@ -102,7 +114,7 @@ class Reader:
 
     def close(self) -> None:
         for f in (self._raw, self._file):
-            if f is not None:
+            if f is not None and f is not sys.stdin.buffer:
                 f.close()
 
     def __enter__(self) -> Reader:
@@ -117,7 +129,7 @@ class Job:
     """One file's stream and what came back on it."""
 
     file: str
-    seconds: float  # the file's length, as its header (or size) says
+    seconds: float | None  # the file's length, as its header (or size) says; None for standard input
     stream: Stream | None = None
     sent_all: bool = False  # every sample went out: a transcript is the whole file's
     sent_s: float = 0.0  # of the file's audio, what went out
@@ -133,10 +145,17 @@ class Job:
 class Output:
     """Serializes lines from the reader threads."""
 
-    def __init__(self, out: TextIO, as_json: bool) -> None:
+    def __init__(self, out: TextIO, as_json: bool, named: bool) -> None:
         self.out = out
         self.as_json = as_json
+        self.named = named  # several files: each transcript line begins with its file's name
         self.lock = threading.Lock()
+
+    def text(self, file: str, text: str) -> None:
+        """A transcript line, whole among the other threads' lines."""
+        with self.lock:
+            self.out.write(f"{file}: {text}\n" if self.named else f"{text}\n")
+            self.out.flush()
 
     def say(self, line: str) -> None:
         """A line on stderr, whole among the other threads' lines."""
@@ -169,6 +188,9 @@ def run(
     for its stream; 0 when every file was transcribed, else 1."""
     jobs: list[Job] = []
     failed = False
+    if files.count(STDIN) > 1:
+        print(f"{STDIN} (standard input) can be given once", file=sys.stderr)
+        return 1
     for path in files:
         try:  # the header alone: a file that cannot be streamed is said at once, before any is
             with Reader(path) as reader:
@@ -184,7 +206,7 @@ def run(
     except (ServerError, TimeoutError, OSError, ProtocolError, zmq.ZMQError) as exc:
         print(f"cannot connect to {server}: {exc}", file=sys.stderr)
         return 1
-    output = Output(out, as_json)
+    output = Output(out, as_json, named=len(jobs) > 1)
     stop = threading.Event()  # Ctrl-C: streams end with what they sent, files not begun are left
     with client, _interruptible(stop):
         # the ingest refuses a connection more open streams than this: the other files wait for a place
@@ -212,15 +234,15 @@ def run(
             if not ended or not job.sent_s:
                 print(f"{job.file}: interrupted before it was transcribed", file=sys.stderr)
                 continue
-            print(f"{job.file}: interrupted: the transcript of its first {job.sent_s:.1f} s of {job.seconds:.1f} s",
-                  file=sys.stderr)
+            whole = "" if job.seconds is None else f" of {job.seconds:.1f} s"
+            print(f"{job.file}: interrupted: the transcript of its first {job.sent_s:.1f} s{whole}", file=sys.stderr)
         text = joined(job.finals)  # Chinese or Japanese finals follow each other with no space, as in `--local`
         if as_json:
-            audio_s = job.closed.audio_s if job.closed is not None else job.seconds
+            audio_s = job.closed.audio_s if job.closed is not None else job.seconds or 0.0
             output.json({"type": "summary", "file": job.file, "text": text, "segments": len(job.finals),
                          "audio_s": round(audio_s, 3), "wall_s": round(job.wall_s, 3), "interrupted": job.interrupted})
-        else:
-            out.write(f"{job.file}: {text}\n" if len(jobs) > 1 else f"{text}\n")
+        elif job.file != STDIN:  # standard input's finals were printed as they came
+            output.text(job.file, text)
     out.flush()
     return INTERRUPTED if stop.is_set() else 1 if failed else 0
 
@@ -309,7 +331,7 @@ def _send(job: Job, reader: Reader, offline: bool, frame_ms: int, stop: threadin
                 job.interrupted = True
                 break
             sent += len(block)
-            if not offline:  # a frame exists once its last sample has been "recorded": sent at the end of its span
+            if not offline and not reader.live:  # a frame exists once its last sample has been "recorded": sent at the end of its span
                 delay = job.started + sent / reader.rate - time.monotonic()
                 if delay > 0:
                     time.sleep(delay)
@@ -359,6 +381,8 @@ def _show(job: Job, ev: ServerMessage, output: Output) -> None:
         final = isinstance(ev, Final)
         if final and ev.text.strip():
             job.finals.append(ev.text.strip())
+            if job.file == STDIN and not output.as_json:  # a live source has no end to wait for
+                output.text(job.file, ev.text.strip())
         row = {"type": "final" if final else "partial", "file": job.file, "seg": ev.seg, "text": ev.text,
                "stable": ev.text if final else ev.stable, "start": ev.start, "end": ev.end, "language": ev.language,
                "latency_ms": latency_ms}

@@ -739,6 +739,52 @@ def test_ctrl_c_ends_a_transcription_with_what_it_sent_and_keeps_its_transcript(
     assert proc.returncode == -signal.SIGINT
 
 
+def test_transcribe_captions_a_live_source_on_standard_input(service, tmp_path) -> None:
+    """`streamasr transcribe -` reads headerless 16 kHz 16-bit mono from standard input, as
+    `arecord` or `ffmpeg` write it to a pipe: a live source has no end to wait for, so each final
+    is printed as it comes, while the audio still flows, and the audio is sent as it comes (it is
+    paced by the speaker). Standard input redirected from a file is paced as a file is. `-` is
+    for the service only, and once."""
+    audio = speech_with_pauses(4)  # four times "go forward ten meters", a second of silence after each
+    proc = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "transcribe", "--server", service.address, "-"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    fed = threading.Event()
+
+    def speak() -> None:  # at the speed of speech, 100 ms at a time
+        step = RATE // 10
+        for i in range(0, len(audio), step):
+            proc.stdin.write(audio[i:i + step].tobytes())
+            proc.stdin.flush()
+            time.sleep(0.1)
+        fed.set()
+        proc.stdin.close()
+
+    speaker = threading.Thread(target=speak)
+    speaker.start()
+    lines = []
+    for line in proc.stdout:
+        lines.append((line.decode().strip(), fed.is_set()))
+    speaker.join()
+    assert proc.wait(30) == 0 and proc.stderr.read() == b""
+    assert len(lines) == 4 and all("forward" in text.lower() for text, _ in lines), lines
+    assert not lines[0][1], "the first final came only after the audio ended"
+
+    raw = tmp_path / "call.raw"
+    audio.tofile(raw)
+    with open(raw, "rb") as stdin:
+        paced = subprocess.run([sys.executable, "-m", "streamasr.cli", "transcribe", "--server", service.address, "--json", "-"],
+                               stdin=stdin, capture_output=True, text=True, timeout=120)
+    assert paced.returncode == 0, paced.stderr
+    summary = json.loads(paced.stdout.splitlines()[-1])
+    assert summary["file"] == "-" and summary["text"].lower().count("forward") == 4, summary
+    assert summary["audio_s"] == pytest.approx(len(audio) / RATE, abs=0.01) and summary["wall_s"] >= summary["audio_s"] - 0.5, summary
+
+    local = service.cli("transcribe", "--local", "-")
+    assert local.returncode == 2 and "standard input" in local.stderr, local
+    twice = service.cli("transcribe", "--server", service.address, "-", "-")
+    assert twice.returncode == 1 and twice.stderr == "- (standard input) can be given once\n", twice
+
+
 def test_transcribe_gives_up_on_room_after_its_open_timeout(service_factory, tmp_path) -> None:
     """A file the service keeps refusing for load fails once `--open-timeout` has passed, saying
     why and for how long it waited; `--open-timeout 0` fails it at the first refusal; `--offline`
