@@ -162,7 +162,8 @@ class AsyncClient:
     ) -> AsyncStream:
         """Open a stream and wait for `ready`; raises StreamError with the server's code if refused.
 
-        `wait` and `on_wait`: an open the service has no room for waits for a place as `Client.open`'s does.
+        `wait` and `on_wait`: an open the service has no room for waits for a place as `Client.open`'s does;
+        cancelling the call withdraws the open (the service is told, and the place goes to the next).
         Raises ValueError at once for what the protocol does not allow, as `Client.open` does.
         """
         self._check()
