@@ -464,7 +464,7 @@ def test_a_sigterm_to_serve_as_its_programs_start_leaves_none_running_and_no_shm
 def test_stop_sees_supervisord_exit_before_its_parent_reaps_it(tmp_path: Path) -> None:
     """`serve` started by a program that reaps its children only when it next looks (a script's
     Popen, a process manager between its polls): supervisord stays a zombie until then. `stop`
-    must report the instance stopped once it has exited, not wait its whole limit (42 s) and
+    must report the instance stopped once it has exited, not wait its whole limit (47 s) and
     say it did not stop."""
     instance = f"unreaped{uuid.uuid4().hex[:8]}"
     config = tmp_path / "streamasr.toml"

@@ -438,7 +438,7 @@ def test_a_sighup_to_a_program_stops_it_cleanly_and_supervisord_starts_it_again(
 
 # ---------------------------------------------------------------- programs supervisord gave up on
 
-GIVE_UP_WAIT_S = 300  # supervisord's ten tries, a second more apart each (55 s of waits), on a busy machine
+GIVE_UP_WAIT_S = 300  # a first start and supervisord's ten retries, a second more apart each (55 s of waits), on a busy machine
 RETRY_S = 20.0  # [supervisor] fatal_retry_s here: long enough to look at the FATAL program before it is started again
 
 
@@ -476,7 +476,7 @@ def given_up_report(service: Service, program: str) -> dict[str, Any]:
 
 
 def test_a_program_given_up_on_is_shown_and_started_again_once_its_port_is_free(service_factory: Any) -> None:
-    """Another process held the broker's port for longer than supervisord's ten tries (about a
+    """Another process held the broker's port for longer than supervisord's ten retries (about a
     minute, the broker failing within a second each time): supervisord put it in FATAL and never
     started it again, the instance down for good. `status` and the dashboard name it FATAL with
     its last words, and `revive` starts it again, logged, once the port is free."""
