@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("transcribe", help="transcribe files, in-process (--local) or by streaming them to a service")
     _common(p)
     p.add_argument("files", nargs="+", help="audio files; - is standard input, headerless 16 kHz 16-bit mono (a live "
-                                            "source: sent as it comes, each final printed as it comes; Ctrl-C ends it)")
+                                            "source: sent as it comes, each final printed as it comes, partials in place on a "
+                                            "terminal; Ctrl-C ends it)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--local", action="store_true", help="run the model in this process")
     where.add_argument("--server", metavar="ADDR", help="service address (default: the config's)")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import stat
 import sys
@@ -149,13 +150,38 @@ class Output:
         self.out = out
         self.as_json = as_json
         self.named = named  # several files: each transcript line begins with its file's name
+        # on a terminal, a live source's partials show in place, on the line its final then takes
+        self.terminal = not as_json and out.isatty()
+        self.showing = False  # a partial is on the terminal's last line
         self.lock = threading.Lock()
 
     def text(self, file: str, text: str) -> None:
-        """A transcript line, whole among the other threads' lines."""
+        """A transcript line, whole among the other threads' lines (over a partial shown)."""
         with self.lock:
-            self.out.write(f"{file}: {text}\n" if self.named else f"{text}\n")
+            self.out.write(self._clear() + (f"{file}: {text}\n" if self.named else f"{text}\n"))
             self.out.flush()
+
+    def partial(self, file: str, text: str) -> None:
+        """A live source's partial, in place of the last one, cut at its start to the terminal's width
+        (one with no words yet, a segment's first often, leaves the line as it is)."""
+        if not self.terminal or not text:
+            return
+        line = f"{file}: {text}" if self.named else text
+        width = shutil.get_terminal_size().columns - 1
+        with self.lock:
+            self.out.write(self._clear() + (line if len(line) <= width else "…" + line[len(line) - width + 1:]))
+            self.out.flush()
+            self.showing = True
+
+    def unshow(self) -> None:
+        """Take a partial shown off the terminal: its segment's final had no words."""
+        with self.lock:
+            self.out.write(self._clear())
+            self.out.flush()
+
+    def _clear(self) -> str:
+        showing, self.showing = self.showing, False
+        return "\r\x1b[K" if showing else ""
 
     def say(self, line: str) -> None:
         """A line on stderr, whole among the other threads' lines."""
@@ -379,10 +405,15 @@ def _show(job: Job, ev: ServerMessage, output: Output) -> None:
     if isinstance(ev, (Partial, Final)):
         latency_ms = round(stream.latency_for(ev.end, now=stream.received_at) * 1000, 1)
         final = isinstance(ev, Final)
+        if job.file == STDIN:  # a live source has no end to wait for
+            if not final:
+                output.partial(job.file, ev.text.strip())
+            elif ev.text.strip() and not output.as_json:
+                output.text(job.file, ev.text.strip())
+            else:
+                output.unshow()
         if final and ev.text.strip():
             job.finals.append(ev.text.strip())
-            if job.file == STDIN and not output.as_json:  # a live source has no end to wait for
-                output.text(job.file, ev.text.strip())
         row = {"type": "final" if final else "partial", "file": job.file, "seg": ev.seg, "text": ev.text,
                "stable": ev.text if final else ev.stable, "start": ev.start, "end": ev.end, "language": ev.language,
                "latency_ms": latency_ms}

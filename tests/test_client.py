@@ -741,6 +741,17 @@ def test_ctrl_c_ends_a_transcription_with_what_it_sent_and_keeps_its_transcript(
     assert proc.returncode == -signal.SIGINT
 
 
+def speak_into(pipe: Any, audio: np.ndarray, fed: threading.Event) -> None:
+    """Write `audio` to a pipe as a microphone would, 100 ms at a time, then close it."""
+    step = RATE // 10
+    for i in range(0, len(audio), step):
+        pipe.write(audio[i:i + step].tobytes())
+        pipe.flush()
+        time.sleep(0.1)
+    fed.set()
+    pipe.close()
+
+
 def test_transcribe_captions_a_live_source_on_standard_input(service, tmp_path) -> None:
     """`streamasr transcribe -` reads headerless 16 kHz 16-bit mono from standard input, as
     `arecord` or `ffmpeg` write it to a pipe: a live source has no end to wait for, so each final
@@ -751,17 +762,7 @@ def test_transcribe_captions_a_live_source_on_standard_input(service, tmp_path) 
     proc = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "transcribe", "--server", service.address, "-"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     fed = threading.Event()
-
-    def speak() -> None:  # at the speed of speech, 100 ms at a time
-        step = RATE // 10
-        for i in range(0, len(audio), step):
-            proc.stdin.write(audio[i:i + step].tobytes())
-            proc.stdin.flush()
-            time.sleep(0.1)
-        fed.set()
-        proc.stdin.close()
-
-    speaker = threading.Thread(target=speak)
+    speaker = threading.Thread(target=speak_into, args=(proc.stdin, audio, fed))
     speaker.start()
     lines = []
     for line in proc.stdout:
@@ -786,6 +787,38 @@ def test_transcribe_captions_a_live_source_on_standard_input(service, tmp_path) 
     assert local.returncode == 2 and "standard input" in local.stderr, local
     twice = service.cli("transcribe", "--server", service.address, "-", "-")
     assert twice.returncode == 1 and twice.stderr == "- (standard input) can be given once\n", twice
+
+
+def test_transcribe_shows_a_live_source_s_partials_in_place_on_a_terminal(service) -> None:
+    """Printed to a terminal, a live source's partials show as they come on one line, each in
+    place of the last, and its final takes that line; a pipe or a file gets the finals alone (the
+    test above)."""
+    import pty
+
+    terminal, its_end = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "transcribe", "--server", service.address, "-"],
+                            stdin=subprocess.PIPE, stdout=its_end, stderr=subprocess.PIPE)
+    os.close(its_end)
+    speaker = threading.Thread(target=speak_into, args=(proc.stdin, speech_with_pauses(2), threading.Event()))
+    speaker.start()
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(terminal, 4096)
+        except OSError:  # the process ended: its end of the terminal is closed
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(terminal)
+    speaker.join()
+    assert proc.wait(30) == 0, proc.stderr.read()
+    lines = shown.decode().split("\r\n")  # the terminal's line ends
+    assert lines[-1] == "" and len(lines) == 3, lines
+    for line in lines[:2]:
+        *partials, final = line.split("\r\x1b[K")
+        assert partials and all(partials), line  # each partial written over the one before
+        assert "forward" in final.lower() and final.endswith("."), line
 
 
 def test_transcribe_gives_up_on_room_after_its_open_timeout(service_factory, tmp_path) -> None:
