@@ -106,6 +106,9 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_transcribe(args: argparse.Namespace) -> int:
+    if args.subtitles and len(args.files) > 1:
+        print("streamasr transcribe: error: --subtitles takes one file", file=sys.stderr)
+        return 2
     if args.local:
         from streamasr import local
 
@@ -115,7 +118,8 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
             return 2
 
         model = _config(args).model  # --model and --precision over the config's [model]
-        return local.run(args.files, model, language=args.language, as_json=args.json, threads=args.threads)
+        return local.run(args.files, model, language=args.language, as_json=args.json, threads=args.threads,
+                         subtitles=args.subtitles)
     from streamasr import remote, service
 
     cfg = _config(args)
@@ -126,7 +130,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
     return remote.run(args.files, server=args.server or cfg.front_door, offline=args.offline, as_json=args.json,
-                      language=args.language, curve=curve, parallel=args.parallel,
+                      language=args.language, curve=curve, parallel=args.parallel, subtitles=args.subtitles,
                       open_timeout=remote.OPEN_TIMEOUT_S if args.open_timeout is None else args.open_timeout)
 
 
@@ -204,7 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     pace = p.add_mutually_exclusive_group()
     pace.add_argument("--realtime", action="store_true", help="stream at the speed of speech (default)")
     pace.add_argument("--offline", action="store_true", help="stream as fast as the service takes it (priority batch)")
-    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json", action="store_true", help="one JSON object per line")
+    shape.add_argument("--subtitles", choices=["srt", "vtt"],
+                       help="one file's captions as SubRip or WebVTT cues (two lines of 42 characters, 7 s at most)")
     p.add_argument("--parallel", type=flag_in_range(int, 1, MAX_THREADS, "files"), metavar="N",
                    help="without --local: files streamed at once, the others as those end (default and most: the "
                         "streams the service lets a client open, [ingest] max_streams_per_client)")

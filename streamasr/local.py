@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import TextIO
 
 from config.settings import ModelConfig
+from streamasr.subtitles import Writer
 
 
 def run(
@@ -17,9 +18,11 @@ def run(
     as_json: bool = False,
     threads: int = 1,
     out: TextIO = sys.stdout,
+    subtitles: str | None = None,
 ) -> int:
-    """Print each file's transcript (plain text, or one JSON object per line); 0 if all succeeded.
-    `model`: the config's `[model]`, decoded on its `precision`'s graphs alone."""
+    """Print each file's transcript (plain text, one JSON object per line, or `subtitles` cues,
+    "srt" or "vtt"); 0 if all succeeded. `model`: the config's `[model]`, decoded on its
+    `precision`'s graphs alone."""
     from speech import longform
     from speech.audio import AudioError, load_audio
     from speech.backend import SAMPLE_RATE
@@ -49,7 +52,10 @@ def run(
                 print(f"error: {path}: transcription failed: {exc!r}", file=sys.stderr)
                 status = 1
                 continue
-            if as_json:
+            if subtitles:
+                writer = Writer(subtitles)
+                out.write(writer.header() + "".join(writer.final(s.start, s.end, s.text) for s in result.segments))
+            elif as_json:
                 obj = {
                     "file": path,
                     "text": result.text,

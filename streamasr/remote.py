@@ -41,6 +41,7 @@ from ingest.stabilizer import joined
 from protocol.auth import Curve
 from protocol.messages import MAX_CHANNELS, OVERLOADED, RATES, Closed, ErrorMsg, Final, Partial, ProtocolError, ServerMessage
 from speech.audio import RAW_SUFFIXES, not_a_file, raw_format, to_mono
+from streamasr.subtitles import Writer
 
 RAW_RATE = 16000  # headerless files (RAW_SUFFIXES) and standard input: 16 kHz s16le mono
 STDIN = "-"  # the file argument that names standard input
@@ -146,12 +147,13 @@ class Job:
 class Output:
     """Serializes lines from the reader threads."""
 
-    def __init__(self, out: TextIO, as_json: bool, named: bool) -> None:
+    def __init__(self, out: TextIO, as_json: bool, named: bool, subtitles: Writer | None = None) -> None:
         self.out = out
         self.as_json = as_json
         self.named = named  # several files: each transcript line begins with its file's name
+        self.subtitles = subtitles  # cues instead of text, as each final comes
         # on a terminal, a live source's partials show in place, on the line its final then takes
-        self.terminal = not as_json and out.isatty()
+        self.terminal = not as_json and subtitles is None and out.isatty()
         self.showing = False  # a partial is on the terminal's last line
         self.lock = threading.Lock()
 
@@ -183,6 +185,11 @@ class Output:
         showing, self.showing = self.showing, False
         return "\r\x1b[K" if showing else ""
 
+    def write(self, text: str) -> None:
+        with self.lock:
+            self.out.write(text)
+            self.out.flush()
+
     def say(self, line: str) -> None:
         """A line on stderr, whole among the other threads' lines."""
         with self.lock:
@@ -208,10 +215,12 @@ def run(
     curve: Curve | None = None,
     parallel: int | None = None,
     open_timeout: float = OPEN_TIMEOUT_S,
+    subtitles: str | None = None,
 ) -> int:
     """Transcribe `files` on the service at `server`, `parallel` at a time (None: as many as the
     service lets a client open), each waiting up to `open_timeout` for the service to have room
-    for its stream; 0 when every file was transcribed, else 1."""
+    for its stream; `subtitles` ("srt", "vtt": one file) prints cues as its finals come instead
+    of text; 0 when every file was transcribed, else 1."""
     jobs: list[Job] = []
     failed = False
     if files.count(STDIN) > 1:
@@ -232,7 +241,9 @@ def run(
     except (ServerError, TimeoutError, OSError, ProtocolError, zmq.ZMQError) as exc:
         print(f"cannot connect to {server}: {exc}", file=sys.stderr)
         return 1
-    output = Output(out, as_json, named=len(jobs) > 1)
+    output = Output(out, as_json, named=len(jobs) > 1, subtitles=Writer(subtitles) if subtitles else None)
+    if output.subtitles is not None:
+        output.write(output.subtitles.header())
     stop = threading.Event()  # Ctrl-C: streams end with what they sent, files not begun are left
     with client, _interruptible(stop):
         # the ingest refuses a connection more open streams than this: the other files wait for a place
@@ -267,7 +278,7 @@ def run(
             audio_s = job.closed.audio_s if job.closed is not None else job.seconds or 0.0
             output.json({"type": "summary", "file": job.file, "text": text, "segments": len(job.finals),
                          "audio_s": round(audio_s, 3), "wall_s": round(job.wall_s, 3), "interrupted": job.interrupted})
-        elif job.file != STDIN:  # standard input's finals were printed as they came
+        elif job.file != STDIN and output.subtitles is None:  # standard input's finals, and cues, were printed as they came
             output.text(job.file, text)
     out.flush()
     return INTERRUPTED if stop.is_set() else 1 if failed else 0
@@ -405,7 +416,9 @@ def _show(job: Job, ev: ServerMessage, output: Output) -> None:
     if isinstance(ev, (Partial, Final)):
         latency_ms = round(stream.latency_for(ev.end, now=stream.received_at) * 1000, 1)
         final = isinstance(ev, Final)
-        if job.file == STDIN:  # a live source has no end to wait for
+        if final and output.subtitles is not None:
+            output.write(output.subtitles.final(ev.start, ev.end, ev.text.strip()))
+        elif job.file == STDIN:  # a live source has no end to wait for
             if not final:
                 output.partial(job.file, ev.text.strip())
             elif ev.text.strip() and not output.as_json:

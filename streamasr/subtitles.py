@@ -1,0 +1,129 @@
+"""Subtitles from finals: SubRip (.srt) and WebVTT (.vtt) cues, as captions are read.
+
+A final is a segment between pauses and may run 25 s; a cue must be read while it shows. So a
+final is cut into cues of at most two lines of MAX_LINE characters and MAX_CUE_S seconds, at word
+boundaries (text without spaces, as Chinese and Japanese are written, at characters, in lines of
+MAX_LINE_UNSPACED), each timed
+by its share of the final's characters: the finals carry no word times, so within a final the
+cue boundaries are an estimate, and the final's own start and end are kept exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MAX_LINE = 42  # characters a caption line holds (broadcast captioning's usual limit)
+MAX_LINE_UNSPACED = 16  # for text written without spaces: Chinese and Japanese characters are wide
+MAX_LINES = 2
+MAX_CUE_S = 7.0
+CLOSING = "，。、！？；：」』）》,.!?;:)"  # kept with the character before them in text without spaces
+
+
+@dataclass(frozen=True)
+class Cue:
+    start: float
+    end: float
+    lines: tuple[str, ...]
+
+
+def _units(text: str) -> tuple[list[str], str]:
+    """The pieces a cue may be cut between, and what joins them: words, or characters in text
+    written without spaces."""
+    words = text.split()
+    if len(words) == 1 and len(words[0]) > MAX_LINE_UNSPACED:
+        units: list[str] = []
+        for char in words[0]:  # a line does not begin with a comma or a full stop
+            if units and char in CLOSING:
+                units[-1] += char
+            else:
+                units.append(char)
+        return units, ""
+    return words, " "
+
+
+def _width(sep: str) -> int:
+    return MAX_LINE if sep else MAX_LINE_UNSPACED
+
+
+def _balanced(units: list[str], sep: str, parts: int) -> list[list[str]]:
+    """`units` in `parts` runs of about equal length, in order, none empty."""
+    total = len(sep.join(units))
+    runs: list[list[str]] = [[]]
+    done = 0
+    for i, unit in enumerate(units):
+        # a new run where this one comes nearest its share, while units remain for the runs still to come
+        if (runs[-1] and len(runs) < parts and done + (len(unit) + len(sep)) / 2 >= total * len(runs) / parts
+                and len(units) - i >= parts - len(runs)):
+            runs.append([])
+        runs[-1].append(unit)
+        done += len(unit) + len(sep)
+    return runs
+
+
+def _lines(units: list[str], sep: str) -> tuple[str, ...]:
+    text = sep.join(units)
+    if len(text) <= _width(sep) or len(units) < 2:
+        return (text,)
+    return tuple(sep.join(run) for run in _balanced(units, sep, MAX_LINES))
+
+
+def cues(start: float, end: float, text: str) -> list[Cue]:
+    """One final's cues: as few as hold its text in two lines each and show none longer than MAX_CUE_S."""
+    units, sep = _units(text.strip())
+    if not units:
+        return []
+    length = len(sep.join(units))
+    count = min(len(units), max(math.ceil(length / (_width(sep) * MAX_LINES - 6)), math.ceil((end - start) / MAX_CUE_S), 1))
+    while True:  # balanced by characters, a run of long words can still overflow its lines or its time
+        out = _timed(start, end, length, sep, _balanced(units, sep, count))
+        if count >= len(units) or all(c.end - c.start <= MAX_CUE_S and max(map(len, c.lines)) <= _width(sep) for c in out):
+            return out
+        count += 1
+
+
+def _timed(start: float, end: float, length: int, sep: str, runs: list[list[str]]) -> list[Cue]:
+    """Each run a cue, timed by its share of the characters."""
+    out: list[Cue] = []
+    done = 0
+    for run in runs:
+        at = start + (end - start) * done / length
+        done = min(done + len(sep.join(run)) + len(sep), length)
+        out.append(Cue(at, start + (end - start) * done / length, _lines(run, sep)))
+    return out
+
+
+def _time(seconds: float, decimal: str) -> str:
+    ms = max(round(seconds * 1000), 0)
+    return f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}{decimal}{ms % 1000:03d}"
+
+
+def srt(cue: Cue, number: int) -> str:
+    return f"{number}\n{_time(cue.start, ',')} --> {_time(cue.end, ',')}\n" + "\n".join(cue.lines) + "\n\n"
+
+
+def vtt(cue: Cue) -> str:
+    # "-->" may not appear in a cue's text; WebVTT escapes & and <
+    text = "\n".join(cue.lines).replace("&", "&amp;").replace("<", "&lt;").replace("-->", "--&gt;")
+    return f"{_time(cue.start, '.')} --> {_time(cue.end, '.')}\n{text}\n\n"
+
+
+VTT_HEADER = "WEBVTT\n\n"
+
+
+class Writer:
+    """Cues in one format, numbered across the finals given one after another."""
+
+    def __init__(self, fmt: str) -> None:
+        self.fmt = fmt
+        self.number = 0
+
+    def header(self) -> str:
+        return VTT_HEADER if self.fmt == "vtt" else ""
+
+    def final(self, start: float, end: float, text: str) -> str:
+        out = []
+        for cue in cues(start, end, text):
+            self.number += 1
+            out.append(srt(cue, self.number) if self.fmt == "srt" else vtt(cue))
+        return "".join(out)

@@ -1,0 +1,74 @@
+"""Subtitles from finals: cues a viewer can read, in files players take."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from streamasr import testdata
+from streamasr.subtitles import MAX_CUE_S, MAX_LINE, MAX_LINE_UNSPACED, Writer, cues
+
+LONG = ("He was not an ill-disposed young man, unless to be rather cold-hearted and rather selfish is to be "
+        "ill-disposed: but he was, in general, well respected; for he conducted himself with propriety in the "
+        "discharge of his ordinary duties.")
+UNSPACED = "我们今天去公园散步，天气非常好，阳光明媚，鸟儿在树上唱歌，孩子们在草地上玩耍，大人们在长椅上聊天。"
+
+
+def test_a_short_final_is_one_cue_with_its_own_times() -> None:
+    assert Writer("srt").final(0.11, 2.67, "Go forward 10 meters.") == "1\n00:00:00,110 --> 00:00:02,670\nGo forward 10 meters.\n\n"
+    writer = Writer("vtt")
+    assert writer.header() + writer.final(3725.5, 3727.25, "Ten of clubs.") == (
+        "WEBVTT\n\n01:02:05.500 --> 01:02:07.250\nTen of clubs.\n\n")
+
+
+@pytest.mark.parametrize("text, width, seconds", [(LONG, MAX_LINE, 21.5), (UNSPACED, MAX_LINE_UNSPACED, 12.0)])
+def test_a_long_final_is_cut_into_cues_a_viewer_can_read(text: str, width: int, seconds: float) -> None:
+    """Two lines each, none too long to read in the time it shows, one after another from the
+    final's start to its end, and every word kept in order; text without spaces is cut at its
+    characters, and a line does not begin with its punctuation."""
+    got = cues(3.0, 3.0 + seconds, text)
+    assert len(got) > 1
+    assert got[0].start == 3.0 and got[-1].end == pytest.approx(3.0 + seconds)
+    assert all(a.end == b.start for a, b in zip(got, got[1:]))
+    assert all(1 <= len(c.lines) <= 2 and all(0 < len(line) <= width for line in c.lines) for c in got), got
+    assert all(0 < c.end - c.start <= MAX_CUE_S for c in got), got
+    joined = (" " if width == MAX_LINE else "").join(line for c in got for line in c.lines)
+    assert joined == text
+    assert not any(line[0] in "，。" for c in got for line in c.lines), got
+
+
+def test_webvtt_cue_text_cannot_end_the_cue_or_start_a_tag() -> None:
+    assert Writer("vtt").final(0, 1, "a <b> & c --> d").endswith("\na &lt;b> &amp; c --&gt; d\n\n")
+
+
+def test_transcribe_writes_subtitles_a_player_reads(service, tmp_path) -> None:
+    """`transcribe --subtitles` gives one file's finals as SubRip or WebVTT cues, from the service
+    (a file, or standard input as it comes) and with `--local` alike: numbered from 1, in order,
+    timed within the audio. Several files are refused: each has its own subtitles."""
+    card = next(u for u in testdata.utterances() if u.name == "cards/001")
+    runs = {
+        "srt": ["--server", service.address, "--offline", "--subtitles", "srt", card.path],
+        "local": ["--local", "--subtitles", "srt", card.path],
+    }
+    for name, argv in runs.items():
+        done = subprocess.run([sys.executable, "-m", "streamasr.cli", "transcribe", *argv], capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, (name, done.stderr)
+        m = re.fullmatch(r"1\n00:00:(\d\d),(\d{3}) --> 00:00:(\d\d),(\d{3})\n(.+)\n\n", done.stdout)
+        assert m, (name, done.stdout)
+        start, end = int(m[1]) + int(m[2]) / 1000, int(m[3]) + int(m[4]) / 1000
+        assert 0 <= start < end <= 1.2 and "clubs" in m[5].lower(), (name, done.stdout)
+
+    with open(card.path, "rb") as wav:
+        raw = wav.read()[44:]  # its samples, as a pipe would carry them
+    piped = subprocess.run([sys.executable, "-m", "streamasr.cli", "transcribe", "--server", service.address,
+                            "--subtitles", "vtt", "-"], input=raw, capture_output=True, timeout=120)
+    assert piped.returncode == 0, piped.stderr
+    assert re.fullmatch(rb"WEBVTT\n\n00:00:\d\d\.\d{3} --> 00:00:\d\d\.\d{3}\n.*clubs.*\n\n", piped.stdout, re.I), piped.stdout
+
+    both = subprocess.run([sys.executable, "-m", "streamasr.cli", "transcribe", "--subtitles", "srt", card.path, card.path],
+                          capture_output=True, text=True, timeout=60)
+    assert both.returncode == 2 and "--subtitles takes one file" in both.stderr, both
