@@ -85,6 +85,9 @@ class IngestState:
     recent: int = 0  # realtime streams it admitted within the figures' window
     rings: int = 0  # shm rings in use: a leak shows here
     draining: bool = False  # shutting down: it refuses new streams, so the front door sends no client there
+    # since when (the machine's monotonic clock) its longest-held realtime open has waited for the
+    # service's room: a place that frees on another ingest goes to it before their later ones
+    held_since: float | None = None
 
     def take_figures(self, info: Any) -> None:
         """The figures of a READY or heartbeat, all checked before any is taken (ValueError)."""
@@ -92,9 +95,13 @@ class IngestState:
         draining = info.get("draining", self.draining)
         if type(draining) is not bool:
             raise ValueError(f"draining must be a bool, got {str(draining)[:40]!r} ({type(draining).__name__})")
+        held_since = info.get("held_since")
+        if held_since is not None and not wire.finite(held_since):
+            raise ValueError(f"held_since must be a number or nil, got {str(held_since)[:40]!r}")
         for key, value in counts.items():
             setattr(self, key, value)
         self.draining = draining
+        self.held_since = held_since
 
 
 def ingest_identity(index: int) -> bytes:
@@ -431,7 +438,12 @@ class Broker:
                 self._answer(self.dispatcher.submit([job for job in jobs if job.ingest == index], now))
             elif kind == wire.HEARTBEAT:
                 if state is not None and body:
+                    before = (state.held_since, state.realtime)
                     state.take_figures(wire.unpack(body[0]))
+                    waiting = any(s.held_since is not None for s in self.ingests.values())
+                    if state.held_since != before[0] or (waiting and state.realtime != before[1]):
+                        # opens wait for room: which takes a place that frees is the others' to hear now
+                        self._figures_changed([s for s in self.ingests.values() if s is not state])
             else:
                 raise ValueError(f"unknown kind {kind[:16]!r}")
         except Exception as exc:
@@ -581,6 +593,8 @@ class Broker:
         until then the front door would still send new clients to a dead endpoint, where their
         `open` waits out its timeout. One that was draining has ended as it meant to."""
         del self.ingests[state.index]
+        if state.held_since is not None:  # the opens it held are no longer before the others' in line
+            self._figures_changed()
         dropped = len(self.dispatcher.drop_ingest(state.index))
         if state.draining:
             log.info("broker.ingest_left", ingest=state.index, ingest_pid=state.pid, dropped=dropped)
@@ -591,10 +605,11 @@ class Broker:
         """The admission figures, as a heartbeat to one ingest; `realtime` and `recent` are the
         service's totals, of which the ingest is told the other ingests' part. Returns the send's
         errno, 0 once sent."""
+        held = [s.held_since for s in self.ingests.values() if s is not state and s.held_since is not None]
         return self._deliver(self._ingest_sock, ingest_identity(state.index), [wire.HEARTBEAT, wire.pack({
             "load": round(self.load, 3), "busy": round(self.busy, 3), "stream_share": round(self.stream_share, 4),
             "realtime_elsewhere": realtime - state.realtime, "recent_elsewhere": recent - state.recent,
-            "window_s": self.figures_window_s,
+            "window_s": self.figures_window_s, "held_since_elsewhere": min(held, default=None),
         })])
 
     def _realtime_totals(self) -> tuple[int, int]:

@@ -139,7 +139,7 @@ def _bool(value: Any) -> bool:
     return type(value) is bool
 
 
-def _finite(value: Any) -> bool:
+def finite(value: Any) -> bool:
     """A time: NaN would break the queue's order, and a job created at -inf would have waited
     forever (the admission load, smoothed over ticks, would read infinite for good)."""
     return type(value) in (int, float) and math.isfinite(value)
@@ -186,12 +186,12 @@ _JOB_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "end": (_int, "an int"),
     "final": (_bool, "a bool"),
     "priority": (lambda v: _int(v) and v in (REALTIME, BATCH), f"REALTIME ({REALTIME}) or BATCH ({BATCH})"),
-    "deadline": (_finite, "a finite number"),
+    "deadline": (finite, "a finite number"),
     "seg": (_int, "an int"),
     "language": (_opt_str, "a str or nil"),
     "prompt": (_opt_str, "a str or nil"),
     "prefix": (_opt_str, "a str or nil"),
-    "created": (_finite, "a finite number"),
+    "created": (finite, "a finite number"),
     "first": (_bool, "a bool"),
 }
 _JOB_FIELDS = tuple(f.name for f in fields(Job))
@@ -270,8 +270,8 @@ _DONE_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "ingest": (_int, "an int"),
     "status": (lambda v: _int(v) and v in (OK, EXPIRED, FAILED), f"OK ({OK}), EXPIRED ({EXPIRED}) or FAILED ({FAILED})"),
     "batch_size": (lambda v: _int(v) and v >= 0, "an int >= 0"),
-    "started": (_finite, "a finite number"),
-    "finished": (_finite, "a finite number"),
+    "started": (finite, "a finite number"),
+    "finished": (finite, "a finite number"),
 }
 assert set(_DONE_CHECKS) == set(_DONE_FIELDS), "a field added to DONE needs its check here"
 

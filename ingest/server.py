@@ -183,6 +183,11 @@ class IngestServer:
         self.figures_window_s = 0.0  # what the busy figure and the share are measured over
         self.admitted: deque[float] = deque()  # when realtime streams were admitted here, within that window
         self.recent_elsewhere = 0  # realtime streams admitted on the other ingests within it
+        # since when the longest-held realtime open on another ingest has waited for room (the
+        # broker's figures): it comes before the opens held here that came after it
+        self.held_elsewhere: float | None = None
+        self.reported: tuple[float | None, int] = (None, 0)  # what the last heartbeat said of that here
+        self.moved_due = 0.0  # when _figures_moved next looks
         self.draining = False
         self.stop_at: float | None = None
         capacity = ring_capacity(cfg.shm.ring_seconds)
@@ -242,6 +247,8 @@ class IngestServer:
             self.stream_share = float(figures.get("stream_share", 0.0))
             self.realtime_elsewhere = int(figures.get("realtime_elsewhere", 0))
             self.recent_elsewhere = int(figures.get("recent_elsewhere", 0))
+            elsewhere = figures.get("held_since_elsewhere")
+            self.held_elsewhere = None if elsewhere is None else float(elsewhere)
             self.figures_window_s = float(figures.get("window_s", 0.0))
         elif kind == j.RESULTS:
             self._on_results(frames[1])
@@ -277,7 +284,7 @@ class IngestServer:
             self.log.warning("ingest.bad_worker_message", error=repr(exc))
 
     def _heartbeat(self, now: float) -> None:
-        if now - self.hb_sent >= self.hb_interval:
+        if now - self.hb_sent >= self.hb_interval or self._figures_moved(now):
             self._beat(now)
         if now - self.broker_seen > self.hb_interval * self.cfg.broker.liveness:
             # whether the broker's socket file is there tells a broker down from one whose file was deleted
@@ -304,12 +311,29 @@ class IngestServer:
         self.hb_sent = now
         self.broker.send_multipart([j.HEARTBEAT, j.pack({**self._figures(now), "rings": self.pool.in_use})])
 
-    def _figures(self, now: float) -> dict[str, int | bool]:
+    def _figures(self, now: float) -> dict[str, int | bool | float | None]:
         """What the broker admits streams and picks an ingest for new clients by: in every
         heartbeat, and in READY, so that a broker that takes this ingest anew (it restarted, or
         gave it up as silent) does not count its streams as none meanwhile."""
-        return {"streams": len(self.sessions), "realtime": self._realtime_open(), "recent": self._recent_admissions(now),
-                "draining": self.draining}
+        self.reported = (self._held_since(), self._realtime_open())
+        return {"streams": len(self.sessions), "realtime": self.reported[1], "recent": self._recent_admissions(now),
+                "draining": self.draining, "held_since": self.reported[0]}
+
+    def _held_since(self) -> float | None:
+        """Since when the longest-held realtime open here has waited for the service's room (held
+        for its admission limits, which are the service's, not for this ingest's own)."""
+        return min((h.since for h in self.held.values() if h.msg.priority == "realtime" and h.code == m.OVERLOADED),
+                   default=None)
+
+    def _figures_moved(self, now: float) -> bool:
+        """While opens wait for room, here or on another ingest, what decides which takes a place
+        that frees (the longest-held open, the realtime streams open) goes to the broker, and from
+        it to the other ingests, within HELD_CHECK_S rather than at the next heartbeat: the place
+        would stay empty meanwhile, or go to an open that came later."""
+        if now < self.moved_due or not (self.held or self.held_elsewhere is not None or self.reported[0] is not None):
+            return False
+        self.moved_due = now + HELD_CHECK_S
+        return (self._held_since(), self._realtime_open()) != self.reported
 
     # ------------------------------------------------------------------ clients
 
@@ -390,11 +414,15 @@ class IngestServer:
             return refuse(m.TOO_MANY_STREAMS, f"at most {self.cfg.ingest.max_streams_per_client} open streams per client")
         # a resume with the token that shows it was admitted before
         resuming = msg.offset > 0 and self.resume_tokens.valid(msg.stream, msg.resume_token)
-        # A new open does not pass those held for room before it (a resume, admitted before, does).
+        # A new open does not pass those held for room before it (a resume, admitted before, does),
+        # here or on another ingest.
         ahead = [h for h in self.held.values() if h.msg.priority == msg.priority] if not resuming else []
         if ahead:
             room: tuple[str, str] | None = (ahead[0].code, f"{ahead[0].message} ({len(ahead)} "
                                                            f"{'opens wait' if len(ahead) > 1 else 'open waits'} for room before it)")
+        elif msg.priority == "realtime" and not resuming and self.held_elsewhere is not None:
+            room = (m.OVERLOADED, "realtime opens held for room on another ingest process come before it; "
+                                  "try again later or open with priority batch")
         else:
             room = self._no_room(msg, resuming)
         if room is None:
@@ -485,6 +513,8 @@ class IngestServer:
             priority = held.msg.priority
             if priority not in positions:
                 room = self._no_room(held.msg, held.resuming)
+                if room is None and priority == "realtime" and self.held_elsewhere is not None and self.held_elsewhere < held.since:
+                    room = held.code, held.message  # the place goes first to an open held longer on another ingest
                 if room is None:
                     del self.held[key]
                     self._admit(held.ident, held.msg, held.fd, held.resuming, waited_s=now - held.since)
@@ -753,6 +783,8 @@ class IngestServer:
                 timeout = min(timeout, vad_wait)
             if self.held:  # a place that frees goes to the first held open at once, not at the next wake
                 timeout = min(timeout, max(0.0, self.held_due - time.monotonic()))
+            if self.held_elsewhere is not None or self.reported[0] is not None:  # or to one held on another ingest
+                timeout = min(timeout, max(0.0, self.moved_due - time.monotonic()))
             events = dict(poller.poll(timeout=math.ceil(timeout * 1000)))
             if stop.fileno() in events:
                 stop.drain()

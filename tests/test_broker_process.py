@@ -33,7 +33,7 @@ import zmq
 from structlog.testing import capture_logs
 
 from broker import jobs as wire
-from broker.broker import SHARE_WINDOW_S, Broker
+from broker.broker import SHARE_WINDOW_S, Broker, IngestState, Link
 from broker.jobs import FAILED, OK, REALTIME, Job, JobResult
 from broker.queue import job_key
 from broker.signals import StopSignal
@@ -1183,6 +1183,21 @@ def test_an_ingest_given_up_on_registers_again_and_gets_its_final(cluster: Clust
     assert sum(e["event"] == "broker.ingest_lost" for e in events) == 1
     asked = sum(e["event"] == "broker.ingest_unregistered" for e in events)
     assert asked >= 1 and sum(e["event"] == "broker.ingest_ready" for e in events) == 1 + asked
+
+
+def test_an_ingest_s_figures_with_a_held_since_that_is_no_time_are_refused_whole() -> None:
+    """A heartbeat's `held_since` (since when the ingest's longest-held open has waited for room)
+    must be a time or nil: a string would fail the broker's comparisons, and NaN would order it
+    before or after every other ingest's for good. Such figures are refused whole, the last good
+    ones kept; an ingest of an earlier release, which does not send it, holds none."""
+    state = IngestState(index=0, endpoint="tcp://127.0.0.1:7701", pid=1, registered=0.0, link=Link(seen=0.0))
+    state.take_figures({"streams": 2, "realtime": 1, "held_since": 12.5})
+    for bad in ("soon", float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="held_since"):
+            state.take_figures({"streams": 3, "realtime": 2, "held_since": bad})
+    assert (state.streams, state.realtime, state.held_since) == (2, 1, 12.5)
+    state.take_figures({"streams": 2, "realtime": 1})
+    assert state.held_since is None
 
 
 def test_an_ingest_identity_whose_index_packs_in_no_message_does_not_end_the_broker(running: Cluster) -> None:

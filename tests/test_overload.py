@@ -320,6 +320,49 @@ def test_opens_held_for_room_are_admitted_first_come_first_served(service_factor
             sock.close()
 
 
+def test_opens_held_on_several_ingests_are_admitted_in_the_order_they_came(service_factory: Any) -> None:
+    """Admission is the service's, over every ingest process, and so is the line: a place that
+    frees on one ingest goes to the open held longest on any of them, not to the one held where
+    it freed, and a new open on either does not pass it. Each ingest tells the broker at once
+    when its longest-held open or its realtime streams change, and the broker tells the others."""
+    service = service_factory(model="null", workers=1, ingests=2, ingest={"admit_max_realtime_streams": 1, "idle_timeout_s": 600})
+    holder, other, later = (_dealer(service.cfg.ingest_endpoint(0)) for _ in range(3))
+    first = _dealer(service.cfg.ingest_endpoint(1))
+    socks = [holder, other, later, first]
+
+    def held_on_the_other_ingest() -> bool:
+        """Ingest 1 hears of the place taken on ingest 0 within a heartbeat: an open admitted
+        before that is ended and asked again."""
+        answer = _open(first, "first", wait=60)
+        if isinstance(answer, m.Ready):
+            _end(first, "first")
+            return False
+        assert isinstance(answer, m.Waiting) and answer.code == m.OVERLOADED, answer
+        return True
+
+    def refused_for_it() -> bool:
+        refused = _open(other, "new")
+        assert isinstance(refused, m.ErrorMsg) and refused.code == m.OVERLOADED, refused
+        return "held for room on another ingest process come before it" in refused.message
+
+    try:
+        assert isinstance(_open(holder, "place"), m.Ready)  # the one place, on ingest 0
+        wait_for(held_on_the_other_ingest, 30, "an open held on ingest 1")
+        assert wait_for(refused_for_it, 10), "ingest 0 hears of the open held on ingest 1"
+        assert isinstance(_open(later, "second", wait=60), m.Waiting)  # on ingest 0, after it
+        _end(holder, "place")  # the place frees on ingest 0
+        opened = _after_waiting(first)
+        assert isinstance(opened, m.Ready) and opened.stream == "first", opened
+        time.sleep(1.0)
+        assert all(isinstance(_answer(later), m.Waiting) for _ in range(later.poll(0))), "ingest 0's open passed"
+        _end(first, "first")
+        opened = _after_waiting(later)
+        assert isinstance(opened, m.Ready) and opened.stream == "second", opened
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def test_realtime_stream_cap(service_factory: Any) -> None:
     """The cap needs no load to have been seen: on idle workers the realtime open past it is
     refused, batch streams are still taken, and resumed ones up to twice the cap (they were
