@@ -186,6 +186,7 @@ class Output:
         return "\r\x1b[K" if showing else ""
 
     def write(self, text: str) -> None:
+        """Output as it is (subtitle cues), whole among the other threads'."""
         with self.lock:
             self.out.write(text)
             self.out.flush()
