@@ -77,6 +77,12 @@ STOP_POLL_MS = 50  # how often a resume waiting on the front door looks whether 
 CANCEL_POLL_S = 0.05  # how often an open waiting on the service looks whether its caller withdrew it (`open(cancel=)`)
 
 
+def _withdrawn(cancel: threading.Event | None, stream: str) -> None:
+    """CancelledError once the caller of `open(cancel=)` has set it."""
+    if cancel is not None and cancel.is_set():
+        raise CancelledError(f"stream {stream}: open withdrawn by its caller")
+
+
 def client_socket(ctx: zmq.Context, curve: Curve | None) -> zmq.Socket:
     """A DEALER, a CURVE client when `curve` (server public key, client secret key: z85, as
     `protocol.auth` reads them) is given: a service with CURVE on answers nothing else."""
@@ -264,8 +270,7 @@ class Client:
         CancelledError if its caller withdrew it."""
         until = time.monotonic() + seconds
         while (left := until - time.monotonic()) > 0 and not self._stop.wait(min(left, CANCEL_POLL_S) if cancel else left):
-            if cancel is not None and cancel.is_set():
-                raise CancelledError(f"stream {stream}: open withdrawn by its caller")
+            _withdrawn(cancel, stream)
         return self._stop.is_set()
 
     def _open(self, msg: Open, room: RoomWait, on_wait: Callable[[StreamError], None] | None,
@@ -291,8 +296,7 @@ class Client:
             raise self._ended.result()
         else:  # its `end` withdraws it where the service holds it, and ends it if it was opened meanwhile
             self._submit(lambda: self._io_abandon(entry))
-            if cancel is not None and cancel.is_set():
-                raise CancelledError(f"stream {msg.stream}: open withdrawn by its caller")
+            _withdrawn(cancel, msg.stream)
             raise TimeoutError(f"stream {msg.stream}: no answer to open within {self.timeout:.1f}s")
         return Stream(self, entry, msg)
 

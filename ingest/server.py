@@ -319,6 +319,10 @@ class IngestServer:
         return {"streams": len(self.sessions), "realtime": self.reported[1], "recent": self._recent_admissions(now),
                 "draining": self.draining, "held_since": self.reported[0]}
 
+    def _in_line(self) -> bool:
+        """Opens wait for room, here or on another ingest, or did at the last heartbeat."""
+        return bool(self.held) or self.held_elsewhere is not None or self.reported[0] is not None
+
     def _held_since(self) -> float | None:
         """Since when the longest-held realtime open here has waited for the service's room (held
         for its admission limits, which are the service's, not for this ingest's own)."""
@@ -330,7 +334,7 @@ class IngestServer:
         that frees (the longest-held open, the realtime streams open) goes to the broker, and from
         it to the other ingests, within HELD_CHECK_S rather than at the next heartbeat: the place
         would stay empty meanwhile, or go to an open that came later."""
-        if now < self.moved_due or not (self.held or self.held_elsewhere is not None or self.reported[0] is not None):
+        if now < self.moved_due or not self._in_line():
             return False
         self.moved_due = now + HELD_CHECK_S
         return (self._held_since(), self._realtime_open()) != self.reported
@@ -783,7 +787,7 @@ class IngestServer:
                 timeout = min(timeout, vad_wait)
             if self.held:  # a place that frees goes to the first held open at once, not at the next wake
                 timeout = min(timeout, max(0.0, self.held_due - time.monotonic()))
-            if self.held_elsewhere is not None or self.reported[0] is not None:  # or to one held on another ingest
+            if self._in_line():  # or to one held on another ingest
                 timeout = min(timeout, max(0.0, self.moved_due - time.monotonic()))
             events = dict(poller.poll(timeout=math.ceil(timeout * 1000)))
             if stop.fileno() in events:

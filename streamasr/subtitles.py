@@ -3,9 +3,9 @@
 A final is a segment between pauses and may run 25 s; a cue must be read while it shows. So a
 final is cut into cues of at most two lines of MAX_LINE characters and MAX_CUE_S seconds, at word
 boundaries (text without spaces, as Chinese and Japanese are written, at characters, in lines of
-MAX_LINE_UNSPACED), each timed
-by its share of the final's characters: the finals carry no word times, so within a final the
-cue boundaries are an estimate, and the final's own start and end are kept exactly.
+MAX_LINE_UNSPACED), each timed by its share of the final's characters: the finals carry no word
+times, so within a final the cue boundaries are an estimate, and the final's own start and end
+are kept exactly.
 """
 
 from __future__ import annotations
