@@ -30,7 +30,7 @@ class Ring:
     running jobs still need, and `write` refuses to overwrite it rather than corrupt a job.
     """
 
-    __slots__ = ("slot", "capacity", "protected_from", "_header", "_data")
+    __slots__ = ("slot", "capacity", "protected_from", "_header", "_data", "_readonly")
 
     def __init__(self, slot: int, header: np.ndarray, data: np.ndarray) -> None:
         self.slot = slot
@@ -38,6 +38,11 @@ class Ring:
         self.protected_from = 0
         self._header = header  # int64[8], one cache line
         self._data = data  # float32[capacity]
+        # The same samples, read-only once: `view`'s slices of it are read-only as they are cut.
+        # Setting a slice's flag instead costs an attribute write per read, and numpy keeps small
+        # blocks from it that read as held memory to the allocation marks.
+        self._readonly = data.view()
+        self._readonly.flags.writeable = False
 
     def __repr__(self) -> str:
         return f"Ring(slot={self.slot}, generation={self.generation}, written={self.written})"
@@ -108,9 +113,7 @@ class Ring:
         n = end - start
         pos = start % self.capacity
         if pos + n <= self.capacity:
-            view = self._data[pos : pos + n]
-            view.flags.writeable = False
-            return view
+            return self._readonly[pos : pos + n]
         if out is None:
             out = np.empty(n, dtype=np.float32)
         elif len(out) < n:

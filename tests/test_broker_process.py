@@ -10,6 +10,7 @@ import json
 import math
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -340,8 +342,10 @@ def test_front_door(running: Cluster) -> None:
     events = running.log_events("broker")
     bad = [e["code"] for e in events if e["event"] == "broker.bad_client_message"]
     assert sorted(bad) == ["bad_message"] * 4 + ["unsupported_version"]
-    assert all(e["process"] == "broker" and e["pid"] == running.procs["broker"].pid and "timestamp" in e and "level" in e
-               for e in events)
+    assert all(e["process"] == "broker" and e["pid"] == running.procs["broker"].pid and "level" in e for e in events)
+    # ISO 8601 in UTC to the microsecond, as log shippers parse it
+    stamps = [datetime.fromisoformat(e["timestamp"]) for e in events if re.fullmatch(r"[\d-]{10}T[\d:]{8}\.\d{6}Z", e["timestamp"])]
+    assert len(stamps) == len(events) and all(abs(datetime.now(timezone.utc) - at) < timedelta(minutes=10) for at in stamps)
     assert running.procs["broker"].poll() is None
 
 
@@ -1179,8 +1183,8 @@ def test_an_ingest_given_up_on_registers_again_and_gets_its_final(cluster: Clust
         cluster.start_worker(0)
         serve(20, until=lambda: bool(session.answers))
         assert [(r.job_id, r.status) for r in session.answers] == [(final.job_id, OK)]
-    events = cluster.log_events("broker")
-    assert sum(e["event"] == "broker.ingest_lost" for e in events) == 1
+        events = cluster.log_events("broker")  # before the link closes, which the broker may see as a loss too
+    assert [e["why"] for e in events if e["event"] == "broker.ingest_lost"] == ["silent"]
     asked = sum(e["event"] == "broker.ingest_unregistered" for e in events)
     assert asked >= 1 and sum(e["event"] == "broker.ingest_ready" for e in events) == 1 + asked
 
