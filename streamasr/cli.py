@@ -11,7 +11,12 @@ from typing import Any
 
 from config import settings
 from config.settings import MAX_THREADS, MAX_WATCH_S, Config, ConfigError, flag_in_range
+from protocol.messages import ENCODINGS
 from speech.loader import ModelError
+
+
+MAX_RAW_RATE = 384_000  # standard input's rate at most: what sound cards record at most
+MAX_RAW_CHANNELS = 64
 
 
 def _config(args: argparse.Namespace) -> Config:
@@ -109,6 +114,11 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     if args.subtitles and len(args.files) > 1:
         print("streamasr transcribe: error: --subtitles takes one file", file=sys.stderr)
         return 2
+    told = [flag for flag in ("rate", "encoding", "channels") if getattr(args, flag) is not None]
+    if told and "-" not in args.files:
+        print(f"streamasr transcribe: error: --{told[0]} says what standard input holds; give - among the files",
+              file=sys.stderr)
+        return 2
     if args.local:
         from streamasr import local
 
@@ -122,6 +132,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
                          subtitles=args.subtitles)
     from streamasr import remote, service
 
+    stdin = remote.RawFormat(**{flag: getattr(args, flag) for flag in told})
     cfg = _config(args)
     if not args.server:
         cfg = service.saved_config(cfg)  # the running instance's address and CURVE keys
@@ -131,7 +142,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
         raise ConfigError(str(exc)) from None
     return remote.run(args.files, server=args.server or cfg.front_door, offline=args.offline, as_json=args.json,
                       language=args.language, curve=curve, parallel=args.parallel, subtitles=args.subtitles,
-                      open_timeout=remote.OPEN_TIMEOUT_S if args.open_timeout is None else args.open_timeout)
+                      open_timeout=remote.OPEN_TIMEOUT_S if args.open_timeout is None else args.open_timeout, stdin=stdin)
 
 
 def cmd_top(args: argparse.Namespace) -> int:
@@ -199,9 +210,9 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("transcribe", help="transcribe files, in-process (--local) or by streaming them to a service")
     _common(p)
-    p.add_argument("files", nargs="+", help="audio files; - is standard input, headerless 16 kHz 16-bit mono (a live "
-                                            "source: sent as it comes, each final printed as it comes, partials in place on a "
-                                            "terminal; Ctrl-C ends it)")
+    p.add_argument("files", nargs="+", help="audio files; - is standard input, headerless audio as --rate, --encoding and "
+                                            "--channels say (a live source: sent as it comes, each final printed as it comes, "
+                                            "partials in place on a terminal; Ctrl-C ends it)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--local", action="store_true", help="run the model in this process")
     where.add_argument("--server", metavar="ADDR", help="service address (default: the config's)")
@@ -219,6 +230,13 @@ def main(argv: list[str] | None = None) -> int:
                    metavar="SECONDS", help="without --local: how long a file the service has no room for (its open refused "
                                            "overloaded or too_many_streams) waits for room before it fails (default 300; "
                                            "0: fails at once)")
+    raw = p.add_argument_group("standard input (-)")
+    raw.add_argument("--rate", type=flag_in_range(int, 1000, MAX_RAW_RATE, "Hz"), metavar="HZ",
+                     help="its sample rate (default 16000; other than 8000, 16000, 22050, 44100 or 48000 is resampled)")
+    raw.add_argument("--encoding", choices=ENCODINGS, help="its samples: 16-bit, 32-bit float, G.711 mu-law or A-law "
+                                                          "(default pcm_s16le, little-endian)")
+    raw.add_argument("--channels", type=flag_in_range(int, 1, MAX_RAW_CHANNELS, "channels"), metavar="N",
+                     help="its channels, interleaved (default 1; more than 8 are mixed to mono)")
     p.add_argument("--model", help="with --local: whisper-tiny.en, whisper-base or a model directory (default: the config's)")
     p.add_argument("--language", help="language code, e.g. en, zh, EN-us (default: detect, or English for .en models; one the model lacks is refused)")
     p.add_argument("--precision", choices=["fp32", "int8"], help="with --local (default: the config's)")

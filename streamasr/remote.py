@@ -16,6 +16,7 @@ second one quits at once).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -39,11 +40,11 @@ from client.client import Client, Stream
 from client.core import ServerError, StreamError
 from ingest.stabilizer import joined
 from protocol.auth import Curve
-from protocol.messages import MAX_CHANNELS, OVERLOADED, RATES, Closed, ErrorMsg, Final, Partial, ProtocolError, ServerMessage
+from protocol.messages import (G711_SUBTYPES, MAX_CHANNELS, OVERLOADED, RATES, SAMPLE_BYTES, Closed, ErrorMsg, Final, Partial,
+                               ProtocolError, ServerMessage)
 from speech.audio import RAW_SUFFIXES, not_a_file, raw_format, to_mono
 from streamasr.subtitles import Writer
 
-RAW_RATE = 16000  # headerless files (RAW_SUFFIXES) and standard input: 16 kHz s16le mono
 STDIN = "-"  # the file argument that names standard input
 RESAMPLED_RATE = 16000  # what a file at a rate the protocol does not take is streamed at
 OFFLINE_BLOCK_MS = 1000  # audio an offline stream reads and queues at a time: far below a window (about 60 s)
@@ -54,29 +55,56 @@ OPEN_TIMEOUT_S = 300.0  # how long a file waits for the service to take its stre
 INTERRUPTED = 128 + signal.SIGINT  # the exit status of a run Ctrl-C ended, as a shell gives a command SIGINT killed
 
 
+@dataclass(frozen=True)
+class RawFormat:
+    """What headerless audio holds: headerless files (RAW_SUFFIXES) are always the default, 16 kHz
+    16-bit mono; standard input is what `--rate`, `--encoding` and `--channels` say (a telephony
+    feed's 8 kHz G.711, a sound card's 48 kHz stereo)."""
+
+    rate: int = 16000
+    encoding: str = "pcm_s16le"  # one of protocol.messages.ENCODINGS
+    channels: int = 1
+
+    @property
+    def frame_bytes(self) -> int:
+        return SAMPLE_BYTES[self.encoding] * self.channels
+
+    def decode(self, data: bytes) -> np.ndarray:
+        """Whole frames of `data` as (frames, channels), int16 or float32; G.711 codes expanded
+        to 16 bits by libsndfile."""
+        if self.encoding in G711_SUBTYPES:
+            if not data:
+                return np.zeros((0, self.channels), np.int16)
+            return soundfile.read(io.BytesIO(data), format="RAW", subtype=G711_SUBTYPES[self.encoding], samplerate=self.rate,
+                                  channels=self.channels, dtype="int16", always_2d=True)[0]
+        return np.frombuffer(data, "<f4" if self.encoding == "f32le" else "<i2").reshape(-1, self.channels)
+
+
 class Reader:
     """One file's samples as its stream carries them, read block by block as they are sent, so
     memory holds what is being streamed rather than whole files: at the file's rate and channels
     if the protocol takes that rate (else resampled to 16 kHz as they are read), mixed to mono
     past the channels a stream carries. Headerless files and a file without samples are taken as
     `transcribe --local` takes them. Opening reads the header alone. Standard input (STDIN) is
-    headerless, of a length known at its end; a pipe or a device is `live`: it comes at the speed
-    it is spoken, and is sent as it comes rather than paced again."""
+    headerless, in the format `stdin` says, of a length known at its end; a pipe or a device is
+    `live`: it comes at the speed it is spoken, and is sent as it comes rather than paced again."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, stdin: RawFormat = RawFormat()) -> None:
         self._raw: BinaryIO | None = None
+        self._format = stdin if path == STDIN else RawFormat()
         self._file: soundfile.SoundFile | None = None
         self.live = False
         self.frames: int | None
         if path == STDIN:  # not closed with the reader: it is opened again for the stream
             self._raw = sys.stdin.buffer
             self.live = not stat.S_ISREG(os.fstat(self._raw.fileno()).st_mode)
-            self.file_rate, channels, self.frames = RAW_RATE, 1, None
+            self.file_rate, channels, self.frames = stdin.rate, stdin.channels, None
         elif why := not_a_file(Path(path)):
             raise ValueError(why)
         elif Path(path).suffix.lower() in RAW_SUFFIXES:
             self._raw = open(path, "rb")
-            self.file_rate, channels, self.frames = RAW_RATE, 1, os.fstat(self._raw.fileno()).st_size // 2
+            self.file_rate, channels = self._format.rate, self._format.channels
+            self.frames = os.fstat(self._raw.fileno()).st_size // self._format.frame_bytes
         else:
             self._file = soundfile.SoundFile(path, **raw_format(Path(path)))
             self.file_rate, channels, self.frames = self._file.samplerate, self._file.channels, self._file.frames
@@ -109,8 +137,10 @@ class Reader:
     def _read(self, frames: int, dtype: str) -> np.ndarray:
         """Up to `frames` frames from where the last read ended; none at the end of the file."""
         if self._raw is not None:
-            data = self._raw.read(frames * 2)
-            return np.frombuffer(data[: len(data) // 2 * 2], "<i2").reshape(-1, 1)  # an odd last byte is no sample
+            width = self._format.frame_bytes
+            data = self._raw.read(frames * width)
+            block = self._format.decode(data[: len(data) // width * width])  # a torn last frame is no sample
+            return block.astype(np.float32) / np.float32(32768.0) if dtype == "float32" and block.dtype == np.int16 else block
         assert self._file is not None
         return self._file.read(frames, dtype=dtype, always_2d=True)
 
@@ -132,6 +162,7 @@ class Job:
 
     file: str
     seconds: float | None  # the file's length, as its header (or size) says; None for standard input
+    stdin: RawFormat = RawFormat()  # what standard input holds, when the file is STDIN
     stream: Stream | None = None
     sent_all: bool = False  # every sample went out: a transcript is the whole file's
     sent_s: float = 0.0  # of the file's audio, what went out
@@ -217,11 +248,12 @@ def run(
     parallel: int | None = None,
     open_timeout: float = OPEN_TIMEOUT_S,
     subtitles: str | None = None,
+    stdin: RawFormat = RawFormat(),
 ) -> int:
     """Transcribe `files` on the service at `server`, `parallel` at a time (None: as many as the
     service lets a client open), each waiting up to `open_timeout` for the service to have room
     for its stream; `subtitles` ("srt", "vtt": one file) prints cues as its finals come instead
-    of text; 0 when every file was transcribed, else 1."""
+    of text; `stdin` is standard input's format; 0 when every file was transcribed, else 1."""
     jobs: list[Job] = []
     failed = False
     if files.count(STDIN) > 1:
@@ -229,8 +261,8 @@ def run(
         return 1
     for path in files:
         try:  # the header alone: a file that cannot be streamed is said at once, before any is
-            with Reader(path) as reader:
-                jobs.append(Job(path, reader.seconds))
+            with Reader(path, stdin) as reader:
+                jobs.append(Job(path, reader.seconds, stdin=stdin))
         except (OSError, RuntimeError, ValueError) as exc:  # soundfile raises RuntimeError subclasses
             print(f"{path}: cannot read audio: {exc}", file=sys.stderr)
             failed = True
@@ -315,7 +347,7 @@ def _stream(client: Client, job: Job, offline: bool, language: str | None, parti
         job.interrupted = True
         return
     try:
-        reader = Reader(job.file)
+        reader = Reader(job.file, job.stdin)
     except (OSError, RuntimeError, ValueError) as exc:  # changed since it was checked: gone, cut to nothing
         job.error = f"cannot read audio: {exc}"
         return

@@ -789,6 +789,28 @@ def test_transcribe_captions_a_live_source_on_standard_input(service, tmp_path) 
     assert twice.returncode == 1 and twice.stderr == "- (standard input) can be given once\n", twice
 
 
+def test_transcribe_reads_standard_input_in_the_format_it_is_told(service) -> None:
+    """A telephony feed's 8 kHz G.711 mu-law, or a sound card's 48 kHz stereo float, piped to
+    `streamasr transcribe -` with `--rate`, `--encoding` and `--channels`, is transcribed as the
+    same speech in 16 kHz 16-bit mono is; the flags without `-` are refused."""
+    audio = speech_with_pauses(2)
+    level = audio.astype(np.float32) / 32768
+    mulaw = io.BytesIO()
+    soundfile.write(mulaw, soxr.resample(level, RATE, 8000), 8000, format="RAW", subtype="ULAW")
+    wide = soxr.resample(level, RATE, 48000)
+    stereo = np.stack([wide, wide / 2], axis=1).astype("<f4").tobytes()
+    for flags, data in ((["--rate", "8000", "--encoding", "pcm_mulaw"], mulaw.getvalue()),
+                        (["--rate", "48000", "--encoding", "f32le", "--channels", "2"], stereo)):
+        run = subprocess.run([sys.executable, "-m", "streamasr.cli", "transcribe", "--server", service.address, "--json",
+                              *flags, "-"], input=data, capture_output=True, timeout=120)
+        assert run.returncode == 0, (flags, run.stderr)
+        summary = json.loads(run.stdout.splitlines()[-1])
+        assert summary["text"].lower().count("forward") == 2, (flags, summary)
+        assert summary["audio_s"] == pytest.approx(len(audio) / RATE, abs=0.01), (flags, summary)
+    refused = service.cli("transcribe", "--server", service.address, "--encoding", "pcm_alaw", "call.wav")
+    assert refused.returncode == 2 and "--encoding says what standard input holds" in refused.stderr, refused
+
+
 def test_transcribe_shows_a_live_source_s_partials_in_place_on_a_terminal(service) -> None:
     """Printed to a terminal, a live source's partials show as they come on one line, each in
     place of the last, and its final takes that line; a pipe or a file gets the finals alone (the
