@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from typing import Any
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -427,7 +428,7 @@ class Session:
                 self.metrics.inc("finals_revised_total")
             seg.result = m.Final(stream=self.opened.stream, seg=seg.index, text=text, start=self._time(seg.start),
                                  end=self._time(job.end), avg_logprob=res.avg_logprob, no_speech_prob=res.no_speech_prob,
-                                 revised=revised, language=res.language or None)
+                                 revised=revised, language=res.language or None, parts=self._parts(seg, job, res, text))
         # finals leave in segment order even when workers finish them out of order
         while self.next_final in self.segments and self.segments[self.next_final].result is not None:
             done = self.segments.pop(self.next_final)
@@ -453,6 +454,16 @@ class Session:
         seg = self.segments.get(self.next_final)
         if seg is not None and seg.end is not None and seg.final_job is None and seg.result is None:
             self._submit(seg, final=True, end=seg.end)
+
+    def _parts(self, seg: _Segment, job: Job, res: JobResult, text: str) -> list[list[Any]] | None:
+        """The decode's own segments, in the stream's seconds within the final's span, when the
+        final's text is the decode's (not the partials' committed words it kept instead)."""
+        if not text or not res.text.strip():
+            return None
+        start, end = self._time(seg.start), self._time(job.end)
+        parts = [[round(min(start + s_start, end), 3), round(min(start + s_end, end), 3), s_text.strip()]
+                 for s_start, s_end, s_text in res.segments if s_text.strip()]
+        return parts or None
 
     @staticmethod
     def _hallucinated(res: JobResult) -> bool:

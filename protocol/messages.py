@@ -202,6 +202,9 @@ class Final:
     durable: int = 0  # as in Ack, once this final is out: resuming from here never repeats it
     revised: bool = False  # the text changed words a partial marked `stable` (case, punctuation, digits aside)
     language: str | None = None  # the language it was decoded in: the stream's, or the one detected (the model's code)
+    # Whisper's own segments of the text, [start, end, text] each in the stream's seconds: a long
+    # final's phrases timed by the model (a caption's cues); nil when the text is not its decode's
+    parts: list[list[Any]] | None = None
 
 
 @dataclass(slots=True)

@@ -450,7 +450,7 @@ def _show(job: Job, ev: ServerMessage, output: Output) -> None:
         latency_ms = round(stream.latency_for(ev.end, now=stream.received_at) * 1000, 1)
         final = isinstance(ev, Final)
         if final and output.subtitles is not None:
-            output.write(output.subtitles.final(ev.start, ev.end, ev.text.strip()))
+            output.write(output.subtitles.final(ev.start, ev.end, ev.text.strip(), ev.parts))
         elif job.file == STDIN:  # a live source has no end to wait for
             if not final:
                 output.partial(job.file, ev.text.strip())
@@ -465,6 +465,7 @@ def _show(job: Job, ev: ServerMessage, output: Output) -> None:
                "latency_ms": latency_ms}
         if final:
             row["revised"] = ev.revised
+            row["parts"] = ev.parts
         output.json(row)
     elif isinstance(ev, ErrorMsg):
         if ev.code != OVERLOADED:  # refused audio is resent by the client; only a slower stream results

@@ -3,20 +3,25 @@
 A final is a segment between pauses and may run 25 s; a cue must be read while it shows. So a
 final is cut into cues of at most two lines of MAX_LINE characters and MAX_CUE_S seconds, at word
 boundaries (text without spaces, as Chinese and Japanese are written, at characters, in lines of
-MAX_LINE_UNSPACED), each timed by its share of the final's characters: the finals carry no word
-times, so within a final the cue boundaries are an estimate, and the final's own start and end
-are kept exactly.
+MAX_LINE_UNSPACED). A final's `parts` (Whisper's own segments of it, timed by the model) are
+joined into cues while they fit one, so a cue starts and ends where the model heard its phrases
+(a part too short to read alone joins the one before);
+within a part, or a final without parts, a cue is timed by its share of the characters, an
+estimate, and the final's own start and end are kept exactly.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 MAX_LINE = 42  # characters a caption line holds (broadcast captioning's usual limit)
 MAX_LINE_UNSPACED = 16  # for text written without spaces: Chinese and Japanese characters are wide
 MAX_LINES = 2
 MAX_CUE_S = 7.0
+MIN_PART_S = 1.5  # a part shorter than this ("he was.") is read with the one before, not as a cue of its own
+TIME_SLACK = 0.001  # parts' times are rounded to the millisecond, the final's are not
 CLOSING = "，。、！？；：」』）》,.!?;:)"  # kept with the character before them in text without spaces
 
 
@@ -82,6 +87,31 @@ def cues(start: float, end: float, text: str) -> list[Cue]:
         count += 1
 
 
+def phrased(start: float, end: float, text: str, parts: list[list[Any]] | None) -> list[Cue]:
+    """A final's cues from its parts: adjacent parts joined while together they make one cue (a
+    part under MIN_PART_S always), each group cut and timed as `cues` does within its own span. Without parts, or with parts
+    that do not hold the final's text word for word, the final's cues by character share."""
+    parts = parts or []
+    texts = [str(p[2]).strip() for p in parts]
+    times = [(float(p[0]), float(p[1])) for p in parts]
+    if not all(start - TIME_SLACK <= a < b <= end + TIME_SLACK for a, b in times) or any(
+            b > a for (_, b), (a, _) in zip(times, times[1:])):
+        return cues(start, end, text)  # parts that do not each take a span of their own, in order
+    if " ".join(texts).split() == text.split():
+        sep = " "
+    elif "".join(texts) == "".join(text.split()):
+        sep = ""  # text written without spaces
+    else:
+        return cues(start, end, text)
+    groups: list[tuple[float, float, str]] = []
+    for (p_start, p_end), p_text in zip(times, texts):
+        if groups and (p_end - p_start < MIN_PART_S or len(cues(groups[-1][0], p_end, groups[-1][2] + sep + p_text)) == 1):
+            groups[-1] = (groups[-1][0], p_end, groups[-1][2] + sep + p_text)
+        else:
+            groups.append((p_start, p_end, p_text))
+    return [cue for g_start, g_end, g_text in groups for cue in cues(g_start, g_end, g_text)]
+
+
 def _timed(start: float, end: float, length: int, sep: str, runs: list[list[str]]) -> list[Cue]:
     """Each run a cue, timed by its share of the characters."""
     out: list[Cue] = []
@@ -121,9 +151,9 @@ class Writer:
     def header(self) -> str:
         return VTT_HEADER if self.fmt == "vtt" else ""
 
-    def final(self, start: float, end: float, text: str) -> str:
+    def final(self, start: float, end: float, text: str, parts: list[list[Any]] | None = None) -> str:
         out = []
-        for cue in cues(start, end, text):
+        for cue in phrased(start, end, text, parts):
             self.number += 1
             out.append(srt(cue, self.number) if self.fmt == "srt" else vtt(cue))
         return "".join(out)

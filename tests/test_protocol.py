@@ -42,6 +42,8 @@ SERVER_MESSAGES = [
     m.Partial(stream="s1", seg=0, text="go forward ten", stable="go forward", start=0.31, end=1.47, language="en"),
     m.Final(stream="s1", seg=0, text="go forward ten meters", start=0.31, end=2.47, avg_logprob=-0.21, no_speech_prob=0.01,
             language="en"),
+    m.Final(stream="s1", seg=1, text="Go forward ten meters. Then turn left.", start=3.1, end=7.9, language="en",
+            parts=[[3.42, 5.2, "Go forward ten meters."], [5.2, 7.9, "Then turn left."]]),
     m.ErrorMsg(code=m.OVERLOADED, message="stream buffer full", stream="s1", seq=42),
     m.ErrorMsg(code=m.NOT_READY, message="no worker is ready yet"),
     m.Closed(stream="s1", reason="idle_timeout", audio_s=12.5, segments=3),

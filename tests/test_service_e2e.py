@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -73,6 +74,18 @@ def _check_finals(by_file: dict[str, list[dict]]) -> None:
             assert 0 <= f["start"] < f["end"] <= duration + 0.05, (path, f)
             assert f["latency_ms"] >= 0
             assert f["language"] == "en", (path, f)  # opened without one: an English-only model's
+            _check_parts(f)
+
+
+def _check_parts(final: dict) -> None:
+    """A final's parts hold its words in order, each within the final's span, one after another."""
+    if not final["text"].strip():
+        assert final["parts"] is None, final
+        return
+    parts = final["parts"]
+    assert parts and " ".join(p[2] for p in parts).split() == final["text"].split(), final
+    assert all(final["start"] - 0.001 <= a < b <= final["end"] + 0.001 for a, b, _ in parts), final
+    assert all(b <= a for (_, b, _), (a, _, _) in zip(parts, parts[1:])), final
 
 
 def test_realtime_streaming_matches_local(service, local_wer: float) -> None:
@@ -141,6 +154,38 @@ def test_a_file_gives_the_same_finals_in_real_time_and_as_a_batch(service, tmp_p
         heard[mode] = [(r["seg"], r["text"], r["start"], r["end"]) for r in by_file[str(joined)] if r["type"] == "final"]
     assert len(heard["--realtime"]) == 5, heard
     assert heard["--offline"] == heard["--realtime"]
+
+
+def test_a_long_final_says_when_its_phrases_were_spoken(service, tmp_path: Path) -> None:
+    """Three sentences read with short breaths between them are one segment, so one final; its
+    parts (Whisper's own segments) time its sentences, and its subtitles start a cue at each."""
+    clips = [u for u in UTTERANCES if u.name.endswith(("-0870", "-0920", "-0930"))]  # three sentences
+    pieces, starts, at = [], [], 0.0
+    for clip in clips:
+        audio, rate = sf.read(clip.path, dtype="int16")
+        loud = np.flatnonzero(np.abs(audio) > 1000)
+        audio = audio[max(loud[0] - rate // 20, 0):loud[-1] + rate // 20]  # the reader's own pauses before and after cut
+        starts.append(at)
+        pieces += [audio, np.zeros(rate // 5, np.int16)]  # 0.2 s: no pause to the VAD
+        at += (len(audio) + rate // 5) / rate
+    reading = tmp_path / "reading.wav"
+    sf.write(reading, np.concatenate(pieces), 16000)
+    by_file, wer = _streamed(service, "--offline", str(reading), refs={str(reading): " ".join(c.reference for c in clips)})
+    finals = [r for r in by_file[str(reading)] if r["type"] == "final" and r["text"].strip()]
+    assert len(finals) == 1 and wer < 0.3, (finals, wer)
+    [final] = finals
+    _check_parts(final)
+    parts = final["parts"]
+    assert len(parts) >= 3, final
+    for start in starts[1:]:  # a part begins within a second of each sentence
+        assert any(abs(p[0] - start) < 1.0 for p in parts), (starts, parts)
+    subtitles = service.cli("transcribe", "--server", service.address, "--offline", "--subtitles", "srt", str(reading))
+    assert subtitles.returncode == 0, subtitles.stderr
+    cue_starts = [int(h) * 3600 + int(mi) * 60 + int(sec) + int(ms) / 1000
+                  for h, mi, sec, ms in re.findall(r"^(\d\d):(\d\d):(\d\d),(\d{3}) --> ", subtitles.stdout, re.M)]
+    assert cue_starts[0] == pytest.approx(parts[0][0], abs=0.001), (cue_starts, parts)
+    for start in starts[1:]:
+        assert any(abs(c - start) < 1.0 for c in cue_starts), (starts, cue_starts, parts)
 
 
 # Whisper alone (`transcribe --local`) writes "Thank you.", "You" or ". . . ." on four of them;
@@ -532,6 +577,9 @@ def test_a_stream_resumed_days_in_keeps_exact_times_and_positions(null_svc, rate
         assert len(far) == len(base), (offset, far, base)
         for e, b in zip(far[:-1], base):
             assert (e.start - offset / rate, e.end - offset / rate) == pytest.approx((b.start, b.end), abs=1e-6), (offset, e, b)
+            # the null model's one segment is the job's audio: the final's span, to the millisecond
+            [(p_start, p_end, p_text)] = e.parts
+            assert (p_start, p_end, p_text) == (pytest.approx(e.start, abs=0.001), pytest.approx(e.end, abs=0.001), e.text), e
             # where the VAD had got when the final went out: at least the segment's end, less the
             # VAD's 32 ms chunk grid and an input frame of rounding
             assert e.end - offset / rate - 0.033 <= (e.durable - offset) / rate <= len(audio) / rate, (offset, e)

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from streamasr import testdata
-from streamasr.subtitles import MAX_CUE_S, MAX_LINE, MAX_LINE_UNSPACED, Writer, cues
+from streamasr.subtitles import MAX_CUE_S, MAX_LINE, MAX_LINE_UNSPACED, Writer, cues, phrased
 
 LONG = ("He was not an ill-disposed young man, unless to be rather cold-hearted and rather selfish is to be "
         "ill-disposed: but he was, in general, well respected; for he conducted himself with propriety in the "
@@ -38,6 +38,29 @@ def test_a_long_final_is_cut_into_cues_a_viewer_can_read(text: str, width: int, 
     joined = (" " if width == MAX_LINE else "").join(line for c in got for line in c.lines)
     assert joined == text
     assert not any(line[0] in "，。" for c in got for line in c.lines), got
+
+
+def test_a_final_s_parts_time_its_cues_where_the_model_heard_them() -> None:
+    """A final's parts (Whisper's own segments) start and end its cues: short ones joined while
+    they fit one cue, a long one cut by its characters within its own span, the silence between
+    them shown as no cue, a fragment too short to read alone shown with the part before it. Parts that do not hold the final's words, or overlap, are not trusted:
+    the final is cut by its characters as before."""
+    text = "Go forward. Ten meters. " + LONG
+    parts = [[3.4, 4.1, "Go forward."], [4.1, 5.0, "Ten meters."], [6.2, 27.5, LONG]]
+    got = phrased(3.0, 28.0, text, parts)
+    assert got[0].start == 3.4 and got[0].lines == ("Go forward. Ten meters.",) and got[0].end == 5.0, got
+    assert got[1].start == 6.2 and got[-1].end == 27.5 and len(got) > 3, got
+    assert [line for c in got for line in c.lines] == [line for c in [got[0], *cues(6.2, 27.5, LONG)] for line in c.lines]
+    fragment = phrased(3.0, 28.0, text + " Then stop.", [*parts, [27.5, 28.0, "Then stop."]])
+    assert fragment[0] == got[0] and fragment[1].start == 6.2 and fragment[-1].end == 28.0, fragment
+    assert fragment[-1].lines[-1].endswith("his ordinary duties. Then stop."), fragment  # not a cue of its own
+    assert phrased(3.0, 28.0, text, None) == cues(3.0, 28.0, text)
+    assert phrased(3.0, 28.0, text, parts[:2]) == cues(3.0, 28.0, text)  # words left out
+    assert phrased(3.0, 28.0, text, [parts[0], [3.9, 5.0, "Ten meters."], parts[2]]) == cues(3.0, 28.0, text)  # overlap
+    unspaced = [[1.0, 4.0, UNSPACED[:16]], [4.0, 9.5, UNSPACED[16:]]]
+    got = phrased(0.5, 10.0, UNSPACED, unspaced)
+    assert got[0].start == 1.0 and got[-1].end == 9.5 and "".join(line for c in got for line in c.lines) == UNSPACED, got
+    assert Writer("srt").final(3.0, 28.0, text, parts).startswith("1\n00:00:03,400 --> 00:00:05,000\nGo forward. Ten meters.\n\n2\n00:00:06,200")
 
 
 def test_webvtt_cue_text_cannot_end_the_cue_or_start_a_tag() -> None:
