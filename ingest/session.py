@@ -8,6 +8,7 @@ rebuilt from here, which is what lets a broker restart lose no audio.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from typing import Any
 from dataclasses import dataclass, field
@@ -50,6 +51,12 @@ class _Segment:
     final_job: int | None = None
     result: m.Final | None = None  # held until every earlier segment's final is out
     retries: int = 0
+
+
+def _segment_row(row: Any) -> bool:
+    """A worker's segment as `speech.backend.Segment` gives it: [start, end, text], 0 <= start <= end."""
+    return (isinstance(row, (list, tuple)) and len(row) == 3 and all(isinstance(t, (int, float)) and not isinstance(t, bool)
+            for t in row[:2]) and 0 <= row[0] <= row[1] < math.inf and isinstance(row[2], str))
 
 
 class Session:
@@ -459,6 +466,9 @@ class Session:
         """The decode's own segments, in the stream's seconds within the final's span, when the
         final's text is the decode's (not the partials' committed words it kept instead)."""
         if not text or not res.text.strip():
+            return None
+        if not all(_segment_row(row) for row in res.segments):  # a worker of another build: the final goes out without
+            self.log.warning("ingest.final_parts_unreadable", job=res.job_id, seg=seg.index, segments=repr(res.segments)[:200])
             return None
         start, end = self._time(seg.start), self._time(job.end)
         parts = [[round(min(start + s_start, end), 3), round(min(start + s_end, end), 3), s_text.strip()]

@@ -464,6 +464,42 @@ def test_a_final_judged_a_hallucination_drops_the_words_its_partials_agreed_on(l
     assert (final.text, final.revised) == ("", True)
 
 
+def test_a_final_s_parts_are_its_decode_s_segments_on_the_stream_s_clock(long_pool: RingPool) -> None:
+    """A final carries the decode's own segments moved onto the stream's clock and kept within
+    the final's span; a final whose text is not its decode's (the committed words kept when the
+    decode heard none, noise dropped) has none; segments a worker of another build sends that are
+    not [start, end, text] rows leave the final without parts, said in the log, and the final
+    goes out all the same."""
+    s = session(long_pool, offset=32_000)  # a resumed stream: its times go on from 2 s
+    feed(s, [0.0] * 5 + [0.9] * 20 + [0.0] * 20)
+    [job] = [j for j in s.jobs_out if j.final]
+    start, end = 2 + job.start / 16_000, 2 + job.end / 16_000
+    answer(s, final=True, text=" Turn left. Then stop.", segments=[[0.0, 0.52, " Turn left."], [0.52, 99.0, " Then stop."]])
+    [final] = finals(s)
+    assert final.parts == [[round(start, 3), round(start + 0.52, 3), "Turn left."], [round(start + 0.52, 3), round(end, 3), "Then stop."]]
+    long_pool.release(s.ring)
+
+    for segments in ([[0.0, "0.5", "Turn left."]], [[0.3, 0.1, "Turn left."]], [[0.0, float("nan"), "x"]], [["Turn left."]], "x"):
+        s = session(long_pool)
+        feed(s, [0.0] * 5 + [0.9] * 20 + [0.0] * 20)
+        with capture_logs() as logs:
+            answer(s, final=True, text="Turn left.", segments=segments)
+        [final] = finals(s)
+        assert (final.text, final.parts) == ("Turn left.", None), segments
+        assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["ingest.final_parts_unreadable"], segments
+        long_pool.release(s.ring)
+
+    s = session(long_pool)
+    feed(s, [0.0] * 5 + [0.9] * 20)
+    answer(s, final=False, text="turn left now")
+    feed(s, [0.9] * 16)
+    answer(s, final=False, text="turn left now")
+    feed(s, [0.0] * 20)
+    answer(s, final=True, text="", segments=[])
+    [final] = finals(s)
+    assert final.text == "turn left" and final.parts is None  # the partials' committed words, no decode's times
+
+
 @pytest.mark.parametrize("priority", ["realtime", "batch"])
 def test_a_final_waits_for_the_one_before_and_is_prompted_with_its_text(long_pool: RingPool, priority: str) -> None:
     """Three segments ended before any final came back (a batch client sends faster than its
