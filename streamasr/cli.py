@@ -114,6 +114,10 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     if args.subtitles and len(args.files) > 1:
         print("streamasr transcribe: error: --subtitles takes one file", file=sys.stderr)
         return 2
+    if args.split_channels and (args.local or args.subtitles or "-" in args.files):
+        print("streamasr transcribe: error: --split-channels streams files' channels to a service, as text or --json "
+              "(not with --local, --subtitles or standard input)", file=sys.stderr)
+        return 2
     told = [flag for flag in ("rate", "encoding", "channels") if getattr(args, flag) is not None]
     if told and "-" not in args.files:
         print(f"streamasr transcribe: error: --{told[0]} says what standard input holds; give - among the files",
@@ -142,7 +146,8 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
         raise ConfigError(str(exc)) from None
     return remote.run(args.files, server=args.server or cfg.front_door, offline=args.offline, as_json=args.json,
                       language=args.language, curve=curve, parallel=args.parallel, subtitles=args.subtitles,
-                      open_timeout=remote.OPEN_TIMEOUT_S if args.open_timeout is None else args.open_timeout, stdin=stdin)
+                      open_timeout=remote.OPEN_TIMEOUT_S if args.open_timeout is None else args.open_timeout, stdin=stdin,
+                      split_channels=args.split_channels)
 
 
 def cmd_top(args: argparse.Namespace) -> int:
@@ -230,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
                    metavar="SECONDS", help="without --local: how long a file the service has no room for (its open refused "
                                            "overloaded or too_many_streams) waits for room before it fails (default 300; "
                                            "0: fails at once)")
+    p.add_argument("--split-channels", action="store_true",
+                   help="each channel of a file its own stream, as a call recorded with each party on its own channel: "
+                        "its transcript is the channels' finals in the order they were spoken, each line its time and channel")
     raw = p.add_argument_group("standard input (-)")
     raw.add_argument("--rate", type=flag_in_range(int, 1000, MAX_RAW_RATE, "Hz"), metavar="HZ",
                      help="its sample rate (default 16000; other than 8000, 16000, 22050, 44100 or 48000 is resampled)")

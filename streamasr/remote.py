@@ -10,8 +10,9 @@ refused as busy) waits for a place, held by the service, for up to `--open-timeo
 opened when its stream starts, and only the blocks on their way are held, so a day of recordings
 streams in the memory, and the threads, of the streams open at once. `-` is standard input: a
 live source (`arecord`, `ffmpeg` writing to a pipe) sent as it comes, each final printed as it
-comes. Ctrl-C ends the streams with the audio sent so far and keeps what they transcribed (a
-second one quits at once).
+comes. With `--split-channels` each channel of a file is a stream of its own, and the file's
+transcript its channels' finals in the order they were spoken. Ctrl-C ends the streams with the
+audio sent so far and keeps what they transcribed (a second one quits at once).
 """
 
 from __future__ import annotations
@@ -84,12 +85,13 @@ class Reader:
     """One file's samples as its stream carries them, read block by block as they are sent, so
     memory holds what is being streamed rather than whole files: at the file's rate and channels
     if the protocol takes that rate (else resampled to 16 kHz as they are read), mixed to mono
-    past the channels a stream carries. Headerless files and a file without samples are taken as
-    `transcribe --local` takes them. Opening reads the header alone. Standard input (STDIN) is
-    headerless, in the format `stdin` says, of a length known at its end; a pipe or a device is
-    `live`: it comes at the speed it is spoken, and is sent as it comes rather than paced again."""
+    past the channels a stream carries, or one `channel` of them alone. Headerless files and a
+    file without samples are taken as `transcribe --local` takes them. Opening reads the header
+    alone. Standard input (STDIN) is headerless, in the format `stdin` says, of a length known at
+    its end; a pipe or a device is `live`: it comes at the speed it is spoken, and is sent as it
+    comes rather than paced again."""
 
-    def __init__(self, path: str, stdin: RawFormat = RawFormat()) -> None:
+    def __init__(self, path: str, stdin: RawFormat = RawFormat(), channel: int | None = None) -> None:
         self._raw: BinaryIO | None = None
         self._format = stdin if path == STDIN else RawFormat()
         self._file: soundfile.SoundFile | None = None
@@ -111,8 +113,13 @@ class Reader:
         if self.frames == 0:
             self.close()
             raise ValueError("the file holds no audio samples")
-        self.mix = channels > MAX_CHANNELS
-        self.channels = 1 if self.mix else channels
+        self.file_channels = channels
+        if channel is not None and not 0 <= channel < channels:
+            self.close()
+            raise ValueError(f"no channel {channel + 1}: the file has {channels}")
+        self.channel = channel  # this channel alone, as a stream of its own (--split-channels)
+        self.mix = channel is None and channels > MAX_CHANNELS
+        self.channels = 1 if self.mix or channel is not None else channels
         self.rate = self.file_rate if self.file_rate in RATES else RESAMPLED_RATE
 
     @property
@@ -127,6 +134,8 @@ class Reader:
             resampler = soxr.ResampleStream(self.file_rate, self.rate, self.channels, dtype="float32")
         step = max(self.file_rate * ms // 1000, 1)
         while len(block := self._read(step, "int16" if resampler is None else "float32")):
+            if self.channel is not None:
+                block = block[:, self.channel:self.channel + 1]
             if self.mix:
                 full_scale = np.float32(32768.0 if block.dtype == np.int16 else 1.0)
                 block = (to_mono(block) / full_scale)[:, None]
@@ -163,16 +172,22 @@ class Job:
     file: str
     seconds: float | None  # the file's length, as its header (or size) says; None for standard input
     stdin: RawFormat = RawFormat()  # what standard input holds, when the file is STDIN
+    channel: int | None = None  # the file's one channel this stream carries (--split-channels), from 0
     stream: Stream | None = None
     sent_all: bool = False  # every sample went out: a transcript is the whole file's
     sent_s: float = 0.0  # of the file's audio, what went out
     interrupted: bool = False  # Ctrl-C came before all of it went out
     stalled: threading.Event = field(default_factory=threading.Event)  # no credit for CREDIT_TIMEOUT_S: the service stopped taking it
-    finals: list[str] = field(default_factory=list)
+    finals: list[tuple[float, str]] = field(default_factory=list)  # start and text of each final with words
     closed: Closed | None = None
     error: str | None = None
     started: float = 0.0
     wall_s: float = 0.0
+
+    @property
+    def name(self) -> str:
+        """What its lines on stderr call it: the file, and its channel when split."""
+        return self.file if self.channel is None else f"{self.file} channel {self.channel + 1}"
 
 
 class Output:
@@ -249,11 +264,14 @@ def run(
     open_timeout: float = OPEN_TIMEOUT_S,
     subtitles: str | None = None,
     stdin: RawFormat = RawFormat(),
+    split_channels: bool = False,
 ) -> int:
     """Transcribe `files` on the service at `server`, `parallel` at a time (None: as many as the
     service lets a client open), each waiting up to `open_timeout` for the service to have room
     for its stream; `subtitles` ("srt", "vtt": one file) prints cues as its finals come instead
-    of text; `stdin` is standard input's format; 0 when every file was transcribed, else 1."""
+    of text; `stdin` is standard input's format; with `split_channels` each channel of a file is
+    a stream of its own (a call recorded with each party on its own channel), its transcript the
+    channels' finals in the order they were spoken; 0 when every file was transcribed, else 1."""
     jobs: list[Job] = []
     failed = False
     if files.count(STDIN) > 1:
@@ -262,7 +280,8 @@ def run(
     for path in files:
         try:  # the header alone: a file that cannot be streamed is said at once, before any is
             with Reader(path, stdin) as reader:
-                jobs.append(Job(path, reader.seconds, stdin=stdin))
+                channels = range(reader.file_channels) if split_channels and reader.file_channels > 1 else [None]
+                jobs += [Job(path, reader.seconds, stdin=stdin, channel=channel) for channel in channels]
         except (OSError, RuntimeError, ValueError) as exc:  # soundfile raises RuntimeError subclasses
             print(f"{path}: cannot read audio: {exc}", file=sys.stderr)
             failed = True
@@ -274,7 +293,7 @@ def run(
     except (ServerError, TimeoutError, OSError, ProtocolError, zmq.ZMQError) as exc:
         print(f"cannot connect to {server}: {exc}", file=sys.stderr)
         return 1
-    output = Output(out, as_json, named=len(jobs) > 1, subtitles=Writer(subtitles) if subtitles else None)
+    output = Output(out, as_json, named=len({job.file for job in jobs}) > 1, subtitles=Writer(subtitles) if subtitles else None)
     if output.subtitles is not None:
         output.write(output.subtitles.header())
     stop = threading.Event()  # Ctrl-C: streams end with what they sent, files not begun are left
@@ -291,10 +310,11 @@ def run(
                     for job in jobs]
             for future in done:
                 future.result()  # a fault of this code, not of a file: raised rather than lost
+    spoken: dict[str, list[tuple[float, int, str]]] = {}  # a split file's finals: start, channel, text
     for job in jobs:
         ended = job.closed is not None and job.closed.reason == "end"  # every sample sent was transcribed
         if job.error is not None:
-            print(f"{job.file}: {job.error}", file=sys.stderr)
+            print(f"{job.name}: {job.error}", file=sys.stderr)
             failed = True
             if not ended or not (job.sent_all or job.interrupted):
                 continue  # cut short: its transcript would pass for the whole file's
@@ -302,19 +322,37 @@ def run(
             # on) and the stream went on: the transcript is the file's, with that error said
         if job.interrupted:  # the part it has is given, and said to be a part
             if not ended or not job.sent_s:
-                print(f"{job.file}: interrupted before it was transcribed", file=sys.stderr)
+                print(f"{job.name}: interrupted before it was transcribed", file=sys.stderr)
                 continue
             whole = "" if job.seconds is None else f" of {job.seconds:.1f} s"
-            print(f"{job.file}: interrupted: the transcript of its first {job.sent_s:.1f} s{whole}", file=sys.stderr)
-        text = joined(job.finals)  # Chinese or Japanese finals follow each other with no space, as in `--local`
+            print(f"{job.name}: interrupted: the transcript of its first {job.sent_s:.1f} s{whole}", file=sys.stderr)
+        text = joined([said for _, said in job.finals])  # Chinese or Japanese finals follow each other with no space, as in `--local`
         if as_json:
             audio_s = job.closed.audio_s if job.closed is not None else job.seconds or 0.0
-            output.json({"type": "summary", "file": job.file, "text": text, "segments": len(job.finals),
+            output.json({"type": "summary", "file": job.file, **_channel(job), "text": text, "segments": len(job.finals),
                          "audio_s": round(audio_s, 3), "wall_s": round(job.wall_s, 3), "interrupted": job.interrupted})
+        elif job.channel is not None:
+            spoken.setdefault(job.file, []).extend((start, job.channel, said) for start, said in job.finals)
         elif job.file != STDIN and output.subtitles is None:  # standard input's finals, and cues, were printed as they came
             output.text(job.file, text)
+    for file, finals in spoken.items():
+        for start, channel, said in sorted(finals):
+            output.text(file, f"[{_clock(start)}] channel {channel + 1}: {said}")
     out.flush()
     return INTERRUPTED if stop.is_set() else 1 if failed else 0
+
+
+def _channel(job: Job) -> dict[str, int]:
+    """A split file's JSON rows name their channel, from 1."""
+    return {} if job.channel is None else {"channel": job.channel + 1}
+
+
+def _clock(seconds: float) -> str:
+    """A time in a call: 01:05.2, or 1:02:05.2 past the hour."""
+    tenths = round(seconds * 10)
+    minutes, tenths = divmod(tenths, 600)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{tenths / 10:04.1f}" if hours else f"{minutes:02d}:{tenths / 10:04.1f}"
 
 
 @contextmanager
@@ -347,7 +385,7 @@ def _stream(client: Client, job: Job, offline: bool, language: str | None, parti
         job.interrupted = True
         return
     try:
-        reader = Reader(job.file, job.stdin)
+        reader = Reader(job.file, job.stdin, job.channel)
     except (OSError, RuntimeError, ValueError) as exc:  # changed since it was checked: gone, cut to nothing
         job.error = f"cannot read audio: {exc}"
         return
@@ -381,7 +419,7 @@ def _open(client: Client, job: Job, reader: Reader, offline: bool, language: str
     per file, as the waiting begins."""
 
     def waiting(refused: StreamError) -> None:
-        output.say(f"{job.file}: the service has no room for the stream ({refused}); "
+        output.say(f"{job.name}: the service has no room for the stream ({refused}); "
                    f"waiting up to {open_timeout:g} s for room")
 
     return client.open(rate=reader.rate, channels=reader.channels, language=language, partials=partials,
@@ -459,8 +497,8 @@ def _show(job: Job, ev: ServerMessage, output: Output) -> None:
             else:
                 output.unshow()
         if final and ev.text.strip():
-            job.finals.append(ev.text.strip())
-        row = {"type": "final" if final else "partial", "file": job.file, "seg": ev.seg, "text": ev.text,
+            job.finals.append((ev.start, ev.text.strip()))
+        row = {"type": "final" if final else "partial", "file": job.file, **_channel(job), "seg": ev.seg, "text": ev.text,
                "stable": ev.text if final else ev.stable, "start": ev.start, "end": ev.end, "language": ev.language,
                "latency_ms": latency_ms}
         if final:

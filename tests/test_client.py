@@ -811,6 +811,47 @@ def test_transcribe_reads_standard_input_in_the_format_it_is_told(service) -> No
     assert refused.returncode == 2 and "--encoding says what standard input holds" in refused.stderr, refused
 
 
+def test_transcribe_splits_a_call_recorded_with_each_party_on_its_own_channel(service, tmp_path) -> None:
+    """`--split-channels` streams each channel of a file as a stream of its own (a call recorded
+    with the agent on one channel, the caller on the other): the transcript is the channels'
+    finals in the order they were spoken, each line its time and channel, nothing of one
+    party's speech in the other's lines; `--json` names each row's channel. Without the flag
+    the channels are mixed, as before; a mono file has nothing to split."""
+    agent, caller = goforward(), soundfile.read(utterance("cards/001").path, dtype="int16")[0]
+    call = np.zeros((9 * RATE, 2), np.int16)
+    call[RATE // 2:RATE // 2 + len(agent), 0] = agent
+    call[4 * RATE:4 * RATE + len(caller), 1] = caller
+    call[6 * RATE:6 * RATE + len(agent), 0] = agent
+    path = tmp_path / "call.wav"
+    soundfile.write(path, call, RATE)
+    run = service.cli("transcribe", "--server", service.address, "--split-channels", str(path))
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert len(lines) == 3 and [line.split("] ")[1].split(":")[0] for line in lines] == ["channel 1", "channel 2", "channel 1"], lines
+    assert all(re.match(r"\[00:0\d\.\d\] channel \d: ", line) for line in lines), lines
+    starts = [float(line[4:8]) for line in lines]
+    assert starts == sorted(starts) and abs(starts[1] - 4.0) < 0.7 and abs(starts[2] - 6.0) < 0.7, lines
+    assert "forward" in lines[0].lower() and "clubs" in lines[1].lower() and "forward" in lines[2].lower(), lines
+
+    rows = [json.loads(line) for line in service.cli("transcribe", "--server", service.address, "--split-channels",
+                                                     "--offline", "--json", str(path)).stdout.splitlines()]
+    summaries = {r["channel"]: r for r in rows if r["type"] == "summary"}
+    assert set(summaries) == {1, 2} and all(r["file"] == str(path) for r in rows), rows
+    assert summaries[1]["text"].lower().count("forward") == 2 and "clubs" not in summaries[1]["text"].lower(), summaries
+    assert "clubs" in summaries[2]["text"].lower() and "forward" not in summaries[2]["text"].lower(), summaries
+    assert {r["channel"] for r in rows if r["type"] == "final"} == {1, 2}
+
+    mixed = service.cli("transcribe", "--server", service.address, str(path))
+    assert mixed.returncode == 0 and len(mixed.stdout.splitlines()) == 1 and " of " in mixed.stdout, mixed  # one transcript of both
+    mono = tmp_path / "mono.wav"
+    soundfile.write(mono, agent, RATE)
+    one = service.cli("transcribe", "--server", service.address, "--split-channels", str(mono))
+    assert one.returncode == 0 and one.stdout.lower().count("forward") == 1 and "channel" not in one.stdout, one
+    for refused in (["--local", str(path)], ["--subtitles", "srt", str(path)], ["-"]):
+        bad = service.cli("transcribe", "--split-channels", *refused)
+        assert bad.returncode == 2 and "--split-channels" in bad.stderr, (refused, bad)
+
+
 def test_transcribe_shows_a_live_source_s_partials_in_place_on_a_terminal(service) -> None:
     """Printed to a terminal, a live source's partials show as they come on one line, each in
     place of the last, and its final takes that line; a pipe or a file gets the finals alone (the
