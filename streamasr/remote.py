@@ -72,13 +72,16 @@ class RawFormat:
 
     def decode(self, data: bytes) -> np.ndarray:
         """Whole frames of `data` as (frames, channels), int16 or float32; G.711 codes expanded
-        to 16 bits by libsndfile."""
+        to 16 bits by libsndfile. Raises ValueError for float samples that are no number."""
         if self.encoding in G711_SUBTYPES:
             if not data:
                 return np.zeros((0, self.channels), np.int16)
             return soundfile.read(io.BytesIO(data), format="RAW", subtype=G711_SUBTYPES[self.encoding], samplerate=self.rate,
                                   channels=self.channels, dtype="int16", always_2d=True)[0]
-        return np.frombuffer(data, "<f4" if self.encoding == "f32le" else "<i2").reshape(-1, self.channels)
+        block = np.frombuffer(data, "<f4" if self.encoding == "f32le" else "<i2").reshape(-1, self.channels)
+        if block.dtype.kind == "f" and not np.isfinite(block).all():
+            raise ValueError("f32le samples that are NaN or infinite")  # no level to send for them
+        return block
 
 
 class Reader:
@@ -452,7 +455,7 @@ def _send(job: Job, reader: Reader, offline: bool, frame_ms: int, stop: threadin
         job.stalled.set()
     except ServerError as exc:
         job.error = job.error or f"sending audio failed: {exc}"
-    except (OSError, RuntimeError) as exc:  # the file failed part-way (soundfile raises RuntimeError subclasses)
+    except (OSError, RuntimeError, ValueError) as exc:  # the file failed part-way (soundfile raises RuntimeError subclasses)
         job.error = job.error or f"cannot read audio: {exc}"
     try:
         stream.end()  # after what was sent, at once: the audio a timed-out send left unsent is not waited for

@@ -792,7 +792,8 @@ def test_transcribe_captions_a_live_source_on_standard_input(service, tmp_path) 
 def test_transcribe_reads_standard_input_in_the_format_it_is_told(service) -> None:
     """A telephony feed's 8 kHz G.711 mu-law, or a sound card's 48 kHz stereo float, piped to
     `streamasr transcribe -` with `--rate`, `--encoding` and `--channels`, is transcribed as the
-    same speech in 16 kHz 16-bit mono is; the flags without `-` are refused."""
+    same speech in 16 kHz 16-bit mono is; float samples that are no number fail it, said; the
+    flags without `-` are refused."""
     audio = speech_with_pauses(2)
     level = audio.astype(np.float32) / 32768
     mulaw = io.BytesIO()
@@ -807,6 +808,9 @@ def test_transcribe_reads_standard_input_in_the_format_it_is_told(service) -> No
         summary = json.loads(run.stdout.splitlines()[-1])
         assert summary["text"].lower().count("forward") == 2, (flags, summary)
         assert summary["audio_s"] == pytest.approx(len(audio) / RATE, abs=0.01), (flags, summary)
+    broken = subprocess.run([sys.executable, "-m", "streamasr.cli", "transcribe", "--server", service.address, "--encoding",
+                             "f32le", "-"], input=np.full(8000, np.nan, "<f4").tobytes(), capture_output=True, text=False, timeout=120)
+    assert broken.returncode == 1 and b"-: cannot read audio: f32le samples that are NaN or infinite" in broken.stderr, broken
     refused = service.cli("transcribe", "--server", service.address, "--encoding", "pcm_alaw", "call.wav")
     assert refused.returncode == 2 and "--encoding says what standard input holds" in refused.stderr, refused
 
