@@ -10,8 +10,8 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import structlog
@@ -467,7 +467,7 @@ class Session:
         final's text is the decode's (not the partials' committed words it kept instead)."""
         if not text or not res.text.strip():
             return None
-        if not all(_segment_row(row) for row in res.segments):  # a worker of another build: the final goes out without
+        if not all(_segment_row(row) for row in res.segments):  # a worker of another build: the final goes without parts
             self.log.warning("ingest.final_parts_unreadable", job=res.job_id, seg=seg.index, segments=repr(res.segments)[:200])
             return None
         start, end = self._time(seg.start), self._time(job.end)

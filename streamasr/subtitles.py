@@ -5,9 +5,9 @@ final is cut into cues of at most two lines of MAX_LINE characters and MAX_CUE_S
 boundaries (text without spaces, as Chinese and Japanese are written, at characters, in lines of
 MAX_LINE_UNSPACED). A final's `parts` (Whisper's own segments of it, timed by the model) are
 joined into cues while they fit one, so a cue starts and ends where the model heard its phrases
-(a part too short to read alone joins the one before);
-within a part, or a final without parts, a cue is timed by its share of the characters, an
-estimate, and the final's own start and end are kept exactly.
+(a part too short to read alone joins the one before); within a part, or a final without parts,
+a cue is timed by its share of the characters, an estimate, and the final's own start and end
+are kept exactly.
 """
 
 from __future__ import annotations
@@ -89,11 +89,14 @@ def cues(start: float, end: float, text: str) -> list[Cue]:
 
 def phrased(start: float, end: float, text: str, parts: list[list[Any]] | None) -> list[Cue]:
     """A final's cues from its parts: adjacent parts joined while together they make one cue (a
-    part under MIN_PART_S always), each group cut and timed as `cues` does within its own span. Without parts, or with parts
-    that do not hold the final's text word for word, the final's cues by character share."""
-    parts = parts or []
-    texts = [str(p[2]).strip() for p in parts]
-    times = [(float(p[0]), float(p[1])) for p in parts]
+    part under MIN_PART_S always), each group cut and timed as `cues` does within its own span.
+    Without parts, or with parts that do not hold the final's text word for word, the final's
+    cues by character share."""
+    try:
+        texts = [p[2].strip() for p in parts or ()]
+        times = [(float(p[0]), float(p[1])) for p in parts or ()]
+    except (TypeError, ValueError, LookupError, AttributeError):  # not [start, end, text] rows: a service of another build
+        return cues(start, end, text)
     if not all(start - TIME_SLACK <= a < b <= end + TIME_SLACK for a, b in times) or any(
             b > a for (_, b), (a, _) in zip(times, times[1:])):
         return cues(start, end, text)  # parts that do not each take a span of their own, in order

@@ -55,6 +55,7 @@ def test_a_final_s_parts_time_its_cues_where_the_model_heard_them() -> None:
     assert fragment[0] == got[0] and fragment[1].start == 6.2 and fragment[-1].end == 28.0, fragment
     assert fragment[-1].lines[-1].endswith("his ordinary duties. Then stop."), fragment  # not a cue of its own
     assert phrased(3.0, 28.0, text, None) == cues(3.0, 28.0, text)
+    assert phrased(3.0, 28.0, text, [{"a": 1}]) == phrased(3.0, 28.0, text, [[3.4, "x"]]) == cues(3.0, 28.0, text)  # not rows
     assert phrased(3.0, 28.0, text, parts[:2]) == cues(3.0, 28.0, text)  # words left out
     assert phrased(3.0, 28.0, text, [parts[0], [3.9, 5.0, "Ten meters."], parts[2]]) == cues(3.0, 28.0, text)  # overlap
     unspaced = [[1.0, 4.0, UNSPACED[:16]], [4.0, 9.5, UNSPACED[16:]]]
