@@ -114,9 +114,9 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     if args.subtitles and len(args.files) > 1:
         print("streamasr transcribe: error: --subtitles takes one file", file=sys.stderr)
         return 2
-    if args.split_channels and (args.local or args.subtitles or "-" in args.files):
-        print("streamasr transcribe: error: --split-channels streams files' channels to a service, as text or --json "
-              "(not with --local, --subtitles or standard input)", file=sys.stderr)
+    if args.split_channels and (args.local or "-" in args.files):
+        print("streamasr transcribe: error: --split-channels streams files' channels to a service (not with --local "
+              "or standard input)", file=sys.stderr)
         return 2
     told = [flag for flag in ("rate", "encoding", "channels") if getattr(args, flag) is not None]
     if told and "-" not in args.files:
@@ -237,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                                            "0: fails at once)")
     p.add_argument("--split-channels", action="store_true",
                    help="each channel of a file its own stream, as a call recorded with each party on its own channel: "
-                        "its transcript is the channels' finals in the order they were spoken, each line its time and channel")
+                        "its transcript is the channels' finals in the order they were spoken, each line its time and channel "
+                        "(with --subtitles, each cue its channel)")
     raw = p.add_argument_group("standard input (-)")
     raw.add_argument("--rate", type=flag_in_range(int, 1000, MAX_RAW_RATE, "Hz"), metavar="HZ",
                      help="its sample rate (default 16000; other than 8000, 16000, 22050, 44100 or 48000 is resampled)")

@@ -44,7 +44,7 @@ from protocol.auth import Curve
 from protocol.messages import (G711_SUBTYPES, MAX_CHANNELS, OVERLOADED, RATES, SAMPLE_BYTES, Closed, ErrorMsg, Final, Partial,
                                ProtocolError, ServerMessage)
 from speech.audio import RAW_SUFFIXES, not_a_file, raw_format, to_mono
-from streamasr.subtitles import Writer
+from streamasr.subtitles import Voiced, Writer
 
 STDIN = "-"  # the file argument that names standard input
 RESAMPLED_RATE = 16000  # what a file at a rate the protocol does not take is streamed at
@@ -181,7 +181,7 @@ class Job:
     sent_s: float = 0.0  # of the file's audio, what went out
     interrupted: bool = False  # Ctrl-C came before all of it went out
     stalled: threading.Event = field(default_factory=threading.Event)  # no credit for CREDIT_TIMEOUT_S: the service stopped taking it
-    finals: list[tuple[float, str]] = field(default_factory=list)  # start and text of each final with words
+    finals: list[Final] = field(default_factory=list)  # those with words
     closed: Closed | None = None
     error: str | None = None
     started: float = 0.0
@@ -274,7 +274,8 @@ def run(
     for its stream; `subtitles` ("srt", "vtt": one file) prints cues as its finals come instead
     of text; `stdin` is standard input's format; with `split_channels` each channel of a file is
     a stream of its own (a call recorded with each party on its own channel), its transcript the
-    channels' finals in the order they were spoken; 0 when every file was transcribed, else 1."""
+    channels' finals in the order they were spoken (its cues too, once all are transcribed); 0
+    when every file was transcribed, else 1."""
     jobs: list[Job] = []
     failed = False
     if files.count(STDIN) > 1:
@@ -313,7 +314,7 @@ def run(
                     for job in jobs]
             for future in done:
                 future.result()  # a fault of this code, not of a file: raised rather than lost
-    spoken: dict[str, list[tuple[float, int, str]]] = {}  # a split file's finals: start, channel, text
+    spoken: dict[str, list[Voiced]] = {}  # a split file's finals, said by their channels
     for job in jobs:
         ended = job.closed is not None and job.closed.reason == "end"  # every sample sent was transcribed
         if job.error is not None:
@@ -329,18 +330,22 @@ def run(
                 continue
             whole = "" if job.seconds is None else f" of {job.seconds:.1f} s"
             print(f"{job.name}: interrupted: the transcript of its first {job.sent_s:.1f} s{whole}", file=sys.stderr)
-        text = joined([said for _, said in job.finals])  # Chinese or Japanese finals follow each other with no space, as in `--local`
+        text = joined([f.text.strip() for f in job.finals])  # Chinese or Japanese finals follow each other with no space, as in `--local`
         if as_json:
             audio_s = job.closed.audio_s if job.closed is not None else job.seconds or 0.0
             output.json({"type": "summary", "file": job.file, **_channel(job), "text": text, "segments": len(job.finals),
                          "audio_s": round(audio_s, 3), "wall_s": round(job.wall_s, 3), "interrupted": job.interrupted})
         elif job.channel is not None:
-            spoken.setdefault(job.file, []).extend((start, job.channel, said) for start, said in job.finals)
+            spoken.setdefault(job.file, []).extend(Voiced(f"channel {job.channel + 1}", f.start, f.end, f.text.strip(), f.parts)
+                                                   for f in job.finals)
         elif job.file != STDIN and output.subtitles is None:  # standard input's finals, and cues, were printed as they came
             output.text(job.file, text)
-    for file, finals in spoken.items():
-        for start, channel, said in sorted(finals):
-            output.text(file, f"[{_clock(start)}] channel {channel + 1}: {said}")
+    for file, finals in spoken.items():  # cues, or lines, in the order they were spoken
+        if output.subtitles is not None:
+            output.write(output.subtitles.conversation(finals))
+            continue
+        for f in sorted(finals, key=lambda f: (f.start, f.voice)):
+            output.text(file, f"[{_clock(f.start)}] {f.voice}: {f.text}")
     out.flush()
     return INTERRUPTED if stop.is_set() else 1 if failed else 0
 
@@ -490,7 +495,7 @@ def _show(job: Job, ev: ServerMessage, output: Output) -> None:
     if isinstance(ev, (Partial, Final)):
         latency_ms = round(stream.latency_for(ev.end, now=stream.received_at) * 1000, 1)
         final = isinstance(ev, Final)
-        if final and output.subtitles is not None:
+        if final and output.subtitles is not None and job.channel is None:  # a split file's cues are written together, at its end
             output.write(output.subtitles.final(ev.start, ev.end, ev.text.strip(), ev.parts))
         elif job.file == STDIN:  # a live source has no end to wait for
             if not final:
@@ -499,8 +504,8 @@ def _show(job: Job, ev: ServerMessage, output: Output) -> None:
                 output.text(job.file, ev.text.strip())
             else:
                 output.unshow()
-        if final and ev.text.strip():
-            job.finals.append((ev.start, ev.text.strip()))
+        if isinstance(ev, Final) and ev.text.strip():
+            job.finals.append(ev)
         row = {"type": "final" if final else "partial", "file": job.file, **_channel(job), "seg": ev.seg, "text": ev.text,
                "stable": ev.text if final else ev.stable, "start": ev.start, "end": ev.end, "language": ev.language,
                "latency_ms": latency_ms}

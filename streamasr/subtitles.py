@@ -7,7 +7,8 @@ MAX_LINE_UNSPACED). A final's `parts` (Whisper's own segments of it, timed by th
 joined into cues while they fit one, so a cue starts and ends where the model heard its phrases
 (a part too short to read alone joins the one before); within a part, or a final without parts,
 a cue is timed by its share of the characters, an estimate, and the final's own start and end
-are kept exactly.
+are kept exactly. A call recorded with each party on its own channel, each a stream, gives one
+track of both parties' cues in the order they start, each said to be its speaker's.
 """
 
 from __future__ import annotations
@@ -131,17 +132,33 @@ def _time(seconds: float, decimal: str) -> str:
     return f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}{decimal}{ms % 1000:03d}"
 
 
-def srt(cue: Cue, number: int) -> str:
-    return f"{number}\n{_time(cue.start, ',')} --> {_time(cue.end, ',')}\n" + "\n".join(cue.lines) + "\n\n"
+def srt(cue: Cue, number: int, voice: str | None = None) -> str:
+    """A SubRip cue; `voice` (who speaks it) in brackets before its text, as SubRip has no tag for it."""
+    text = "\n".join(cue.lines) if voice is None else f"[{voice}] " + "\n".join(cue.lines)
+    return f"{number}\n{_time(cue.start, ',')} --> {_time(cue.end, ',')}\n{text}\n\n"
 
 
-def vtt(cue: Cue) -> str:
+def vtt(cue: Cue, voice: str | None = None) -> str:
+    """A WebVTT cue; `voice` in WebVTT's voice span, which players show or style as the speaker."""
     # "-->" may not appear in a cue's text; WebVTT escapes & and <
     text = "\n".join(cue.lines).replace("&", "&amp;").replace("<", "&lt;").replace("-->", "--&gt;")
+    if voice is not None:
+        text = f"<v {voice.replace('&', '&amp;').replace('<', '&lt;').replace('>', '&gt;')}>{text}"
     return f"{_time(cue.start, '.')} --> {_time(cue.end, '.')}\n{text}\n\n"
 
 
 VTT_HEADER = "WEBVTT\n\n"
+
+
+@dataclass(frozen=True)
+class Voiced:
+    """A final and who said it."""
+
+    voice: str
+    start: float
+    end: float
+    text: str
+    parts: list[list[Any]] | None = None
 
 
 class Writer:
@@ -155,8 +172,17 @@ class Writer:
         return VTT_HEADER if self.fmt == "vtt" else ""
 
     def final(self, start: float, end: float, text: str, parts: list[list[Any]] | None = None) -> str:
+        return self._write([(cue, None) for cue in phrased(start, end, text, parts)])
+
+    def conversation(self, finals: list[Voiced]) -> str:
+        """Several speakers' finals (a call's channels, each its own stream) as one track: their
+        cues in the order they start, each said to be its speaker's."""
+        said = [(cue, f.voice) for f in finals for cue in phrased(f.start, f.end, f.text, f.parts)]
+        return self._write(sorted(said, key=lambda one: one[0].start))
+
+    def _write(self, voiced: list[tuple[Cue, str | None]]) -> str:
         out = []
-        for cue in phrased(start, end, text, parts):
+        for cue, voice in voiced:
             self.number += 1
-            out.append(srt(cue, self.number) if self.fmt == "srt" else vtt(cue))
+            out.append(srt(cue, self.number, voice) if self.fmt == "srt" else vtt(cue, voice))
         return "".join(out)

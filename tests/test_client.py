@@ -819,8 +819,9 @@ def test_transcribe_splits_a_call_recorded_with_each_party_on_its_own_channel(se
     """`--split-channels` streams each channel of a file as a stream of its own (a call recorded
     with the agent on one channel, the caller on the other): the transcript is the channels'
     finals in the order they were spoken, each line its time and channel, nothing of one
-    party's speech in the other's lines; `--json` names each row's channel. Without the flag
-    the channels are mixed, as before; a mono file has nothing to split."""
+    party's speech in the other's lines; `--json` names each row's channel; `--subtitles` gives
+    one track of both parties' cues, each its speaker's. Without the flag the channels are mixed,
+    as before; a mono file has nothing to split."""
     agent, caller = goforward(), soundfile.read(utterance("cards/001").path, dtype="int16")[0]
     call = np.zeros((9 * RATE, 2), np.int16)
     call[RATE // 2:RATE // 2 + len(agent), 0] = agent
@@ -851,7 +852,13 @@ def test_transcribe_splits_a_call_recorded_with_each_party_on_its_own_channel(se
     soundfile.write(mono, agent, RATE)
     one = service.cli("transcribe", "--server", service.address, "--split-channels", str(mono))
     assert one.returncode == 0 and one.stdout.lower().count("forward") == 1 and "channel" not in one.stdout, one
-    for refused in (["--local", str(path)], ["--subtitles", "srt", str(path)], ["-"]):
+    captions = service.cli("transcribe", "--server", service.address, "--split-channels", "--offline", "--subtitles", "vtt",
+                           str(path))
+    assert captions.returncode == 0, captions.stderr
+    cues = re.findall(r"^(\d\d:\d\d:\d\d\.\d{3}) --> \d\d:\d\d:\d\d\.\d{3}\n<v (channel \d)>(.*)$", captions.stdout, re.M)
+    assert captions.stdout.startswith("WEBVTT\n\n") and [voice for _, voice, _ in cues] == ["channel 1", "channel 2", "channel 1"], captions.stdout
+    assert [at for at, _, _ in cues] == sorted(at for at, _, _ in cues) and "clubs" in cues[1][2].lower(), captions.stdout
+    for refused in (["--local", str(path)], ["-"]):
         bad = service.cli("transcribe", "--split-channels", *refused)
         assert bad.returncode == 2 and "--split-channels" in bad.stderr, (refused, bad)
 
