@@ -5,33 +5,19 @@ Converting once at the edge means VAD, the shm rings and Whisper never see anoth
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
-import soundfile
 import soxr
 
 from protocol.messages import ENCODINGS, G711_SUBTYPES, MAX_F32_SAMPLE, RATES
+from speech.audio import g711_levels
 
 TARGET_RATE = 16000
 
 _DTYPES = {"pcm_s16le": np.dtype("<i2"), "f32le": np.dtype("<f4"), "pcm_mulaw": np.dtype("u1"), "pcm_alaw": np.dtype("u1")}
 S16_SCALE = np.float32(1 / 32768)
 _INDEX_SLOTS = np.dtype(np.intp).itemsize // np.dtype(np.float32).itemsize  # float32 slots an index takes
-
-
-def _g711_table(encoding: str) -> np.ndarray:
-    """Float32 level of each of the 256 codes of a G.711 encoding, on the pcm_s16le scale.
-
-    libsndfile expands the codes (to 16 bits, as G.711 defines them): no companding formula of
-    our own to get wrong.
-    """
-    levels, _ = soundfile.read(io.BytesIO(bytes(range(256))), format="RAW", subtype=G711_SUBTYPES[encoding],
-                               samplerate=8000, channels=1, dtype="int16")
-    return levels.astype(np.float32) * S16_SCALE
-
-
-_TABLES = {encoding: _g711_table(encoding) for encoding in G711_SUBTYPES}
+# Float32 level of each of the 256 codes of a G.711 encoding, on the pcm_s16le scale
+_TABLES = {encoding: g711_levels(encoding).astype(np.float32) * S16_SCALE for encoding in G711_SUBTYPES}
 
 
 class AudioFormatError(ValueError):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import io
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +41,19 @@ def raw_format(path: Path) -> dict[str, object]:
     encoding = G711_SUFFIXES.get(path.suffix.lower())
     return {} if encoding is None else {"samplerate": G711_RATE, "channels": 1, "format": "RAW",
                                         "subtype": G711_SUBTYPES[encoding]}
+
+
+@functools.cache
+def g711_levels(encoding: str) -> np.ndarray:
+    """The 16-bit level of each of the 256 codes of a G.711 encoding, indexed by the code
+    (read-only). libsndfile expands the codes as G.711 defines them: no companding formula of
+    our own to get wrong. The ingest decodes its clients' frames with it, a client its input."""
+    import soundfile
+
+    levels, _ = soundfile.read(io.BytesIO(bytes(range(256))), format="RAW", subtype=G711_SUBTYPES[encoding],
+                               samplerate=G711_RATE, channels=1, dtype="int16")
+    levels.flags.writeable = False
+    return levels
 
 
 def resample(audio: np.ndarray, rate: int, target: int = SAMPLE_RATE) -> np.ndarray:

@@ -138,12 +138,17 @@ def srt(cue: Cue, number: int, voice: str | None = None) -> str:
     return f"{number}\n{_time(cue.start, ',')} --> {_time(cue.end, ',')}\n{text}\n\n"
 
 
+def _vtt_escaped(text: str) -> str:
+    """Text as WebVTT takes it in a cue or a voice's name: & and < start its markup, ">" ends a
+    voice span, and "-->" may not appear in a cue at all."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
 def vtt(cue: Cue, voice: str | None = None) -> str:
     """A WebVTT cue; `voice` in WebVTT's voice span, which players show or style as the speaker."""
-    # "-->" may not appear in a cue's text; WebVTT escapes & and <
-    text = "\n".join(cue.lines).replace("&", "&amp;").replace("<", "&lt;").replace("-->", "--&gt;")
+    text = _vtt_escaped("\n".join(cue.lines))
     if voice is not None:
-        text = f"<v {voice.replace('&', '&amp;').replace('<', '&lt;').replace('>', '&gt;')}>{text}"
+        text = f"<v {_vtt_escaped(voice)}>{text}"
     return f"{_time(cue.start, '.')} --> {_time(cue.end, '.')}\n{text}\n\n"
 
 

@@ -75,7 +75,7 @@ def test_a_conversation_is_one_track_of_its_speakers_cues_in_the_order_they_star
     assert writer.header() + writer.conversation(finals) == (
         "WEBVTT\n\n"
         "00:00:00.600 --> 00:00:02.100\n<v channel 1>Thanks for calling.\n\n"
-        "00:00:03.000 --> 00:00:05.400\n<v channel 2>I have a question &amp; a &lt;complaint>.\n\n"
+        "00:00:03.000 --> 00:00:05.400\n<v channel 2>I have a question &amp; a &lt;complaint&gt;.\n\n"
         "00:00:06.000 --> 00:00:07.200\n<v channel 1>Ten of clubs, you said?\n\n")
     assert Writer("srt").conversation(finals[1:]) == (
         "1\n00:00:03,000 --> 00:00:05,400\n[channel 2] I have a question & a <complaint>.\n\n"
@@ -83,7 +83,7 @@ def test_a_conversation_is_one_track_of_its_speakers_cues_in_the_order_they_star
 
 
 def test_webvtt_cue_text_cannot_end_the_cue_or_start_a_tag() -> None:
-    assert Writer("vtt").final(0, 1, "a <b> & c --> d").endswith("\na &lt;b> &amp; c --&gt; d\n\n")
+    assert Writer("vtt").final(0, 1, "a <b> & c --> d").endswith("\na &lt;b&gt; &amp; c --&gt; d\n\n")
 
 
 def test_transcribe_writes_subtitles_a_player_reads(service, tmp_path) -> None:
