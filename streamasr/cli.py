@@ -114,9 +114,13 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     if args.subtitles and len(args.files) > 1:
         print("streamasr transcribe: error: --subtitles takes one file", file=sys.stderr)
         return 2
-    if args.split_channels and (args.local or "-" in args.files):
-        print("streamasr transcribe: error: --split-channels streams files' channels to a service (not with --local "
-              "or standard input)", file=sys.stderr)
+    if args.split_channels and args.local:
+        print("streamasr transcribe: error: --split-channels streams a call's channels to a service (not with --local)",
+              file=sys.stderr)
+        return 2
+    if args.split_channels and "-" in args.files and len(args.files) > 1:
+        print("streamasr transcribe: error: --split-channels streams standard input's channels at once: give - alone",
+              file=sys.stderr)
         return 2
     told = [flag for flag in ("rate", "encoding", "channels") if getattr(args, flag) is not None]
     if told and "-" not in args.files:
@@ -236,9 +240,9 @@ def main(argv: list[str] | None = None) -> int:
                                            "overloaded or too_many_streams) waits for room before it fails (default 300; "
                                            "0: fails at once)")
     p.add_argument("--split-channels", action="store_true",
-                   help="each channel of a file its own stream, as a call recorded with each party on its own channel: "
-                        "its transcript is the channels' finals in the order they were spoken, each line its time and channel "
-                        "(with --subtitles, each cue its channel)")
+                   help="each channel of a file, or of standard input given alone, its own stream, as a call with each "
+                        "party on its own channel: its transcript is the channels' finals in the order they were spoken (a "
+                        "live source's as they come), each line its time and channel (with --subtitles, each cue its channel)")
     raw = p.add_argument_group("standard input (-)")
     raw.add_argument("--rate", type=flag_in_range(int, 1000, MAX_RAW_RATE, "Hz"), metavar="HZ",
                      help="its sample rate (default 16000; other than 8000, 16000, 22050, 44100 or 48000 is resampled)")

@@ -17,15 +17,16 @@ audio sent so far and keeps what they transcribed (a second one quits at once).
 
 from __future__ import annotations
 
-import io
 import json
 import os
+import select
 import shutil
 import signal
 import stat
 import sys
 import threading
 import time
+from collections import deque
 from concurrent.futures import CancelledError, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from ingest.stabilizer import joined
 from protocol.auth import Curve
 from protocol.messages import (G711_SUBTYPES, MAX_CHANNELS, OVERLOADED, RATES, SAMPLE_BYTES, Closed, ErrorMsg, Final, Partial,
                                ProtocolError, ServerMessage)
-from speech.audio import RAW_SUFFIXES, not_a_file, raw_format, to_mono
+from speech.audio import RAW_SUFFIXES, g711_levels, not_a_file, raw_format, to_mono
 from streamasr.subtitles import Voiced, Writer
 
 STDIN = "-"  # the file argument that names standard input
@@ -72,12 +73,9 @@ class RawFormat:
 
     def decode(self, data: bytes) -> np.ndarray:
         """Whole frames of `data` as (frames, channels), int16 or float32; G.711 codes expanded
-        to 16 bits by libsndfile. Raises ValueError for float samples that are no number."""
+        to 16 bits as the ingest expands them. Raises ValueError for float samples that are no number."""
         if self.encoding in G711_SUBTYPES:
-            if not data:
-                return np.zeros((0, self.channels), np.int16)
-            return soundfile.read(io.BytesIO(data), format="RAW", subtype=G711_SUBTYPES[self.encoding], samplerate=self.rate,
-                                  channels=self.channels, dtype="int16", always_2d=True)[0]
+            return g711_levels(self.encoding)[np.frombuffer(data, np.uint8)].reshape(-1, self.channels)
         block = np.frombuffer(data, "<f4" if self.encoding == "f32le" else "<i2").reshape(-1, self.channels)
         if block.dtype.kind == "f" and not np.isfinite(block).all():
             raise ValueError("f32le samples that are NaN or infinite")  # no level to send for them
@@ -92,17 +90,19 @@ class Reader:
     file without samples are taken as `transcribe --local` takes them. Opening reads the header
     alone. Standard input (STDIN) is headerless, in the format `stdin` says, of a length known at
     its end; a pipe or a device is `live`: it comes at the speed it is spoken, and is sent as it
-    comes rather than paced again."""
+    comes rather than paced again. Split by channels, each channel's reader reads standard input
+    through the `split`'s pipe for it."""
 
-    def __init__(self, path: str, stdin: RawFormat = RawFormat(), channel: int | None = None) -> None:
+    def __init__(self, path: str, stdin: RawFormat = RawFormat(), channel: int | None = None,
+                 split: Split | None = None) -> None:
         self._raw: BinaryIO | None = None
         self._format = stdin if path == STDIN else RawFormat()
         self._file: soundfile.SoundFile | None = None
         self.live = False
         self.frames: int | None
         if path == STDIN:  # not closed with the reader: it is opened again for the stream
-            self._raw = sys.stdin.buffer
-            self.live = not stat.S_ISREG(os.fstat(self._raw.fileno()).st_mode)
+            self._raw = sys.stdin.buffer if split is None or channel is None else split.pipe(channel)
+            self.live = not stat.S_ISREG(os.fstat(sys.stdin.buffer.fileno()).st_mode)
             self.file_rate, channels, self.frames = stdin.rate, stdin.channels, None
         elif why := not_a_file(Path(path)):
             raise ValueError(why)
@@ -168,6 +168,88 @@ class Reader:
         self.close()
 
 
+class Split:
+    """Standard input shared by its channels' streams (`--split-channels` on `-`): it can be read
+    once, so one thread reads it as it comes and writes it to a pipe per channel, which that
+    channel's Reader reads as it would standard input. A channel not read for a while (its stream
+    waits for room) falls behind in memory while the others go on, up to BACKLOG; past that
+    standard input is read no further until it catches up, as the one stream of the channels mixed
+    would hold it. A channel whose reader is closed (its stream ended, or failed) is written no
+    more."""
+
+    CHUNK = 1 << 16  # at most this read at a time: a live source gives what it has, at once
+    BACKLOG = 32 << 20  # bytes of standard input a channel may fall behind by: minutes of a call
+
+    def __init__(self, channels: int, source: int) -> None:
+        self._source = source  # standard input's descriptor
+        pipes = [os.pipe() for _ in range(channels)]
+        self._pipes: dict[int, BinaryIO] = {k: os.fdopen(r, "rb") for k, (r, _) in enumerate(pipes)}
+        for _, w in pipes:
+            os.set_blocking(w, False)
+        self._ends = [w for _, w in pipes]
+        # a daemon: one blocked reading a live source that stays quiet must not hold the command's exit
+        threading.Thread(target=self._copy, name="transcribe-split", daemon=True).start()
+
+    def pipe(self, channel: int) -> BinaryIO:
+        return self._pipes[channel]
+
+    def _copy(self) -> None:
+        source = self._source
+        behind: dict[int, deque[memoryview]] = {end: deque() for end in self._ends}  # by each pipe's write end
+        size = dict.fromkeys(self._ends, 0)
+        reading = True
+        try:
+            while behind:
+                if not reading:  # standard input ended: a channel given all of it ends too
+                    for end in [end for end in behind if not size[end]]:
+                        self._end(end, behind, size)
+                    if not behind:
+                        break
+                poll = select.poll()  # not epoll: standard input may be a regular file
+                if reading and max(size.values()) < self.BACKLOG:
+                    poll.register(source, select.POLLIN)
+                for end in behind:
+                    if size[end]:
+                        poll.register(end, select.POLLOUT)
+                for fd, _ in poll.poll():
+                    if fd == source:
+                        data = self._read(source)
+                        reading = bool(data)
+                        for end in behind:
+                            if data:
+                                behind[end].append(memoryview(data))
+                                size[end] += len(data)
+                        continue
+                    try:
+                        while behind[fd]:
+                            written = os.write(fd, behind[fd][0])
+                            size[fd] -= written
+                            behind[fd][0] = behind[fd][0][written:]
+                            if not behind[fd][0]:
+                                behind[fd].popleft()
+                    except BlockingIOError:  # the pipe is full: the rest when it has room
+                        pass
+                    except OSError:  # BrokenPipeError: its reader closed
+                        self._end(fd, behind, size)
+        finally:
+            for end in list(behind):
+                self._end(end, behind, size)
+
+    @staticmethod
+    def _end(end: int, behind: dict[int, deque[memoryview]], size: dict[int, int]) -> None:
+        del behind[end], size[end]
+        os.close(end)
+
+    @staticmethod
+    def _read(source: int) -> bytes:
+        """What standard input has, up to CHUNK; nothing at its end, or once it failed (said)."""
+        try:
+            return os.read(source, Split.CHUNK)
+        except OSError as exc:
+            print(f"{STDIN}: cannot read audio: {exc}", file=sys.stderr)
+            return b""
+
+
 @dataclass
 class Job:
     """One file's stream and what came back on it."""
@@ -176,6 +258,7 @@ class Job:
     seconds: float | None  # the file's length, as its header (or size) says; None for standard input
     stdin: RawFormat = RawFormat()  # what standard input holds, when the file is STDIN
     channel: int | None = None  # the file's one channel this stream carries (--split-channels), from 0
+    split: Split | None = None  # standard input split by channels: where this channel reads it
     stream: Stream | None = None
     sent_all: bool = False  # every sample went out: a transcript is the whole file's
     sent_s: float = 0.0  # of the file's audio, what went out
@@ -188,9 +271,14 @@ class Job:
     wall_s: float = 0.0
 
     @property
+    def speaker(self) -> str | None:
+        """Who a split file's stream carries, as its lines and cues name them: its channel, from 1."""
+        return None if self.channel is None else f"channel {self.channel + 1}"
+
+    @property
     def name(self) -> str:
         """What its lines on stderr call it: the file, and its channel when split."""
-        return self.file if self.channel is None else f"{self.file} channel {self.channel + 1}"
+        return self.file if self.speaker is None else f"{self.file} {self.speaker}"
 
 
 class Output:
@@ -291,6 +379,11 @@ def run(
             failed = True
     if not jobs:
         return 1
+    live_split = [job for job in jobs if job.file == STDIN and job.channel is not None]
+    if live_split:  # its channels' streams read it together, so they run at once
+        split = Split(len(live_split), sys.stdin.buffer.fileno())
+        for job in live_split:
+            job.split = split
     try:
         client = Client(server, curve=curve)
     # ZMQError: an address ZeroMQ cannot connect to; ProtocolError: an answer that is not this protocol's
@@ -308,6 +401,11 @@ def run(
             print(f"--parallel {parallel}: the service lets a client open {allowed} streams at once; "
                   f"{allowed} files are streamed at a time", file=sys.stderr)
         places = min(parallel or allowed, allowed, len(jobs))
+        if live_split and places < len(jobs):
+            print(f"{STDIN}: its {len(live_split)} channels are streamed at once, and "
+                  f"{'--parallel' if parallel is not None and parallel < allowed else 'the service'} allows {places}",
+                  file=sys.stderr)
+            return 1
         # a thread per place, not per file: each takes the next file once done with its last (its `closed` frees the ingest's place)
         with ThreadPoolExecutor(places, thread_name_prefix="transcribe") as pool:
             done = [pool.submit(_stream, client, job, offline, language, partials, frame_ms, open_timeout, output, stop)
@@ -335,17 +433,17 @@ def run(
             audio_s = job.closed.audio_s if job.closed is not None else job.seconds or 0.0
             output.json({"type": "summary", "file": job.file, **_channel(job), "text": text, "segments": len(job.finals),
                          "audio_s": round(audio_s, 3), "wall_s": round(job.wall_s, 3), "interrupted": job.interrupted})
-        elif job.channel is not None:
-            spoken.setdefault(job.file, []).extend(Voiced(f"channel {job.channel + 1}", f.start, f.end, f.text.strip(), f.parts)
+        elif job.speaker is not None:
+            spoken.setdefault(job.file, []).extend(Voiced(job.speaker, f.start, f.end, f.text.strip(), f.parts)
                                                    for f in job.finals)
         elif job.file != STDIN and output.subtitles is None:  # standard input's finals, and cues, were printed as they came
             output.text(job.file, text)
     for file, finals in spoken.items():  # cues, or lines, in the order they were spoken
         if output.subtitles is not None:
             output.write(output.subtitles.conversation(finals))
-            continue
-        for f in sorted(finals, key=lambda f: (f.start, f.voice)):
-            output.text(file, f"[{_clock(f.start)}] {f.voice}: {f.text}")
+        elif file != STDIN:  # a live source's lines were printed as they came
+            for f in sorted(finals, key=lambda f: (f.start, f.voice)):
+                output.text(file, _said(f.start, f.voice, f.text))
     out.flush()
     return INTERRUPTED if stop.is_set() else 1 if failed else 0
 
@@ -353,6 +451,11 @@ def run(
 def _channel(job: Job) -> dict[str, int]:
     """A split file's JSON rows name their channel, from 1."""
     return {} if job.channel is None else {"channel": job.channel + 1}
+
+
+def _said(start: float, speaker: str, text: str) -> str:
+    """A split call's line: when it was said, and by whom."""
+    return f"[{_clock(start)}] {speaker}: {text}"
 
 
 def _clock(seconds: float) -> str:
@@ -391,9 +494,11 @@ def _stream(client: Client, job: Job, offline: bool, language: str | None, parti
     """Open the file, then its stream; send on a helper thread while this one reads events until `closed`."""
     if stop.is_set():
         job.interrupted = True
+        if job.split is not None and job.channel is not None:
+            job.split.pipe(job.channel).close()  # read no more: the other channels are not held for it
         return
     try:
-        reader = Reader(job.file, job.stdin, job.channel)
+        reader = Reader(job.file, job.stdin, job.channel, job.split)
     except (OSError, RuntimeError, ValueError) as exc:  # changed since it was checked: gone, cut to nothing
         job.error = f"cannot read audio: {exc}"
         return
@@ -495,13 +600,15 @@ def _show(job: Job, ev: ServerMessage, output: Output) -> None:
     if isinstance(ev, (Partial, Final)):
         latency_ms = round(stream.latency_for(ev.end, now=stream.received_at) * 1000, 1)
         final = isinstance(ev, Final)
-        if final and output.subtitles is not None and job.channel is None:  # a split file's cues are written together, at its end
-            output.write(output.subtitles.final(ev.start, ev.end, ev.text.strip(), ev.parts))
+        if final and output.subtitles is not None:
+            if job.channel is None:  # a split file's cues are written together, at its end
+                output.write(output.subtitles.final(ev.start, ev.end, ev.text.strip(), ev.parts))
         elif job.file == STDIN:  # a live source has no end to wait for
+            text = ev.text.strip()
             if not final:
-                output.partial(job.file, ev.text.strip())
-            elif ev.text.strip() and not output.as_json:
-                output.text(job.file, ev.text.strip())
+                output.partial(job.file, f"{job.speaker}: {text}" if job.speaker and text else text)
+            elif text and not output.as_json:
+                output.text(job.file, text if job.speaker is None else _said(ev.start, job.speaker, text))
             else:
                 output.unshow()
         if isinstance(ev, Final) and ev.text.strip():

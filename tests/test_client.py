@@ -815,6 +815,17 @@ def test_transcribe_reads_standard_input_in_the_format_it_is_told(service) -> No
     assert refused.returncode == 2 and "--encoding says what standard input holds" in refused.stderr, refused
 
 
+def two_party_call() -> np.ndarray:
+    """A call of 9 s, the agent on channel 1 ("go forward ten meters" at 0.5 s and 6 s), the caller
+    on channel 2 ("ten of clubs" at 4 s)."""
+    agent, caller = goforward(), soundfile.read(utterance("cards/001").path, dtype="int16")[0]
+    call = np.zeros((9 * RATE, 2), np.int16)
+    call[RATE // 2:RATE // 2 + len(agent), 0] = agent
+    call[4 * RATE:4 * RATE + len(caller), 1] = caller
+    call[6 * RATE:6 * RATE + len(agent), 0] = agent
+    return call
+
+
 def test_transcribe_splits_a_call_recorded_with_each_party_on_its_own_channel(service, tmp_path) -> None:
     """`--split-channels` streams each channel of a file as a stream of its own (a call recorded
     with the agent on one channel, the caller on the other): the transcript is the channels'
@@ -822,11 +833,7 @@ def test_transcribe_splits_a_call_recorded_with_each_party_on_its_own_channel(se
     party's speech in the other's lines; `--json` names each row's channel; `--subtitles` gives
     one track of both parties' cues, each its speaker's. Without the flag the channels are mixed,
     as before; a mono file has nothing to split."""
-    agent, caller = goforward(), soundfile.read(utterance("cards/001").path, dtype="int16")[0]
-    call = np.zeros((9 * RATE, 2), np.int16)
-    call[RATE // 2:RATE // 2 + len(agent), 0] = agent
-    call[4 * RATE:4 * RATE + len(caller), 1] = caller
-    call[6 * RATE:6 * RATE + len(agent), 0] = agent
+    call = two_party_call()
     path = tmp_path / "call.wav"
     soundfile.write(path, call, RATE)
     run = service.cli("transcribe", "--server", service.address, "--split-channels", str(path))
@@ -849,7 +856,7 @@ def test_transcribe_splits_a_call_recorded_with_each_party_on_its_own_channel(se
     mixed = service.cli("transcribe", "--server", service.address, str(path))
     assert mixed.returncode == 0 and len(mixed.stdout.splitlines()) == 1 and " of " in mixed.stdout, mixed  # one transcript of both
     mono = tmp_path / "mono.wav"
-    soundfile.write(mono, agent, RATE)
+    soundfile.write(mono, goforward(), RATE)
     one = service.cli("transcribe", "--server", service.address, "--split-channels", str(mono))
     assert one.returncode == 0 and one.stdout.lower().count("forward") == 1 and "channel" not in one.stdout, one
     captions = service.cli("transcribe", "--server", service.address, "--split-channels", "--offline", "--subtitles", "vtt",
@@ -858,9 +865,54 @@ def test_transcribe_splits_a_call_recorded_with_each_party_on_its_own_channel(se
     cues = re.findall(r"^(\d\d:\d\d:\d\d\.\d{3}) --> \d\d:\d\d:\d\d\.\d{3}\n<v (channel \d)>(.*)$", captions.stdout, re.M)
     assert captions.stdout.startswith("WEBVTT\n\n") and [voice for _, voice, _ in cues] == ["channel 1", "channel 2", "channel 1"], captions.stdout
     assert [at for at, _, _ in cues] == sorted(at for at, _, _ in cues) and "clubs" in cues[1][2].lower(), captions.stdout
-    for refused in (["--local", str(path)], ["-"]):
+    for refused in (["--local", str(path)], ["-", str(path)]):
         bad = service.cli("transcribe", "--split-channels", *refused)
         assert bad.returncode == 2 and "--split-channels" in bad.stderr, (refused, bad)
+
+
+def test_transcribe_splits_a_live_call_on_standard_input_as_it_is_spoken(service) -> None:
+    """A telephony bridge's live call, each party on its own channel, piped to `transcribe -
+    --channels 2 --split-channels`: each party is a stream of its own and each final is printed
+    as it comes, while the call goes on, with its time and its channel; nothing of one party is
+    in the other's lines. `--json` names each row's channel."""
+    call = two_party_call()
+    proc = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "transcribe", "--server", service.address,
+                             "--channels", "2", "--split-channels", "-"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    fed = threading.Event()
+    speaker = threading.Thread(target=speak_into, args=(proc.stdin, call, fed))
+    speaker.start()
+    lines = [(line.decode().strip(), fed.is_set()) for line in proc.stdout]
+    speaker.join()
+    assert proc.wait(30) == 0, proc.stderr.read()
+    assert [line.split("] ")[1].split(":")[0] for line, _ in lines] == ["channel 1", "channel 2", "channel 1"], lines
+    assert all(re.match(r"\[00:0\d\.\d\] channel \d: ", line) for line, _ in lines), lines
+    assert "forward" in lines[0][0].lower() and "clubs" in lines[1][0].lower() and "forward" in lines[2][0].lower(), lines
+    assert not lines[0][1] and not lines[1][1], "the finals came only after the call ended"
+
+    rows = [json.loads(line) for line in subprocess.run(
+        [sys.executable, "-m", "streamasr.cli", "transcribe", "--server", service.address, "--channels", "2",
+         "--split-channels", "--offline", "--json", "-"], input=call.tobytes(), capture_output=True, timeout=120).stdout.splitlines()]
+    summaries = {r["channel"]: r["text"].lower() for r in rows if r["type"] == "summary"}
+    assert set(summaries) == {1, 2} and summaries[1].count("forward") == 2 and "clubs" not in summaries[1], summaries
+    assert "clubs" in summaries[2] and "forward" not in summaries[2], summaries
+
+
+@pytest.mark.timeout(60)  # a channel held back by another would wait for ever
+def test_standard_input_split_by_channels_goes_on_for_the_channels_read() -> None:
+    """Split among its channels' pipes, standard input reaches a channel read at once while another
+    is not read yet (its stream waiting for room): that one falls behind in memory and gets all of
+    it once read; a channel whose reader closed holds nothing back."""
+    source, feed = os.pipe()
+    split = remote.Split(3, source)
+    data = os.urandom(3 * remote.Split.CHUNK + 123)  # past a pipe's own buffer (64 KiB)
+    writer = threading.Thread(target=lambda: (os.write(feed, data), os.close(feed)))
+    writer.start()
+    split.pipe(2).close()
+    assert split.pipe(0).read() == data  # to its end, while channel 1 is not read
+    assert split.pipe(1).read() == data
+    writer.join()
+    os.close(source)
 
 
 def test_transcribe_shows_a_live_source_s_partials_in_place_on_a_terminal(service) -> None:
