@@ -16,7 +16,20 @@ from speech.loader import ModelError
 
 
 MAX_RAW_RATE = 384_000  # standard input's rate at most: what sound cards record at most
+MAX_SPEAKER = 64  # characters of a speaker's name (--speakers)
 MAX_RAW_CHANNELS = 64
+
+
+def speaker_names(value: str) -> tuple[str, ...]:
+    """`--speakers`: names by channel, comma-separated, each on one line of a transcript."""
+    names = tuple(name.strip() for name in value.split(","))
+    for name in names:
+        if not name or not name.isprintable() or len(name) > MAX_SPEAKER:
+            raise argparse.ArgumentTypeError(f"{value!r}: each name is 1 to {MAX_SPEAKER} printable characters, "
+                                             "the names separated by commas")
+    if len(names) > MAX_RAW_CHANNELS:
+        raise argparse.ArgumentTypeError(f"{value!r}: at most {MAX_RAW_CHANNELS} names, one per channel")
+    return names
 
 
 def _config(args: argparse.Namespace) -> Config:
@@ -122,6 +135,9 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
         print("streamasr transcribe: error: --split-channels streams standard input's channels at once: give - alone",
               file=sys.stderr)
         return 2
+    if args.speakers is not None and not args.split_channels:
+        print("streamasr transcribe: error: --speakers names the channels --split-channels streams", file=sys.stderr)
+        return 2
     told = [flag for flag in ("rate", "encoding", "channels") if getattr(args, flag) is not None]
     if told and "-" not in args.files:
         print(f"streamasr transcribe: error: --{told[0]} says what standard input holds; give - among the files",
@@ -151,7 +167,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     return remote.run(args.files, server=args.server or cfg.front_door, offline=args.offline, as_json=args.json,
                       language=args.language, curve=curve, parallel=args.parallel, subtitles=args.subtitles,
                       open_timeout=remote.OPEN_TIMEOUT_S if args.open_timeout is None else args.open_timeout, stdin=stdin,
-                      split_channels=args.split_channels)
+                      speakers=remote.Speakers(args.speakers or ()) if args.split_channels else None)
 
 
 def cmd_top(args: argparse.Namespace) -> int:
@@ -243,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="each channel of a file, or of standard input given alone, its own stream, as a call with each "
                         "party on its own channel: its transcript is the channels' finals in the order they were spoken (a "
                         "live source's as they come), each line its time and channel (with --subtitles, each cue its channel)")
+    p.add_argument("--speakers", type=speaker_names, metavar="NAME,NAME",
+                   help="with --split-channels: who each channel carries, in channel order (e.g. agent,caller), as "
+                        "the lines, cues and JSON rows name them (default: channel 1, channel 2, ...)")
     raw = p.add_argument_group("standard input (-)")
     raw.add_argument("--rate", type=flag_in_range(int, 1000, MAX_RAW_RATE, "Hz"), metavar="HZ",
                      help="its sample rate (default 16000; other than 8000, 16000, 22050, 44100 or 48000 is resampled)")

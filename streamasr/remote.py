@@ -250,6 +250,18 @@ class Split:
             return b""
 
 
+@dataclass(frozen=True)
+class Speakers:
+    """A call's channels each streamed as a stream of its own (`--split-channels`), and who each
+    one carries as its lines and cues name them (`--speakers`, by channel; past those given, and
+    by default, "channel N" from 1)."""
+
+    names: tuple[str, ...] = ()
+
+    def of(self, channel: int) -> str:
+        return self.names[channel] if channel < len(self.names) else f"channel {channel + 1}"
+
+
 @dataclass
 class Job:
     """One file's stream and what came back on it."""
@@ -259,6 +271,7 @@ class Job:
     stdin: RawFormat = RawFormat()  # what standard input holds, when the file is STDIN
     channel: int | None = None  # the file's one channel this stream carries (--split-channels), from 0
     split: Split | None = None  # standard input split by channels: where this channel reads it
+    speakers: Speakers = Speakers()  # a split file's channels' names
     stream: Stream | None = None
     sent_all: bool = False  # every sample went out: a transcript is the whole file's
     sent_s: float = 0.0  # of the file's audio, what went out
@@ -272,8 +285,8 @@ class Job:
 
     @property
     def speaker(self) -> str | None:
-        """Who a split file's stream carries, as its lines and cues name them: its channel, from 1."""
-        return None if self.channel is None else f"channel {self.channel + 1}"
+        """Who a split file's stream carries, as its lines and cues name them."""
+        return None if self.channel is None else self.speakers.of(self.channel)
 
     @property
     def name(self) -> str:
@@ -355,15 +368,15 @@ def run(
     open_timeout: float = OPEN_TIMEOUT_S,
     subtitles: str | None = None,
     stdin: RawFormat = RawFormat(),
-    split_channels: bool = False,
+    speakers: Speakers | None = None,
 ) -> int:
     """Transcribe `files` on the service at `server`, `parallel` at a time (None: as many as the
     service lets a client open), each waiting up to `open_timeout` for the service to have room
     for its stream; `subtitles` ("srt", "vtt": one file) prints cues as its finals come instead
-    of text; `stdin` is standard input's format; with `split_channels` each channel of a file is
-    a stream of its own (a call recorded with each party on its own channel), its transcript the
-    channels' finals in the order they were spoken (its cues too, once all are transcribed); 0
-    when every file was transcribed, else 1."""
+    of text; `stdin` is standard input's format; with `speakers` each channel of a file is a
+    stream of its own (a call with each party on its own channel), its transcript the channels'
+    finals in the order they were spoken, each its speaker's (its cues too, once all are
+    transcribed); 0 when every file was transcribed, else 1."""
     jobs: list[Job] = []
     failed = False
     if files.count(STDIN) > 1:
@@ -372,8 +385,9 @@ def run(
     for path in files:
         try:  # the header alone: a file that cannot be streamed is said at once, before any is
             with Reader(path, stdin) as reader:
-                channels = range(reader.file_channels) if split_channels and reader.file_channels > 1 else [None]
-                jobs += [Job(path, reader.seconds, stdin=stdin, channel=channel) for channel in channels]
+                channels = range(reader.file_channels) if speakers is not None and reader.file_channels > 1 else [None]
+                jobs += [Job(path, reader.seconds, stdin=stdin, channel=channel, speakers=speakers or Speakers())
+                         for channel in channels]
         except (OSError, RuntimeError, ValueError) as exc:  # soundfile raises RuntimeError subclasses
             print(f"{path}: cannot read audio: {exc}", file=sys.stderr)
             failed = True
@@ -448,9 +462,9 @@ def run(
     return INTERRUPTED if stop.is_set() else 1 if failed else 0
 
 
-def _channel(job: Job) -> dict[str, int]:
-    """A split file's JSON rows name their channel, from 1."""
-    return {} if job.channel is None else {"channel": job.channel + 1}
+def _channel(job: Job) -> dict[str, int | str]:
+    """A split file's JSON rows name their channel, from 1, and its speaker."""
+    return {} if job.channel is None or job.speaker is None else {"channel": job.channel + 1, "speaker": job.speaker}
 
 
 def _said(start: float, speaker: str, text: str) -> str:

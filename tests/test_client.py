@@ -851,7 +851,7 @@ def test_transcribe_splits_a_call_recorded_with_each_party_on_its_own_channel(se
     assert set(summaries) == {1, 2} and all(r["file"] == str(path) for r in rows), rows
     assert summaries[1]["text"].lower().count("forward") == 2 and "clubs" not in summaries[1]["text"].lower(), summaries
     assert "clubs" in summaries[2]["text"].lower() and "forward" not in summaries[2]["text"].lower(), summaries
-    assert {r["channel"] for r in rows if r["type"] == "final"} == {1, 2}
+    assert {(r["channel"], r["speaker"]) for r in rows if r["type"] == "final"} == {(1, "channel 1"), (2, "channel 2")}
 
     mixed = service.cli("transcribe", "--server", service.address, str(path))
     assert mixed.returncode == 0 and len(mixed.stdout.splitlines()) == 1 and " of " in mixed.stdout, mixed  # one transcript of both
@@ -859,25 +859,30 @@ def test_transcribe_splits_a_call_recorded_with_each_party_on_its_own_channel(se
     soundfile.write(mono, goforward(), RATE)
     one = service.cli("transcribe", "--server", service.address, "--split-channels", str(mono))
     assert one.returncode == 0 and one.stdout.lower().count("forward") == 1 and "channel" not in one.stdout, one
-    captions = service.cli("transcribe", "--server", service.address, "--split-channels", "--offline", "--subtitles", "vtt",
-                           str(path))
+    captions = service.cli("transcribe", "--server", service.address, "--split-channels", "--speakers", "Agent,Caller",
+                           "--offline", "--subtitles", "vtt", str(path))
     assert captions.returncode == 0, captions.stderr
-    cues = re.findall(r"^(\d\d:\d\d:\d\d\.\d{3}) --> \d\d:\d\d:\d\d\.\d{3}\n<v (channel \d)>(.*)$", captions.stdout, re.M)
-    assert captions.stdout.startswith("WEBVTT\n\n") and [voice for _, voice, _ in cues] == ["channel 1", "channel 2", "channel 1"], captions.stdout
+    cues = re.findall(r"^(\d\d:\d\d:\d\d\.\d{3}) --> \d\d:\d\d:\d\d\.\d{3}\n<v (\w+)>(.*)$", captions.stdout, re.M)
+    assert captions.stdout.startswith("WEBVTT\n\n") and [voice for _, voice, _ in cues] == ["Agent", "Caller", "Agent"], captions.stdout
     assert [at for at, _, _ in cues] == sorted(at for at, _, _ in cues) and "clubs" in cues[1][2].lower(), captions.stdout
-    for refused in (["--local", str(path)], ["-", str(path)]):
-        bad = service.cli("transcribe", "--split-channels", *refused)
+    for refused in (["--split-channels", "--local", str(path)], ["--split-channels", "-", str(path)],
+                    ["--speakers", "agent,caller", str(path)]):
+        bad = service.cli("transcribe", *refused)
         assert bad.returncode == 2 and "--split-channels" in bad.stderr, (refused, bad)
+    for names in (",caller", "agent,call\ner", "x" * 65):
+        bad = service.cli("transcribe", "--split-channels", "--speakers", names, str(path))
+        assert bad.returncode == 2 and "printable characters" in bad.stderr, (names, bad)
 
 
 def test_transcribe_splits_a_live_call_on_standard_input_as_it_is_spoken(service) -> None:
     """A telephony bridge's live call, each party on its own channel, piped to `transcribe -
     --channels 2 --split-channels`: each party is a stream of its own and each final is printed
     as it comes, while the call goes on, with its time and its channel; nothing of one party is
-    in the other's lines. `--json` names each row's channel."""
+    in the other's lines, each line its party's name (`--speakers`). `--json` names each row's channel
+    and speaker."""
     call = two_party_call()
     proc = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "transcribe", "--server", service.address,
-                             "--channels", "2", "--split-channels", "-"],
+                             "--channels", "2", "--split-channels", "--speakers", "agent,caller", "-"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     fed = threading.Event()
     speaker = threading.Thread(target=speak_into, args=(proc.stdin, call, fed))
@@ -885,14 +890,16 @@ def test_transcribe_splits_a_live_call_on_standard_input_as_it_is_spoken(service
     lines = [(line.decode().strip(), fed.is_set()) for line in proc.stdout]
     speaker.join()
     assert proc.wait(30) == 0, proc.stderr.read()
-    assert [line.split("] ")[1].split(":")[0] for line, _ in lines] == ["channel 1", "channel 2", "channel 1"], lines
-    assert all(re.match(r"\[00:0\d\.\d\] channel \d: ", line) for line, _ in lines), lines
+    assert [line.split("] ")[1].split(":")[0] for line, _ in lines] == ["agent", "caller", "agent"], lines
+    assert all(re.match(r"\[00:0\d\.\d\] \w+: ", line) for line, _ in lines), lines
     assert "forward" in lines[0][0].lower() and "clubs" in lines[1][0].lower() and "forward" in lines[2][0].lower(), lines
     assert not lines[0][1] and not lines[1][1], "the finals came only after the call ended"
 
     rows = [json.loads(line) for line in subprocess.run(
         [sys.executable, "-m", "streamasr.cli", "transcribe", "--server", service.address, "--channels", "2",
-         "--split-channels", "--offline", "--json", "-"], input=call.tobytes(), capture_output=True, timeout=120).stdout.splitlines()]
+         "--split-channels", "--speakers", "agent", "--offline", "--json", "-"], input=call.tobytes(), capture_output=True,
+        timeout=120).stdout.splitlines()]
+    assert {(r["channel"], r["speaker"]) for r in rows} == {(1, "agent"), (2, "channel 2")}, rows  # channels past the names given
     summaries = {r["channel"]: r["text"].lower() for r in rows if r["type"] == "summary"}
     assert set(summaries) == {1, 2} and summaries[1].count("forward") == 2 and "clubs" not in summaries[1], summaries
     assert "clubs" in summaries[2] and "forward" not in summaries[2], summaries
