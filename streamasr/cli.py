@@ -11,7 +11,7 @@ from typing import Any
 
 from config import settings
 from config.settings import MAX_THREADS, MAX_WATCH_S, Config, ConfigError, flag_in_range
-from protocol.messages import ENCODINGS
+from protocol.messages import ENCODINGS, MAX_PROMPT_CHARS
 from speech.loader import ModelError
 
 
@@ -30,6 +30,13 @@ def speaker_names(value: str) -> tuple[str, ...]:
     if len(names) > MAX_RAW_CHANNELS:
         raise argparse.ArgumentTypeError(f"{value!r}: at most {MAX_RAW_CHANNELS} names, one per channel")
     return names
+
+
+def prompt_text(value: str) -> str:
+    """`--prompt`: at most what an open carries."""
+    if not value.strip() or len(value) > MAX_PROMPT_CHARS:
+        raise argparse.ArgumentTypeError(f"the prompt is 1 to {MAX_PROMPT_CHARS} characters")
+    return value
 
 
 def _config(args: argparse.Namespace) -> Config:
@@ -153,7 +160,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
 
         model = _config(args).model  # --model and --precision over the config's [model]
         return local.run(args.files, model, language=args.language, as_json=args.json, threads=args.threads,
-                         subtitles=args.subtitles)
+                         subtitles=args.subtitles, prompt=args.prompt)
     from streamasr import remote, service
 
     stdin = remote.RawFormat(**{flag: getattr(args, flag) for flag in told})
@@ -167,7 +174,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     return remote.run(args.files, server=args.server or cfg.front_door, offline=args.offline, as_json=args.json,
                       language=args.language, curve=curve, parallel=args.parallel, subtitles=args.subtitles,
                       open_timeout=remote.OPEN_TIMEOUT_S if args.open_timeout is None else args.open_timeout, stdin=stdin,
-                      speakers=remote.Speakers(args.speakers or ()) if args.split_channels else None)
+                      speakers=remote.Speakers(args.speakers or ()) if args.split_channels else None, prompt=args.prompt)
 
 
 def cmd_top(args: argparse.Namespace) -> int:
@@ -271,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
                      help="its channels, interleaved (default 1; more than 8 are mixed to mono)")
     p.add_argument("--model", help="with --local: whisper-tiny.en, whisper-base or a model directory (default: the config's)")
     p.add_argument("--language", help="language code, e.g. en, zh, EN-us (default: detect, or English for .en models; one the model lacks is refused)")
+    p.add_argument("--prompt", type=prompt_text, metavar="TEXT",
+                   help="names and words the speech holds, written as they should be (e.g. \"Acme Corp. Go forward ten "
+                        "meters.\"): the model spells and styles its text after them (Whisper's prompt)")
     p.add_argument("--precision", choices=["fp32", "int8"], help="with --local (default: the config's)")
     p.add_argument("--threads", type=flag_in_range(int, 0, MAX_THREADS, "threads"), default=2, help="with --local: ONNX Runtime threads")
     p.set_defaults(func=cmd_transcribe)

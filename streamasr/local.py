@@ -19,10 +19,11 @@ def run(
     threads: int = 1,
     out: TextIO = sys.stdout,
     subtitles: str | None = None,
+    prompt: str | None = None,
 ) -> int:
     """Print each file's transcript (plain text, one JSON object per line, or `subtitles` cues,
     "srt" or "vtt"); 0 if all succeeded. `model`: the config's `[model]`, decoded on its
-    `precision`'s graphs alone."""
+    `precision`'s graphs alone; `prompt`: Whisper's initial prompt for each file."""
     from speech import longform
     from speech.audio import AudioError, load_audio
     from speech.backend import SAMPLE_RATE
@@ -43,7 +44,7 @@ def run(
         for path in files:
             try:
                 audio = load_audio(path)
-                result = longform.transcribe(backend, audio, language=language or None)
+                result = longform.transcribe(backend, audio, language=language or None, prompt=prompt)
             except AudioError as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 status = 1

@@ -251,6 +251,18 @@ class Split:
 
 
 @dataclass(frozen=True)
+class Streaming:
+    """How each file's stream is opened and sent, the same for all of a run's files."""
+
+    offline: bool  # as fast as the service takes it, priority batch; else at the speed of speech
+    language: str | None
+    partials: bool
+    prompt: str | None  # names and words the model is to expect, as Whisper's prompt before the first final's text
+    frame_ms: int  # audio a realtime stream sends at a time
+    open_timeout: float  # how long an open waits for room
+
+
+@dataclass(frozen=True)
 class Speakers:
     """A call's channels each streamed as a stream of its own (`--split-channels`), and who each
     one carries as its lines and cues name them (`--speakers`, by channel; past those given, and
@@ -369,6 +381,7 @@ def run(
     subtitles: str | None = None,
     stdin: RawFormat = RawFormat(),
     speakers: Speakers | None = None,
+    prompt: str | None = None,
 ) -> int:
     """Transcribe `files` on the service at `server`, `parallel` at a time (None: as many as the
     service lets a client open), each waiting up to `open_timeout` for the service to have room
@@ -376,7 +389,8 @@ def run(
     of text; `stdin` is standard input's format; with `speakers` each channel of a file is a
     stream of its own (a call with each party on its own channel), its transcript the channels'
     finals in the order they were spoken, each its speaker's (its cues too, once all are
-    transcribed); 0 when every file was transcribed, else 1."""
+    transcribed); `prompt` primes each stream with names and words to expect; 0 when every file
+    was transcribed, else 1."""
     jobs: list[Job] = []
     failed = False
     if files.count(STDIN) > 1:
@@ -422,8 +436,8 @@ def run(
             return 1
         # a thread per place, not per file: each takes the next file once done with its last (its `closed` frees the ingest's place)
         with ThreadPoolExecutor(places, thread_name_prefix="transcribe") as pool:
-            done = [pool.submit(_stream, client, job, offline, language, partials, frame_ms, open_timeout, output, stop)
-                    for job in jobs]
+            streaming = Streaming(offline, language, partials, prompt, frame_ms, open_timeout)
+            done = [pool.submit(_stream, client, job, streaming, output, stop) for job in jobs]
             for future in done:
                 future.result()  # a fault of this code, not of a file: raised rather than lost
     spoken: dict[str, list[Voiced]] = {}  # a split file's finals, said by their channels
@@ -503,8 +517,7 @@ def _interruptible(stop: threading.Event) -> Iterator[None]:
         signal.signal(signal.SIGINT, before)
 
 
-def _stream(client: Client, job: Job, offline: bool, language: str | None, partials: bool, frame_ms: int,
-            open_timeout: float, output: Output, stop: threading.Event) -> None:
+def _stream(client: Client, job: Job, streaming: Streaming, output: Output, stop: threading.Event) -> None:
     """Open the file, then its stream; send on a helper thread while this one reads events until `closed`."""
     if stop.is_set():
         job.interrupted = True
@@ -518,15 +531,15 @@ def _stream(client: Client, job: Job, offline: bool, language: str | None, parti
         return
     with reader:
         try:
-            job.stream = _open(client, job, reader, offline, language, partials, open_timeout, output, stop)
+            job.stream = _open(client, job, reader, streaming, output, stop)
         except CancelledError:  # Ctrl-C while it waited for room
             job.interrupted = True
             return
-        except (ServerError, TimeoutError, ValueError) as exc:  # ValueError: an open the protocol does not allow (--language)
+        except (ServerError, TimeoutError, ValueError) as exc:  # ValueError: an open the protocol does not allow (--language, --prompt)
             job.error = f"cannot open a stream: {exc}"
             return
         job.started = time.monotonic()
-        sender = threading.Thread(target=_send, args=(job, reader, offline, frame_ms, stop),
+        sender = threading.Thread(target=_send, args=(job, reader, streaming, stop),
                                   name=f"{threading.current_thread().name}-send")
         sender.start()
         try:
@@ -538,8 +551,7 @@ def _stream(client: Client, job: Job, offline: bool, language: str | None, parti
     job.wall_s = time.monotonic() - job.started
 
 
-def _open(client: Client, job: Job, reader: Reader, offline: bool, language: str | None, partials: bool,
-          open_timeout: float, output: Output, stop: threading.Event) -> Stream:
+def _open(client: Client, job: Job, reader: Reader, streaming: Streaming, output: Output, stop: threading.Event) -> Stream:
     """Open the file's stream. One the service has no room for waits, held by the service in line
     with other callers', until `open_timeout` has passed (client.core.RoomWait): a folder of
     recordings on a busy service must not fail the files that came a moment too soon. Said once
@@ -547,21 +559,23 @@ def _open(client: Client, job: Job, reader: Reader, offline: bool, language: str
 
     def waiting(refused: StreamError) -> None:
         output.say(f"{job.name}: the service has no room for the stream ({refused}); "
-                   f"waiting up to {open_timeout:g} s for room")
+                   f"waiting up to {streaming.open_timeout:g} s for room")
 
-    return client.open(rate=reader.rate, channels=reader.channels, language=language, partials=partials,
-                       priority="batch" if offline else "realtime", wait=open_timeout, on_wait=waiting, cancel=stop)
+    return client.open(rate=reader.rate, channels=reader.channels, language=streaming.language, partials=streaming.partials,
+                       prompt=streaming.prompt, priority="batch" if streaming.offline else "realtime",
+                       wait=streaming.open_timeout, on_wait=waiting, cancel=stop)
 
 
-def _send(job: Job, reader: Reader, offline: bool, frame_ms: int, stop: threading.Event) -> None:
+def _send(job: Job, reader: Reader, streaming: Streaming, stop: threading.Event) -> None:
     """Read and send the file block by block, then `end`. A file that fails part-way (cut short,
     corrupt) or whose audio cannot be sent fails this file alone: what was sent is ended, and its
     transcript, a part's, is not given as the file's. Ctrl-C (`stop`) ends it where it is."""
     stream = job.stream
     assert stream is not None
+    offline = streaming.offline
     sent = 0  # frames, at the stream's rate
     try:
-        for block in reader.blocks(OFFLINE_BLOCK_MS if offline else frame_ms):
+        for block in reader.blocks(OFFLINE_BLOCK_MS if offline else streaming.frame_ms):
             if stop.is_set():
                 job.interrupted = True
                 break

@@ -815,6 +815,25 @@ def test_transcribe_reads_standard_input_in_the_format_it_is_told(service) -> No
     assert refused.returncode == 2 and "--encoding says what standard input holds" in refused.stderr, refused
 
 
+def test_transcribe_writes_names_and_words_as_its_prompt_spells_them(service) -> None:
+    """`--prompt` tells the model the names and words a call holds, written as they should be:
+    "Go forward ten meters." spells the number out where the model alone writes digits, and the
+    card's suit is heard as the prompt names it rather than as a word of its own ("Queen of
+    Cloves"). Streamed through the service and with --local alike; an empty prompt, or one past
+    what an open carries, is refused."""
+    files = [utterance("goforward").path, utterance("cards/002").path]
+    plain = service.cli("transcribe", "--server", service.address, *files)
+    assert plain.returncode == 0 and "Go forward 10 meters." in plain.stdout and "clubs" not in plain.stdout.lower(), plain
+    prompt = "Go forward ten meters. Ten of clubs."
+    for where in (["--server", service.address], ["--local"]):
+        primed = service.cli("transcribe", *where, "--prompt", prompt, *files)
+        assert primed.returncode == 0, (where, primed.stderr)
+        assert "Go forward ten meters." in primed.stdout and "queen of clubs" in primed.stdout.lower(), (where, primed.stdout)
+    for refused in (" ", "x" * 1001):
+        bad = service.cli("transcribe", "--prompt", refused, files[0])
+        assert bad.returncode == 2 and "the prompt is 1 to 1000 characters" in bad.stderr, bad
+
+
 def two_party_call() -> np.ndarray:
     """A call of 9 s, the agent on channel 1 ("go forward ten meters" at 0.5 s and 6 s), the caller
     on channel 2 ("ten of clubs" at 4 s)."""
