@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from config import settings
@@ -131,9 +132,17 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_transcribe(args: argparse.Namespace) -> int:
-    if args.subtitles and len(args.files) > 1:
-        print("streamasr transcribe: error: --subtitles takes one file", file=sys.stderr)
+    if args.subtitles and len(args.files) > 1 and args.out_dir is None:
+        print("streamasr transcribe: error: --subtitles takes one file (with --out-dir, many: a cue file each)",
+              file=sys.stderr)
         return 2
+    if args.out_dir is not None:
+        from streamasr import outdir
+
+        if why := ("- (standard input) is transcribed to standard output, not --out-dir" if "-" in args.files
+                   else outdir.refusal(args.files, args.out_dir)):
+            print(f"streamasr transcribe: error: {why}", file=sys.stderr)
+            return 2
     if args.split_channels and args.local:
         print("streamasr transcribe: error: --split-channels streams a call's channels to a service (not with --local)",
               file=sys.stderr)
@@ -160,7 +169,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
 
         model = _config(args).model  # --model and --precision over the config's [model]
         return local.run(args.files, model, language=args.language, as_json=args.json, threads=args.threads,
-                         subtitles=args.subtitles, prompt=args.prompt)
+                         subtitles=args.subtitles, prompt=args.prompt, out_dir=args.out_dir)
     from streamasr import remote, service
 
     stdin = remote.RawFormat(**{flag: getattr(args, flag) for flag in told})
@@ -174,7 +183,8 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     return remote.run(args.files, server=args.server or cfg.front_door, offline=args.offline, as_json=args.json,
                       language=args.language, curve=curve, parallel=args.parallel, subtitles=args.subtitles,
                       open_timeout=remote.OPEN_TIMEOUT_S if args.open_timeout is None else args.open_timeout, stdin=stdin,
-                      speakers=remote.Speakers(args.speakers or ()) if args.split_channels else None, prompt=args.prompt)
+                      speakers=remote.Speakers(args.speakers or ()) if args.split_channels else None, prompt=args.prompt,
+                      out_dir=args.out_dir)
 
 
 def cmd_top(args: argparse.Namespace) -> int:
@@ -254,7 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--json", action="store_true", help="one JSON object per line")
     shape.add_argument("--subtitles", choices=["srt", "vtt"],
-                       help="one file's captions as SubRip or WebVTT cues (two lines of 42 characters, 7 s at most)")
+                       help="one file's captions (with --out-dir, each file's) as SubRip or WebVTT cues (two lines of 42 "
+                            "characters, 7 s at most)")
+    p.add_argument("--out-dir", type=Path, metavar="DIR",
+                   help="each file's transcript (text, JSON or cues) in DIR, named after the file (call.wav: call.txt, "
+                        ".jsonl, .json with --local, .srt or .vtt), put in place once the file is transcribed")
     p.add_argument("--parallel", type=flag_in_range(int, 1, MAX_THREADS, "files"), metavar="N",
                    help="without --local: files streamed at once, the others as those end (default and most: the "
                         "streams the service lets a client open, [ingest] max_streams_per_client)")

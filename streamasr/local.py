@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import TextIO
 
 from config.settings import ModelConfig
+from streamasr.outdir import Transcript, suffix
 from streamasr.subtitles import Writer
 
 
@@ -20,10 +22,12 @@ def run(
     out: TextIO = sys.stdout,
     subtitles: str | None = None,
     prompt: str | None = None,
+    out_dir: Path | None = None,
 ) -> int:
     """Print each file's transcript (plain text, one JSON object per line, or `subtitles` cues,
     "srt" or "vtt"); 0 if all succeeded. `model`: the config's `[model]`, decoded on its
-    `precision`'s graphs alone; `prompt`: Whisper's initial prompt for each file."""
+    `precision`'s graphs alone; `prompt`: Whisper's initial prompt for each file; with `out_dir`
+    each file's output goes to a file of its own there."""
     from speech import longform
     from speech.audio import AudioError, load_audio
     from speech.backend import SAMPLE_RATE
@@ -55,7 +59,7 @@ def run(
                 continue
             if subtitles:
                 writer = Writer(subtitles)
-                out.write(writer.header() + "".join(writer.final(s.start, s.end, s.text) for s in result.segments))
+                written = writer.header() + "".join(writer.final(s.start, s.end, s.text) for s in result.segments)
             elif as_json:
                 obj = {
                     "file": path,
@@ -64,11 +68,17 @@ def run(
                     "segments": [{"start": s.start, "end": s.end, "text": s.text} for s in result.segments],
                     "duration": round(len(audio) / SAMPLE_RATE, 3),
                 }
-                out.write(json.dumps(obj, ensure_ascii=False) + "\n")
+                written = json.dumps(obj, ensure_ascii=False) + "\n"
             else:
-                prefix = f"{path}: " if len(files) > 1 else ""
-                out.write(prefix + result.text + "\n")
-            out.flush()
+                prefix = f"{path}: " if len(files) > 1 and out_dir is None else ""
+                written = prefix + result.text + "\n"
+            if out_dir is None:
+                out.write(written)
+                out.flush()
+                continue
+            transcript = Transcript(out_dir, path, suffix(as_json, subtitles, rows=False))
+            transcript.out.write(written)
+            transcript.keep()
     finally:
         backend.close()
     return status

@@ -45,6 +45,7 @@ from protocol.auth import Curve
 from protocol.messages import (G711_SUBTYPES, MAX_CHANNELS, OVERLOADED, RATES, SAMPLE_BYTES, Closed, ErrorMsg, Final, Partial,
                                ProtocolError, ServerMessage)
 from speech.audio import RAW_SUFFIXES, g711_levels, not_a_file, raw_format, to_mono
+from streamasr.outdir import Transcript, suffix
 from streamasr.subtitles import Voiced, Writer
 
 STDIN = "-"  # the file argument that names standard input
@@ -309,7 +310,8 @@ class Job:
 class Output:
     """Serializes lines from the reader threads."""
 
-    def __init__(self, out: TextIO, as_json: bool, named: bool, subtitles: Writer | None = None) -> None:
+    def __init__(self, out: TextIO, as_json: bool, named: bool, subtitles: Writer | None = None,
+                 lock: threading.Lock | None = None) -> None:
         self.out = out
         self.as_json = as_json
         self.named = named  # several files: each transcript line begins with its file's name
@@ -317,7 +319,7 @@ class Output:
         # on a terminal, a live source's partials show in place, on the line its final then takes
         self.terminal = not as_json and subtitles is None and out.isatty()
         self.showing = False  # a partial is on the terminal's last line
-        self.lock = threading.Lock()
+        self.lock = lock or threading.Lock()  # shared by a run's outputs: their lines on stderr whole among each other's
 
     def text(self, file: str, text: str) -> None:
         """A transcript line, whole among the other threads' lines (over a partial shown)."""
@@ -382,6 +384,7 @@ def run(
     stdin: RawFormat = RawFormat(),
     speakers: Speakers | None = None,
     prompt: str | None = None,
+    out_dir: Path | None = None,
 ) -> int:
     """Transcribe `files` on the service at `server`, `parallel` at a time (None: as many as the
     service lets a client open), each waiting up to `open_timeout` for the service to have room
@@ -389,8 +392,9 @@ def run(
     of text; `stdin` is standard input's format; with `speakers` each channel of a file is a
     stream of its own (a call with each party on its own channel), its transcript the channels'
     finals in the order they were spoken, each its speaker's (its cues too, once all are
-    transcribed); `prompt` primes each stream with names and words to expect; 0 when every file
-    was transcribed, else 1."""
+    transcribed); `prompt` primes each stream with names and words to expect; with `out_dir`
+    each file's output goes to a file of its own there, put in place once it is transcribed
+    (`subtitles` then takes many files); 0 when every file was transcribed, else 1."""
     jobs: list[Job] = []
     failed = False
     if files.count(STDIN) > 1:
@@ -419,59 +423,83 @@ def run(
         print(f"cannot connect to {server}: {exc}", file=sys.stderr)
         return 1
     output = Output(out, as_json, named=len({job.file for job in jobs}) > 1, subtitles=Writer(subtitles) if subtitles else None)
-    if output.subtitles is not None:
+    outputs = dict.fromkeys((job.file for job in jobs), output)  # where each file's lines and cues go
+    transcripts: dict[str, Transcript] = {}  # with out_dir: each file's own, put in place once it is transcribed
+    if output.subtitles is not None and out_dir is None:
         output.write(output.subtitles.header())
+    withheld: set[str] = set()  # files whose transcript is not given: cut short, or interrupted before any was
     stop = threading.Event()  # Ctrl-C: streams end with what they sent, files not begun are left
-    with client, _interruptible(stop):
-        # the ingest refuses a connection more open streams than this: the other files wait for a place
-        allowed = client.limits.max_streams_per_client
-        if parallel is not None and parallel > allowed:
-            print(f"--parallel {parallel}: the service lets a client open {allowed} streams at once; "
-                  f"{allowed} files are streamed at a time", file=sys.stderr)
-        places = min(parallel or allowed, allowed, len(jobs))
-        if live_split and places < len(jobs):
-            print(f"{STDIN}: its {len(live_split)} channels are streamed at once, and "
-                  f"{'--parallel' if parallel is not None and parallel < allowed else 'the service'} allows {places}",
-                  file=sys.stderr)
-            return 1
-        # a thread per place, not per file: each takes the next file once done with its last (its `closed` frees the ingest's place)
-        with ThreadPoolExecutor(places, thread_name_prefix="transcribe") as pool:
-            streaming = Streaming(offline, language, partials, prompt, frame_ms, open_timeout)
-            done = [pool.submit(_stream, client, job, streaming, output, stop) for job in jobs]
-            for future in done:
-                future.result()  # a fault of this code, not of a file: raised rather than lost
-    spoken: dict[str, list[Voiced]] = {}  # a split file's finals, said by their channels
-    for job in jobs:
-        ended = job.closed is not None and job.closed.reason == "end"  # every sample sent was transcribed
-        if job.error is not None:
-            print(f"{job.name}: {job.error}", file=sys.stderr)
-            failed = True
-            if not ended or not (job.sent_all or job.interrupted):
-                continue  # cut short: its transcript would pass for the whole file's
-            # a segment the service could not transcribe still had its final (what its partials agreed
-            # on) and the stream went on: the transcript is the file's, with that error said
-        if job.interrupted:  # the part it has is given, and said to be a part
-            if not ended or not job.sent_s:
-                print(f"{job.name}: interrupted before it was transcribed", file=sys.stderr)
-                continue
-            whole = "" if job.seconds is None else f" of {job.seconds:.1f} s"
-            print(f"{job.name}: interrupted: the transcript of its first {job.sent_s:.1f} s{whole}", file=sys.stderr)
-        text = joined([f.text.strip() for f in job.finals])  # Chinese or Japanese finals follow each other with no space, as in `--local`
-        if as_json:
-            audio_s = job.closed.audio_s if job.closed is not None else job.seconds or 0.0
-            output.json({"type": "summary", "file": job.file, **_channel(job), "text": text, "segments": len(job.finals),
-                         "audio_s": round(audio_s, 3), "wall_s": round(job.wall_s, 3), "interrupted": job.interrupted})
-        elif job.speaker is not None:
-            spoken.setdefault(job.file, []).extend(Voiced(job.speaker, f.start, f.end, f.text.strip(), f.parts)
-                                                   for f in job.finals)
-        elif job.file != STDIN and output.subtitles is None:  # standard input's finals, and cues, were printed as they came
-            output.text(job.file, text)
-    for file, finals in spoken.items():  # cues, or lines, in the order they were spoken
-        if output.subtitles is not None:
-            output.write(output.subtitles.conversation(finals))
-        elif file != STDIN:  # a live source's lines were printed as they came
-            for f in sorted(finals, key=lambda f: (f.start, f.voice)):
-                output.text(file, _said(f.start, f.voice, f.text))
+    try:
+        with client, _interruptible(stop):
+            # the ingest refuses a connection more open streams than this: the other files wait for a place
+            allowed = client.limits.max_streams_per_client
+            if parallel is not None and parallel > allowed:
+                print(f"--parallel {parallel}: the service lets a client open {allowed} streams at once; "
+                      f"{allowed} files are streamed at a time", file=sys.stderr)
+            places = min(parallel or allowed, allowed, len(jobs))
+            if live_split and places < len(jobs):
+                print(f"{STDIN}: its {len(live_split)} channels are streamed at once, and "
+                      f"{'--parallel' if parallel is not None and parallel < allowed else 'the service'} allows {places}",
+                      file=sys.stderr)
+                return 1
+            if out_dir is not None:
+                for file in outputs:
+                    transcripts[file] = Transcript(out_dir, file, suffix(as_json, subtitles, rows=True))
+                    cues = Writer(subtitles) if subtitles else None
+                    outputs[file] = Output(transcripts[file].out, as_json, named=False, subtitles=cues, lock=output.lock)
+                    if cues is not None:
+                        outputs[file].write(cues.header())
+            # a thread per place, not per file: each takes the next file once done with its last (its `closed` frees the ingest's place)
+            with ThreadPoolExecutor(places, thread_name_prefix="transcribe") as pool:
+                streaming = Streaming(offline, language, partials, prompt, frame_ms, open_timeout)
+                done = [pool.submit(_stream, client, job, streaming, outputs[job.file], stop) for job in jobs]
+                for future in done:
+                    future.result()  # a fault of this code, not of a file: raised rather than lost
+        spoken: dict[str, list[Voiced]] = {}  # a split file's finals, said by their channels
+        for job in jobs:
+            mine = outputs[job.file]
+            ended = job.closed is not None and job.closed.reason == "end"  # every sample sent was transcribed
+            if job.error is not None:
+                print(f"{job.name}: {job.error}", file=sys.stderr)
+                failed = True
+                if not ended or not (job.sent_all or job.interrupted):
+                    withheld.add(job.file)
+                    continue  # cut short: its transcript would pass for the whole file's
+                # a segment the service could not transcribe still had its final (what its partials agreed
+                # on) and the stream went on: the transcript is the file's, with that error said
+            if job.interrupted:  # the part it has is given, and said to be a part
+                if not ended or not job.sent_s:
+                    print(f"{job.name}: interrupted before it was transcribed", file=sys.stderr)
+                    withheld.add(job.file)
+                    continue
+                whole = "" if job.seconds is None else f" of {job.seconds:.1f} s"
+                print(f"{job.name}: interrupted: the transcript of its first {job.sent_s:.1f} s{whole}", file=sys.stderr)
+            text = joined([f.text.strip() for f in job.finals])  # Chinese or Japanese finals follow each other with no space, as in `--local`
+            if as_json:
+                audio_s = job.closed.audio_s if job.closed is not None else job.seconds or 0.0
+                mine.json({"type": "summary", "file": job.file, **_channel(job), "text": text, "segments": len(job.finals),
+                           "audio_s": round(audio_s, 3), "wall_s": round(job.wall_s, 3), "interrupted": job.interrupted})
+            elif job.speaker is not None:
+                spoken.setdefault(job.file, []).extend(Voiced(job.speaker, f.start, f.end, f.text.strip(), f.parts)
+                                                       for f in job.finals)
+            elif job.file != STDIN and mine.subtitles is None:  # standard input's finals, and cues, were printed as they came
+                mine.text(job.file, text)
+        for file, finals in spoken.items():  # cues, or lines, in the order they were spoken
+            mine = outputs[file]
+            if mine.subtitles is not None:
+                mine.write(mine.subtitles.conversation(finals))
+            elif file != STDIN:  # a live source's lines were printed as they came
+                for f in sorted(finals, key=lambda f: (f.start, f.voice)):
+                    mine.text(file, _said(f.start, f.voice, f.text))
+    except BaseException:  # a fault of this code: no transcript is left half written
+        for transcript in transcripts.values():
+            transcript.drop()
+        raise
+    for file, transcript in transcripts.items():
+        if file in withheld:
+            transcript.drop()
+        else:
+            transcript.keep()
     out.flush()
     return INTERRUPTED if stop.is_set() else 1 if failed else 0
 

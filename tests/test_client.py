@@ -834,6 +834,39 @@ def test_transcribe_writes_names_and_words_as_its_prompt_spells_them(service) ->
         assert bad.returncode == 2 and "the prompt is 1 to 1000 characters" in bad.stderr, bad
 
 
+def test_transcribe_writes_each_file_s_transcript_to_a_file_of_its_own(service, tmp_path) -> None:
+    """`--out-dir` captions a folder of recordings in one run: each file's cues (or text, or JSON)
+    in a file named after it, put in place whole once it is transcribed; a file that breaks off
+    part-way leaves none, and no half-written file is left behind. `--local` alike. Two files of
+    one name, standard input, and a directory that is a file are refused before anything streams."""
+    recordings = tmp_path / "calls"
+    recordings.mkdir()
+    first, second = recordings / "first.raw", recordings / "second.wav"
+    goforward().tofile(first)
+    soundfile.write(second, soundfile.read(utterance("cards/001").path, dtype="int16")[0], RATE)
+    cut = recordings / "cut.flac"
+    soundfile.write(cut, speech_with_pauses(8), RATE)
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size * 2 // 3])
+    captions = tmp_path / "captions"
+    run = service.cli("transcribe", "--server", service.address, "--offline", "--subtitles", "vtt", "--out-dir",
+                      str(captions), str(first), str(second), str(cut))
+    assert run.returncode == 1 and run.stdout == "" and f"{cut}: cannot read audio" in run.stderr, run
+    assert sorted(p.name for p in captions.iterdir()) == ["first.vtt", "second.vtt"]  # nothing of cut.flac, no part
+    assert re.fullmatch(r"WEBVTT\n\n00:00:00\.\d{3} --> 00:00:0\d\.\d{3}\nGo forward 10 meters\.\n\n",
+                        (captions / "first.vtt").read_text()), (captions / "first.vtt").read_text()
+    assert "clubs" in (captions / "second.vtt").read_text().lower()
+    assert service.cli("transcribe", "--server", service.address, "--json", "--out-dir", str(captions), str(first)).returncode == 0
+    rows = [json.loads(line) for line in (captions / "first.jsonl").read_text().splitlines()]
+    assert rows[-1]["type"] == "summary" and rows[-1]["text"] == "Go forward 10 meters.", rows
+    local = service.cli("transcribe", "--local", "--out-dir", str(captions), str(second), timeout=180)
+    assert local.returncode == 0 and local.stdout == "" and "clubs" in (captions / "second.txt").read_text().lower(), local
+    for refused, why in (([str(first), str(tmp_path / "first.wav")], "would both be written as first"),
+                         (["-"], "standard input"), ([str(first)], "not a directory")):
+        where = str(first) if why == "not a directory" else str(captions)
+        bad = service.cli("transcribe", "--server", service.address, "--out-dir", where, *refused)
+        assert bad.returncode == 2 and why in bad.stderr, (refused, bad)
+
+
 def two_party_call() -> np.ndarray:
     """A call of 9 s, the agent on channel 1 ("go forward ten meters" at 0.5 s and 6 s), the caller
     on channel 2 ("ten of clubs" at 4 s)."""
