@@ -932,6 +932,12 @@ class StreamBase:
         return self._entry.core.accepted
 
     @property
+    def durable(self) -> int:
+        """Input frame index before which every segment has had its final delivered, as the server
+        last said: a final still to come starts at or after it (its audio before is never needed)."""
+        return self._entry.core.durable
+
+    @property
     def resumes(self) -> list[int]:
         """Input frame offsets this stream was re-opened at after losing its ingest connection."""
         return list(self._entry.core.resumes)

@@ -18,6 +18,7 @@ audio sent so far and keeps what they transcribed (a second one quits at once).
 from __future__ import annotations
 
 import json
+import math
 import os
 import select
 import shutil
@@ -46,7 +47,7 @@ from protocol.messages import (G711_SUBTYPES, MAX_CHANNELS, OVERLOADED, RATES, S
                                ProtocolError, ServerMessage)
 from speech.audio import RAW_SUFFIXES, g711_levels, not_a_file, raw_format, to_mono
 from streamasr.outdir import Transcript, suffix
-from streamasr.subtitles import Voiced, Writer
+from streamasr.subtitles import Conversation, Voiced, Writer
 
 STDIN = "-"  # the file argument that names standard input
 RESAMPLED_RATE = 16000  # what a file at a rate the protocol does not take is streamed at
@@ -285,6 +286,7 @@ class Job:
     channel: int | None = None  # the file's one channel this stream carries (--split-channels), from 0
     split: Split | None = None  # standard input split by channels: where this channel reads it
     speakers: Speakers = Speakers()  # a split file's channels' names
+    conversation: Conversation | None = None  # a split file's cues, its channels' together
     stream: Stream | None = None
     sent_all: bool = False  # every sample went out: a transcript is the whole file's
     sent_s: float = 0.0  # of the file's audio, what went out
@@ -311,7 +313,7 @@ class Output:
     """Serializes lines from the reader threads."""
 
     def __init__(self, out: TextIO, as_json: bool, named: bool, subtitles: Writer | None = None,
-                 lock: threading.Lock | None = None) -> None:
+                 lock: threading.RLock | None = None) -> None:
         self.out = out
         self.as_json = as_json
         self.named = named  # several files: each transcript line begins with its file's name
@@ -319,7 +321,9 @@ class Output:
         # on a terminal, a live source's partials show in place, on the line its final then takes
         self.terminal = not as_json and subtitles is None and out.isatty()
         self.showing = False  # a partial is on the terminal's last line
-        self.lock = lock or threading.Lock()  # shared by a run's outputs: their lines on stderr whole among each other's
+        # shared by a run's outputs, their lines on stderr whole among each other's; re-entrant, so that a
+        # conversation's cues are released and written in one hold of it, in the order released
+        self.lock = lock or threading.RLock()
 
     def text(self, file: str, text: str) -> None:
         """A transcript line, whole among the other threads' lines (over a partial shown)."""
@@ -449,6 +453,12 @@ def run(
                     outputs[file] = Output(transcripts[file].out, as_json, named=False, subtitles=cues, lock=output.lock)
                     if cues is not None:
                         outputs[file].write(cues.header())
+            for file in {job.file for job in jobs if job.channel is not None}:  # a split file's cues, in the order they start
+                if (cues := outputs[file].subtitles) is not None:
+                    conversation = Conversation(cues, [job.channel for job in jobs if job.file == file and job.channel is not None])
+                    for job in jobs:
+                        if job.file == file:
+                            job.conversation = conversation
             # a thread per place, not per file: each takes the next file once done with its last (its `closed` frees the ingest's place)
             with ThreadPoolExecutor(places, thread_name_prefix="transcribe") as pool:
                 streaming = Streaming(offline, language, partials, prompt, frame_ms, open_timeout)
@@ -479,18 +489,15 @@ def run(
                 audio_s = job.closed.audio_s if job.closed is not None else job.seconds or 0.0
                 mine.json({"type": "summary", "file": job.file, **_channel(job), "text": text, "segments": len(job.finals),
                            "audio_s": round(audio_s, 3), "wall_s": round(job.wall_s, 3), "interrupted": job.interrupted})
+            elif mine.subtitles is not None or job.file == STDIN:  # its cues, or a live source's lines, were written as they came
+                continue
             elif job.speaker is not None:
-                spoken.setdefault(job.file, []).extend(Voiced(job.speaker, f.start, f.end, f.text.strip(), f.parts)
-                                                       for f in job.finals)
-            elif job.file != STDIN and mine.subtitles is None:  # standard input's finals, and cues, were printed as they came
+                spoken.setdefault(job.file, []).extend(Voiced(job.speaker, f.start, f.end, f.text.strip()) for f in job.finals)
+            else:
                 mine.text(job.file, text)
-        for file, finals in spoken.items():  # cues, or lines, in the order they were spoken
-            mine = outputs[file]
-            if mine.subtitles is not None:
-                mine.write(mine.subtitles.conversation(finals))
-            elif file != STDIN:  # a live source's lines were printed as they came
-                for f in sorted(finals, key=lambda f: (f.start, f.voice)):
-                    mine.text(file, _said(f.start, f.voice, f.text))
+        for file, finals in spoken.items():  # a split file's lines, in the order they were spoken
+            for f in sorted(finals, key=lambda f: (f.start, f.voice)):
+                outputs[file].text(file, _said(f.start, f.voice, f.text))
     except BaseException:  # a fault of this code: no transcript is left half written
         for transcript in transcripts.values():
             transcript.drop()
@@ -546,6 +553,23 @@ def _interruptible(stop: threading.Event) -> Iterator[None]:
 
 
 def _stream(client: Client, job: Job, streaming: Streaming, output: Output, stop: threading.Event) -> None:
+    """Transcribe the job's file; once done, a split call's other channels' cues wait for it no more."""
+    try:
+        _transcribe(client, job, streaming, output, stop)
+    finally:
+        if job.conversation is not None:
+            _heard(job, output, math.inf)
+
+
+def _heard(job: Job, output: Output, until: float) -> None:
+    """A split file's channel will have no final that starts before `until`: the other channels' cues before it are written."""
+    assert job.conversation is not None and job.channel is not None
+    with output.lock:
+        if cues := job.conversation.heard(job.channel, until):
+            output.write(cues)
+
+
+def _transcribe(client: Client, job: Job, streaming: Streaming, output: Output, stop: threading.Event) -> None:
     """Open the file, then its stream; send on a helper thread while this one reads events until `closed`."""
     if stop.is_set():
         job.interrupted = True
@@ -637,12 +661,18 @@ def _read(job: Job, output: Output) -> None:
     assert stream is not None
     heard = time.monotonic()
     while True:
+        # Where the stream's next final starts at the soonest, read before waiting: every final
+        # that came before it is shown by the time the wait finds nothing more.
+        until = stream.durable / stream.rate
         try:
             for ev in stream.events(timeout=STALL_POLL_S):
                 heard = time.monotonic()
                 _show(job, ev, output)
+                until = stream.durable / stream.rate
             return
         except TimeoutError:  # nothing within STALL_POLL_S; events() may be called again
+            if job.conversation is not None:
+                _heard(job, output, until)
             if job.stalled.is_set():
                 return
             if time.monotonic() - heard >= EVENT_TIMEOUT_S:
@@ -657,8 +687,11 @@ def _show(job: Job, ev: ServerMessage, output: Output) -> None:
         latency_ms = round(stream.latency_for(ev.end, now=stream.received_at) * 1000, 1)
         final = isinstance(ev, Final)
         if final and output.subtitles is not None:
-            if job.channel is None:  # a split file's cues are written together, at its end
+            if job.conversation is None:
                 output.write(output.subtitles.final(ev.start, ev.end, ev.text.strip(), ev.parts))
+            elif ev.text.strip() and job.speaker is not None and job.channel is not None:
+                with output.lock:
+                    output.write(job.conversation.said(job.channel, Voiced(job.speaker, ev.start, ev.end, ev.text.strip(), ev.parts)))
         elif job.file == STDIN:  # a live source has no end to wait for
             text = ev.text.strip()
             if not final:

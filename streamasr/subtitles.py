@@ -7,12 +7,14 @@ MAX_LINE_UNSPACED). A final's `parts` (Whisper's own segments of it, timed by th
 joined into cues while they fit one, so a cue starts and ends where the model heard its phrases
 (a part too short to read alone joins the one before); within a part, or a final without parts,
 a cue is timed by its share of the characters, an estimate, and the final's own start and end
-are kept exactly. A call recorded with each party on its own channel, each a stream, gives one
-track of both parties' cues in the order they start, each said to be its speaker's.
+are kept exactly. A call with each party on its own channel, each a stream, gives one track of
+both parties' cues in the order they start, each said to be its speaker's, written as they speak.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -177,17 +179,48 @@ class Writer:
         return VTT_HEADER if self.fmt == "vtt" else ""
 
     def final(self, start: float, end: float, text: str, parts: list[list[Any]] | None = None) -> str:
-        return self._write([(cue, None) for cue in phrased(start, end, text, parts)])
+        return self.write([(cue, None) for cue in phrased(start, end, text, parts)])
 
-    def conversation(self, finals: list[Voiced]) -> str:
-        """Several speakers' finals (a call's channels, each its own stream) as one track: their
-        cues in the order they start, each said to be its speaker's."""
-        said = [(cue, f.voice) for f in finals for cue in phrased(f.start, f.end, f.text, f.parts)]
-        return self._write(sorted(said, key=lambda one: one[0].start))
-
-    def _write(self, voiced: list[tuple[Cue, str | None]]) -> str:
+    def write(self, voiced: list[tuple[Cue, str | None]]) -> str:
+        """Cues in this format, each with who speaks it, if anyone."""
         out = []
         for cue, voice in voiced:
             self.number += 1
             out.append(srt(cue, self.number, voice) if self.fmt == "srt" else vtt(cue, voice))
         return "".join(out)
+
+
+class Conversation:
+    """Several speakers' finals, each speaker a stream of its own, as one track written while they
+    speak. WebVTT's cues are in the order they start, and one speaker's final can come after
+    another's that started later, so a cue is held until no other speaker can still have a final
+    that starts before it: `heard` says, for each, where its next final starts at the soonest (the
+    stream's `durable`, once what came before it is said; never, once it ended)."""
+
+    def __init__(self, writer: Writer, speakers: list[int]) -> None:  # by channel
+        self._writer = writer
+        self._until = dict.fromkeys(speakers, 0.0)
+        self._held: list[tuple[float, int, int, Cue, str]] = []  # a heap: the soonest cue first
+        self._order = itertools.count()  # a speaker's cues with one start keep their order
+
+    def said(self, speaker: int, final: Voiced) -> str:
+        """The cues that can be written now that `speaker` said `final`."""
+        for cue in phrased(final.start, final.end, final.text, final.parts):
+            heapq.heappush(self._held, (cue.start, next(self._order), speaker, cue, final.voice))
+        return self._release()
+
+    def heard(self, speaker: int, until: float) -> str:
+        """The cues that can be written now that `speaker` will have no final starting before `until`
+        (math.inf: none at all)."""
+        self._until[speaker] = max(self._until[speaker], until)
+        return self._release()
+
+    def _release(self) -> str:
+        ready = []
+        while self._held:
+            start, _, speaker, cue, voice = self._held[0]
+            if any(start > until for other, until in self._until.items() if other != speaker):
+                break
+            heapq.heappop(self._held)
+            ready.append((cue, voice))
+        return self._writer.write(ready)

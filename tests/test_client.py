@@ -930,22 +930,35 @@ def test_transcribe_splits_a_live_call_on_standard_input_as_it_is_spoken(service
     """A telephony bridge's live call, each party on its own channel, piped to `transcribe -
     --channels 2 --split-channels`: each party is a stream of its own and each final is printed
     as it comes, while the call goes on, with its time and its channel; nothing of one party is
-    in the other's lines, each line its party's name (`--speakers`). `--json` names each row's channel
-    and speaker."""
+    in the other's lines, each line its party's name (`--speakers`). `--subtitles vtt` writes both
+    parties' cues as one track while the call goes on, in the order they start. `--json` names each
+    row's channel and speaker."""
     call = two_party_call()
-    proc = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "transcribe", "--server", service.address,
-                             "--channels", "2", "--split-channels", "--speakers", "agent,caller", "-"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    fed = threading.Event()
-    speaker = threading.Thread(target=speak_into, args=(proc.stdin, call, fed))
-    speaker.start()
-    lines = [(line.decode().strip(), fed.is_set()) for line in proc.stdout]
-    speaker.join()
-    assert proc.wait(30) == 0, proc.stderr.read()
+
+    def live(*flags: str) -> list[tuple[str, bool]]:
+        """What the command printed for the call spoken into it, each line with whether the call had ended."""
+        proc = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "transcribe", "--server", service.address,
+                                 "--channels", "2", "--split-channels", *flags, "-"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        fed = threading.Event()
+        speaker = threading.Thread(target=speak_into, args=(proc.stdin, call, fed))
+        speaker.start()
+        lines = [(line.decode().strip(), fed.is_set()) for line in proc.stdout]
+        speaker.join()
+        assert proc.wait(30) == 0, proc.stderr.read()
+        return lines
+
+    lines = live("--speakers", "agent,caller")
     assert [line.split("] ")[1].split(":")[0] for line, _ in lines] == ["agent", "caller", "agent"], lines
     assert all(re.match(r"\[00:0\d\.\d\] \w+: ", line) for line, _ in lines), lines
     assert "forward" in lines[0][0].lower() and "clubs" in lines[1][0].lower() and "forward" in lines[2][0].lower(), lines
     assert not lines[0][1] and not lines[1][1], "the finals came only after the call ended"
+    captions = live("--subtitles", "vtt")
+    cues = [(i, line[3:].rstrip("."), ended) for i, (line, ended) in enumerate(captions) if line.startswith("<v ")]
+    assert [voice for _, voice, _ in cues] == ["channel 1>Go forward 10 meters", "channel 2>10 of clubs",
+                                                "channel 1>Go forward 10 meters"], captions
+    starts = [captions[i - 1][0].split(" --> ")[0] for i, _, _ in cues]
+    assert starts == sorted(starts) and not cues[0][2] and not cues[1][2], captions  # written as the call went on
 
     rows = [json.loads(line) for line in subprocess.run(
         [sys.executable, "-m", "streamasr.cli", "transcribe", "--server", service.address, "--channels", "2",

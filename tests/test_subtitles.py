@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import sys
 import pytest
 
 from streamasr import testdata
-from streamasr.subtitles import MAX_CUE_S, MAX_LINE, MAX_LINE_UNSPACED, Voiced, Writer, cues, phrased
+from streamasr.subtitles import MAX_CUE_S, MAX_LINE, MAX_LINE_UNSPACED, Conversation, Voiced, Writer, cues, phrased
 
 LONG = ("He was not an ill-disposed young man, unless to be rather cold-hearted and rather selfish is to be "
         "ill-disposed: but he was, in general, well respected; for he conducted himself with propriety in the "
@@ -64,22 +65,25 @@ def test_a_final_s_parts_time_its_cues_where_the_model_heard_them() -> None:
     assert Writer("srt").final(3.0, 28.0, text, parts).startswith("1\n00:00:03,400 --> 00:00:05,000\nGo forward. Ten meters.\n\n2\n00:00:06,200")
 
 
-def test_a_conversation_is_one_track_of_its_speakers_cues_in_the_order_they_start() -> None:
-    """Two parties' finals, each channel's in its own order, come out as one track: cues sorted by
-    their start, numbered across both, each said to be its speaker's (WebVTT's voice span; in
-    brackets before the text in SubRip, which has no tag for it)."""
-    finals = [Voiced("channel 1", 0.5, 2.1, "Thanks for calling.", [[0.6, 2.1, "Thanks for calling."]]),
-              Voiced("channel 1", 6.0, 7.2, "Ten of clubs, you said?"),
-              Voiced("channel 2", 3.0, 5.4, "I have a question & a <complaint>.")]
+def test_a_conversation_is_one_track_of_its_speakers_cues_written_in_the_order_they_start() -> None:
+    """Two parties' finals, each channel a stream of its own, come out as one track while they speak:
+    a cue is written once the other party can have no final that starts before it (its stream's
+    `durable`, or its end), so the cues are in the order they start (as WebVTT requires) though a
+    final of one may come after the other's that started later; numbered across both, each said to
+    be its speaker's (WebVTT's voice span; in brackets before the text in SubRip)."""
     writer = Writer("vtt")
-    assert writer.header() + writer.conversation(finals) == (
-        "WEBVTT\n\n"
-        "00:00:00.600 --> 00:00:02.100\n<v channel 1>Thanks for calling.\n\n"
-        "00:00:03.000 --> 00:00:05.400\n<v channel 2>I have a question &amp; a &lt;complaint&gt;.\n\n"
-        "00:00:06.000 --> 00:00:07.200\n<v channel 1>Ten of clubs, you said?\n\n")
-    assert Writer("srt").conversation(finals[1:]) == (
-        "1\n00:00:03,000 --> 00:00:05,400\n[channel 2] I have a question & a <complaint>.\n\n"
-        "2\n00:00:06,000 --> 00:00:07,200\n[channel 1] Ten of clubs, you said?\n\n")
+    call = Conversation(writer, [0, 1])
+    assert call.said(0, Voiced("channel 1", 0.5, 2.1, "Thanks for calling.", [[0.6, 2.1, "Thanks for calling."]])) == ""
+    assert call.heard(1, 2.5) == "00:00:00.600 --> 00:00:02.100\n<v channel 1>Thanks for calling.\n\n"
+    assert call.said(1, Voiced("channel 2", 3.0, 5.4, "I have a question & a <complaint>.")) == ""  # channel 1 may still speak first
+    assert call.heard(0, 2.2) == ""
+    assert call.said(0, Voiced("channel 1", 6.0, 7.2, "Ten of clubs, you said?")) == ""
+    assert call.heard(0, 8.0) == "00:00:03.000 --> 00:00:05.400\n<v channel 2>I have a question &amp; a &lt;complaint&gt;.\n\n"
+    assert call.heard(1, math.inf) == "00:00:06.000 --> 00:00:07.200\n<v channel 1>Ten of clubs, you said?\n\n"
+    srt = Conversation(Writer("srt"), [0, 1])
+    srt.heard(0, math.inf)
+    assert srt.said(1, Voiced("caller", 3.0, 5.4, "I have a question & a <complaint>.")) + srt.heard(1, math.inf) == (
+        "1\n00:00:03,000 --> 00:00:05,400\n[caller] I have a question & a <complaint>.\n\n")
 
 
 def test_webvtt_cue_text_cannot_end_the_cue_or_start_a_tag() -> None:
