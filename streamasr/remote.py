@@ -259,7 +259,7 @@ class Streaming:
     offline: bool  # as fast as the service takes it, priority batch; else at the speed of speech
     language: str | None
     partials: bool
-    prompt: str | None  # names and words the model is to expect, as Whisper's prompt before the first final's text
+    prompt: str | None  # names and words to expect: each decode's prompt, before the stream's last final
     frame_ms: int  # audio a realtime stream sends at a time
     open_timeout: float  # how long an open waits for room
 
@@ -395,10 +395,10 @@ def run(
     for its stream; `subtitles` ("srt", "vtt": one file) prints cues as its finals come instead
     of text; `stdin` is standard input's format; with `speakers` each channel of a file is a
     stream of its own (a call with each party on its own channel), its transcript the channels'
-    finals in the order they were spoken, each its speaker's (its cues too, once all are
-    transcribed); `prompt` primes each stream with names and words to expect; with `out_dir`
-    each file's output goes to a file of its own there, put in place once it is transcribed
-    (`subtitles` then takes many files); 0 when every file was transcribed, else 1."""
+    finals in the order they were spoken, each its speaker's (its cues written as they speak, in
+    the order they start); `prompt` primes each stream with names and words to expect; with
+    `out_dir` each file's output goes to a file of its own there, put in place once it is
+    transcribed (`subtitles` then takes many files); 0 when every file was transcribed, else 1."""
     jobs: list[Job] = []
     failed = False
     if files.count(STDIN) > 1:
@@ -427,77 +427,23 @@ def run(
         print(f"cannot connect to {server}: {exc}", file=sys.stderr)
         return 1
     output = Output(out, as_json, named=len({job.file for job in jobs}) > 1, subtitles=Writer(subtitles) if subtitles else None)
-    outputs = dict.fromkeys((job.file for job in jobs), output)  # where each file's lines and cues go
-    transcripts: dict[str, Transcript] = {}  # with out_dir: each file's own, put in place once it is transcribed
     if output.subtitles is not None and out_dir is None:
         output.write(output.subtitles.header())
-    withheld: set[str] = set()  # files whose transcript is not given: cut short, or interrupted before any was
+    transcripts: dict[str, Transcript] = {}  # with out_dir: each file's own, put in place once it is transcribed
     stop = threading.Event()  # Ctrl-C: streams end with what they sent, files not begun are left
     try:
         with client, _interruptible(stop):
-            # the ingest refuses a connection more open streams than this: the other files wait for a place
-            allowed = client.limits.max_streams_per_client
-            if parallel is not None and parallel > allowed:
-                print(f"--parallel {parallel}: the service lets a client open {allowed} streams at once; "
-                      f"{allowed} files are streamed at a time", file=sys.stderr)
-            places = min(parallel or allowed, allowed, len(jobs))
-            if live_split and places < len(jobs):
-                print(f"{STDIN}: its {len(live_split)} channels are streamed at once, and "
-                      f"{'--parallel' if parallel is not None and parallel < allowed else 'the service'} allows {places}",
-                      file=sys.stderr)
+            places = _places(client, parallel, len(jobs), len(live_split))
+            if places is None:
                 return 1
-            if out_dir is not None:
-                for file in outputs:
-                    transcripts[file] = Transcript(out_dir, file, suffix(as_json, subtitles, rows=True))
-                    cues = Writer(subtitles) if subtitles else None
-                    outputs[file] = Output(transcripts[file].out, as_json, named=False, subtitles=cues, lock=output.lock)
-                    if cues is not None:
-                        outputs[file].write(cues.header())
-            for file in {job.file for job in jobs if job.channel is not None}:  # a split file's cues, in the order they start
-                if (cues := outputs[file].subtitles) is not None:
-                    conversation = Conversation(cues, [job.channel for job in jobs if job.file == file and job.channel is not None])
-                    for job in jobs:
-                        if job.file == file:
-                            job.conversation = conversation
+            outputs = _outputs(jobs, output, out_dir, transcripts, as_json, subtitles)
             # a thread per place, not per file: each takes the next file once done with its last (its `closed` frees the ingest's place)
             with ThreadPoolExecutor(places, thread_name_prefix="transcribe") as pool:
                 streaming = Streaming(offline, language, partials, prompt, frame_ms, open_timeout)
                 done = [pool.submit(_stream, client, job, streaming, outputs[job.file], stop) for job in jobs]
                 for future in done:
                     future.result()  # a fault of this code, not of a file: raised rather than lost
-        spoken: dict[str, list[Voiced]] = {}  # a split file's finals, said by their channels
-        for job in jobs:
-            mine = outputs[job.file]
-            ended = job.closed is not None and job.closed.reason == "end"  # every sample sent was transcribed
-            if job.error is not None:
-                print(f"{job.name}: {job.error}", file=sys.stderr)
-                failed = True
-                if not ended or not (job.sent_all or job.interrupted):
-                    withheld.add(job.file)
-                    continue  # cut short: its transcript would pass for the whole file's
-                # a segment the service could not transcribe still had its final (what its partials agreed
-                # on) and the stream went on: the transcript is the file's, with that error said
-            if job.interrupted:  # the part it has is given, and said to be a part
-                if not ended or not job.sent_s:
-                    print(f"{job.name}: interrupted before it was transcribed", file=sys.stderr)
-                    withheld.add(job.file)
-                    continue
-                whole = "" if job.seconds is None else f" of {job.seconds:.1f} s"
-                print(f"{job.name}: interrupted: the transcript of its first {job.sent_s:.1f} s{whole}", file=sys.stderr)
-            text = joined([f.text.strip() for f in job.finals])  # Chinese or Japanese finals follow each other with no space, as in `--local`
-            if as_json:
-                audio_s = job.closed.audio_s if job.closed is not None else job.seconds or 0.0
-                mine.json({"type": "summary", "file": job.file, **_channel(job), "text": text, "segments": len(job.finals),
-                           "audio_s": round(audio_s, 3), "wall_s": round(job.wall_s, 3), "interrupted": job.interrupted})
-            elif mine.subtitles is not None or job.file == STDIN:  # its cues, or a live source's lines, were written as they came
-                continue
-            elif job.speaker is not None:
-                spoken.setdefault(job.file, []).extend(Voiced(job.speaker, f.start, f.end, f.text.strip()) for f in job.finals)
-            else:
-                mine.text(job.file, text)
-        for file, finals in spoken.items():  # a split file's lines, in the order they were spoken
-            for f in sorted(finals, key=lambda f: (f.start, f.voice)):
-                outputs[file].text(file, _said(f.start, f.voice, f.text))
+        withheld = _conclude(jobs, outputs)
     except BaseException:  # a fault of this code: no transcript is left half written
         for transcript in transcripts.values():
             transcript.drop()
@@ -508,7 +454,85 @@ def run(
         else:
             transcript.keep()
     out.flush()
-    return INTERRUPTED if stop.is_set() else 1 if failed else 0
+    return INTERRUPTED if stop.is_set() else 1 if failed or any(job.error for job in jobs) else 0
+
+
+def _places(client: Client, parallel: int | None, files: int, live_split: int) -> int | None:
+    """How many files stream at once: `parallel`, within what the ingest lets a connection open
+    (one past it is cut to it, said); None, said, when standard input's channels cannot all be
+    streamed at once, as they are read together."""
+    allowed = client.limits.max_streams_per_client
+    if parallel is not None and parallel > allowed:
+        print(f"--parallel {parallel}: the service lets a client open {allowed} streams at once; "
+              f"{allowed} files are streamed at a time", file=sys.stderr)
+    places = min(parallel or allowed, allowed, files)
+    if live_split and places < files:
+        print(f"{STDIN}: its {live_split} channels are streamed at once, and "
+              f"{'--parallel' if parallel is not None and parallel < allowed else 'the service'} allows {places}",
+              file=sys.stderr)
+        return None
+    return places
+
+
+def _outputs(jobs: list[Job], output: Output, out_dir: Path | None, transcripts: dict[str, Transcript], as_json: bool,
+             subtitles: str | None) -> dict[str, Output]:
+    """Where each file's lines and cues go: the run's `output`, or with `out_dir` a transcript of
+    its own (added to `transcripts`). A split file's cues go through one Conversation of its
+    channels, so they are written in the order they start."""
+    outputs = dict.fromkeys((job.file for job in jobs), output)
+    if out_dir is not None:
+        for file in outputs:
+            transcripts[file] = Transcript(out_dir, file, suffix(as_json, subtitles, rows=True))
+            cues = Writer(subtitles) if subtitles else None
+            outputs[file] = Output(transcripts[file].out, as_json, named=False, subtitles=cues, lock=output.lock)
+            if cues is not None:
+                outputs[file].write(cues.header())
+    for file in {job.file for job in jobs if job.channel is not None}:
+        if (cues := outputs[file].subtitles) is not None:
+            conversation = Conversation(cues, [job.channel for job in jobs if job.file == file and job.channel is not None])
+            for job in jobs:
+                if job.file == file:
+                    job.conversation = conversation
+    return outputs
+
+
+def _conclude(jobs: list[Job], outputs: dict[str, Output]) -> set[str]:
+    """Each file's transcript, or what kept it from one, once all are done; the files whose
+    transcript is not given (cut short, or interrupted before any was)."""
+    withheld: set[str] = set()
+    spoken: dict[str, list[Voiced]] = {}  # a split file's finals, said by their channels
+    for job in jobs:
+        mine = outputs[job.file]
+        ended = job.closed is not None and job.closed.reason == "end"  # every sample sent was transcribed
+        if job.error is not None:
+            print(f"{job.name}: {job.error}", file=sys.stderr)
+            if not ended or not (job.sent_all or job.interrupted):
+                withheld.add(job.file)
+                continue  # cut short: its transcript would pass for the whole file's
+            # a segment the service could not transcribe still had its final (what its partials agreed
+            # on) and the stream went on: the transcript is the file's, with that error said
+        if job.interrupted:  # the part it has is given, and said to be a part
+            if not ended or not job.sent_s:
+                print(f"{job.name}: interrupted before it was transcribed", file=sys.stderr)
+                withheld.add(job.file)
+                continue
+            whole = "" if job.seconds is None else f" of {job.seconds:.1f} s"
+            print(f"{job.name}: interrupted: the transcript of its first {job.sent_s:.1f} s{whole}", file=sys.stderr)
+        text = joined([f.text.strip() for f in job.finals])  # Chinese or Japanese finals follow each other with no space, as in `--local`
+        if mine.as_json:
+            audio_s = job.closed.audio_s if job.closed is not None else job.seconds or 0.0
+            mine.json({"type": "summary", "file": job.file, **_channel(job), "text": text, "segments": len(job.finals),
+                       "audio_s": round(audio_s, 3), "wall_s": round(job.wall_s, 3), "interrupted": job.interrupted})
+        elif mine.subtitles is not None or job.file == STDIN:  # its cues, or a live source's lines, were written as they came
+            continue
+        elif job.speaker is not None:
+            spoken.setdefault(job.file, []).extend(Voiced(job.speaker, f.start, f.end, f.text.strip()) for f in job.finals)
+        else:
+            mine.text(job.file, text)
+    for file, finals in spoken.items():  # a split file's lines, in the order they were spoken
+        for f in sorted(finals, key=lambda f: (f.start, f.voice)):
+            outputs[file].text(file, _said(f.start, f.voice, f.text))
+    return withheld
 
 
 def _channel(job: Job) -> dict[str, int | str]:
