@@ -140,7 +140,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
         from streamasr import outdir
 
         if why := ("- (standard input) is transcribed to standard output, not --out-dir" if "-" in args.files
-                   else outdir.refusal(args.files, args.out_dir)):
+                   else outdir.prepare(args.files, args.out_dir)):
             print(f"streamasr transcribe: error: {why}", file=sys.stderr)
             return 2
     if args.split_channels and args.local:
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split-channels", action="store_true",
                    help="each channel of a file, or of standard input given alone, its own stream, as a call with each "
                         "party on its own channel: its transcript is the channels' finals in the order they were spoken (a "
-                        "live source's as they come), each line its time and channel (with --subtitles, each cue its channel)")
+                        "live source's as they come), each line its time and speaker (with --subtitles, each cue its speaker)")
     p.add_argument("--speakers", type=speaker_names, metavar="NAME,NAME",
                    help="with --split-channels: who each channel carries, in channel order (e.g. agent,caller), as "
                         "the lines, cues and JSON rows name them (default: channel 1, channel 2, ...)")

@@ -23,16 +23,23 @@ def suffix(as_json: bool, subtitles: str | None, rows: bool) -> str:
     return ".txt"
 
 
-def refusal(files: list[str], out_dir: Path) -> str | None:
-    """Why `files` cannot each have a transcript in `out_dir`, if they cannot."""
-    if out_dir.exists() and not out_dir.is_dir():
-        return f"--out-dir {out_dir}: not a directory"
+def prepare(files: list[str], out_dir: Path) -> str | None:
+    """Make `out_dir` if it is missing; why `files` cannot each have a transcript there, if they
+    cannot: said before anything streams, rather than once the first file is transcribed."""
     seen: dict[str, str] = {}
     for file in files:
         name = Path(file).stem
         if name in seen and seen[name] != file:
             return f"--out-dir: {seen[name]} and {file} would both be written as {name}"
         seen[name] = file
+    if out_dir.exists() and not out_dir.is_dir():
+        return f"--out-dir {out_dir}: not a directory"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"--out-dir {out_dir}: cannot make it: {exc.strerror}"
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        return f"--out-dir {out_dir}: not writable"
     return None
 
 
@@ -41,7 +48,6 @@ class Transcript:
     name, then put in place whole (`keep`) or removed (`drop`)."""
 
     def __init__(self, out_dir: Path, file: str, suffix: str) -> None:
-        out_dir.mkdir(parents=True, exist_ok=True)
         self.path = out_dir / (Path(file).stem + suffix)
         self._partial = out_dir / f".{self.path.name}.{os.getpid()}.partial"  # the names of one run's files differ
         self.out: TextIO = open(self._partial, "w", encoding="utf-8")

@@ -838,7 +838,8 @@ def test_transcribe_writes_each_file_s_transcript_to_a_file_of_its_own(service, 
     """`--out-dir` captions a folder of recordings in one run: each file's cues (or text, or JSON)
     in a file named after it, put in place whole once it is transcribed; a file that breaks off
     part-way leaves none, and no half-written file is left behind. `--local` alike. Two files of
-    one name, standard input, and a directory that is a file are refused before anything streams."""
+    one name, standard input, and a directory that is a file or cannot be made are refused before
+    anything streams."""
     recordings = tmp_path / "calls"
     recordings.mkdir()
     first, second = recordings / "first.raw", recordings / "second.wav"
@@ -860,11 +861,11 @@ def test_transcribe_writes_each_file_s_transcript_to_a_file_of_its_own(service, 
     assert rows[-1]["type"] == "summary" and rows[-1]["text"] == "Go forward 10 meters.", rows
     local = service.cli("transcribe", "--local", "--out-dir", str(captions), str(second), timeout=180)
     assert local.returncode == 0 and local.stdout == "" and "clubs" in (captions / "second.txt").read_text().lower(), local
-    for refused, why in (([str(first), str(tmp_path / "first.wav")], "would both be written as first"),
-                         (["-"], "standard input"), ([str(first)], "not a directory")):
-        where = str(first) if why == "not a directory" else str(captions)
-        bad = service.cli("transcribe", "--server", service.address, "--out-dir", where, *refused)
-        assert bad.returncode == 2 and why in bad.stderr, (refused, bad)
+    for where, files, why in ((captions, [first, tmp_path / "first.wav"], "would both be written as first"),
+                              (captions, ["-"], "standard input"), (first, [second], "not a directory"),
+                              (first / "captions", [second], "cannot make it")):
+        bad = service.cli("transcribe", "--server", service.address, "--out-dir", str(where), *map(str, files))
+        assert bad.returncode == 2 and why in bad.stderr, (where, files, bad)
 
 
 def two_party_call() -> np.ndarray:
