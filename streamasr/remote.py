@@ -10,9 +10,11 @@ refused as busy) waits for a place, held by the service, for up to `--open-timeo
 opened when its stream starts, and only the blocks on their way are held, so a day of recordings
 streams in the memory, and the threads, of the streams open at once. `-` is standard input: a
 live source (`arecord`, `ffmpeg` writing to a pipe) sent as it comes, each final printed as it
-comes. With `--split-channels` each channel of a file is a stream of its own, and the file's
-transcript its channels' finals in the order they were spoken. Ctrl-C ends the streams with the
-audio sent so far and keeps what they transcribed (a second one quits at once).
+comes. With `--split-channels` each channel of a file, or of a live call on standard input, is
+a stream of its own, and the file's transcript its channels' finals in the order they were
+spoken, each its speaker's. With `--out-dir` each file's transcript goes to a file of its own.
+Ctrl-C ends the streams with the audio sent so far and keeps what they transcribed (a second one
+quits at once).
 """
 
 from __future__ import annotations
@@ -457,16 +459,17 @@ def run(
     return INTERRUPTED if stop.is_set() else 1 if failed or any(job.error for job in jobs) else 0
 
 
-def _places(client: Client, parallel: int | None, files: int, live_split: int) -> int | None:
-    """How many files stream at once: `parallel`, within what the ingest lets a connection open
-    (one past it is cut to it, said); None, said, when standard input's channels cannot all be
-    streamed at once, as they are read together."""
+def _places(client: Client, parallel: int | None, streams: int, live_split: int) -> int | None:
+    """How many of the run's `streams` (a file's, or a split file's channel's) go at once:
+    `parallel`, within what the ingest lets a connection open (one past it is cut to it, said);
+    None, said, when standard input's channels cannot all be streamed at once, as they are read
+    together."""
     allowed = client.limits.max_streams_per_client
     if parallel is not None and parallel > allowed:
         print(f"--parallel {parallel}: the service lets a client open {allowed} streams at once; "
               f"{allowed} files are streamed at a time", file=sys.stderr)
-    places = min(parallel or allowed, allowed, files)
-    if live_split and places < files:
+    places = min(parallel or allowed, allowed, streams)
+    if live_split and places < streams:
         print(f"{STDIN}: its {live_split} channels are streamed at once, and "
               f"{'--parallel' if parallel is not None and parallel < allowed else 'the service'} allows {places}",
               file=sys.stderr)
