@@ -187,7 +187,7 @@ class Split:
     def __init__(self, channels: int, source: int) -> None:
         self._source = source  # standard input's descriptor
         pipes = [os.pipe() for _ in range(channels)]
-        self._pipes: dict[int, BinaryIO] = {k: os.fdopen(r, "rb") for k, (r, _) in enumerate(pipes)}
+        self._pipes: list[BinaryIO] = [os.fdopen(r, "rb") for r, _ in pipes]  # by channel
         for _, w in pipes:
             os.set_blocking(w, False)
         self._ends = [w for _, w in pipes]
@@ -219,10 +219,9 @@ class Split:
                     if fd == source:
                         data = self._read(source)
                         reading = bool(data)
-                        for end in behind:
-                            if data:
-                                behind[end].append(memoryview(data))
-                                size[end] += len(data)
+                        for end in behind if data else ():
+                            behind[end].append(memoryview(data))
+                            size[end] += len(data)
                         continue
                     try:
                         while behind[fd]:

@@ -752,6 +752,22 @@ def speak_into(pipe: Any, audio: np.ndarray, fed: threading.Event) -> None:
     pipe.close()
 
 
+def transcribe_live(service: Any, audio: np.ndarray, *flags: str) -> tuple[list[tuple[str, bool]], str]:
+    """`transcribe - FLAGS` with `audio` spoken into its standard input as a microphone gives it:
+    each line printed, with whether the audio had all been fed by then, and its stderr. It must
+    exit 0."""
+    proc = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "transcribe", "--server", service.address, *flags, "-"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    fed = threading.Event()
+    speaker = threading.Thread(target=speak_into, args=(proc.stdin, audio, fed))
+    speaker.start()
+    lines = [(line.decode().strip(), fed.is_set()) for line in proc.stdout]
+    speaker.join()
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(30) == 0, stderr
+    return lines, stderr
+
+
 def test_transcribe_captions_a_live_source_on_standard_input(service, tmp_path) -> None:
     """`streamasr transcribe -` reads headerless 16 kHz 16-bit mono from standard input, as
     `arecord` or `ffmpeg` write it to a pipe: a live source has no end to wait for, so each final
@@ -759,17 +775,8 @@ def test_transcribe_captions_a_live_source_on_standard_input(service, tmp_path) 
     paced by the speaker). Standard input redirected from a file is paced as a file is. `-` is
     for the service only, and once."""
     audio = speech_with_pauses(4)  # four times "go forward ten meters", a second of silence after each
-    proc = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "transcribe", "--server", service.address, "-"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    fed = threading.Event()
-    speaker = threading.Thread(target=speak_into, args=(proc.stdin, audio, fed))
-    speaker.start()
-    lines = []
-    for line in proc.stdout:
-        lines.append((line.decode().strip(), fed.is_set()))
-    speaker.join()
-    assert proc.wait(30) == 0
-    assert [line for line in proc.stderr.read().decode().splitlines() if "no room for the stream" not in line] == []
+    lines, stderr = transcribe_live(service, audio)
+    assert [line for line in stderr.splitlines() if "no room for the stream" not in line] == []
     assert len(lines) == 4 and all("forward" in text.lower() for text, _ in lines), lines
     assert not lines[0][1], "the first final came only after the audio ended"
 
@@ -935,26 +942,12 @@ def test_transcribe_splits_a_live_call_on_standard_input_as_it_is_spoken(service
     parties' cues as one track while the call goes on, in the order they start. `--json` names each
     row's channel and speaker."""
     call = two_party_call()
-
-    def live(*flags: str) -> list[tuple[str, bool]]:
-        """What the command printed for the call spoken into it, each line with whether the call had ended."""
-        proc = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "transcribe", "--server", service.address,
-                                 "--channels", "2", "--split-channels", *flags, "-"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        fed = threading.Event()
-        speaker = threading.Thread(target=speak_into, args=(proc.stdin, call, fed))
-        speaker.start()
-        lines = [(line.decode().strip(), fed.is_set()) for line in proc.stdout]
-        speaker.join()
-        assert proc.wait(30) == 0, proc.stderr.read()
-        return lines
-
-    lines = live("--speakers", "agent,caller")
+    lines, _ = transcribe_live(service, call, "--channels", "2", "--split-channels", "--speakers", "agent,caller")
     assert [line.split("] ")[1].split(":")[0] for line, _ in lines] == ["agent", "caller", "agent"], lines
     assert all(re.match(r"\[00:0\d\.\d\] \w+: ", line) for line, _ in lines), lines
     assert "forward" in lines[0][0].lower() and "clubs" in lines[1][0].lower() and "forward" in lines[2][0].lower(), lines
     assert not lines[0][1] and not lines[1][1], "the finals came only after the call ended"
-    captions = live("--subtitles", "vtt")
+    captions, _ = transcribe_live(service, call, "--channels", "2", "--split-channels", "--subtitles", "vtt")
     cues = [(i, line[3:].rstrip("."), ended) for i, (line, ended) in enumerate(captions) if line.startswith("<v ")]
     assert [voice for _, voice, _ in cues] == ["channel 1>Go forward 10 meters", "channel 2>10 of clubs",
                                                 "channel 1>Go forward 10 meters"], captions
