@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TextIO
 
 from config.settings import ModelConfig
-from streamasr.outdir import Transcript, suffix
+from streamasr.outdir import STDOUT, Transcript, silence_stdout, suffix, unwritable
 from streamasr.subtitles import Writer
 
 
@@ -73,12 +73,23 @@ def run(
                 prefix = f"{path}: " if len(files) > 1 and out_dir is None else ""
                 written = prefix + result.text + "\n"
             if out_dir is None:
-                out.write(written)
-                out.flush()
+                try:
+                    out.write(written)
+                    out.flush()
+                except OSError as exc:  # nothing more can be given: the files left are not transcribed
+                    unwritable(STDOUT, exc)
+                    if out is sys.stdout:
+                        silence_stdout()
+                    return 1
                 continue
             transcript = Transcript(out_dir, path, suffix(as_json, subtitles, rows=False))
-            transcript.out.write(written)
-            transcript.keep()
+            try:
+                transcript.out.write(written)
+                transcript.keep()
+            except OSError as exc:  # this file's alone: the next may be smaller, or the disk freed
+                transcript.drop()
+                unwritable(str(transcript.path), exc, path)
+                status = 1
     finally:
         backend.close()
     return status

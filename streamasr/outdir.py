@@ -3,14 +3,19 @@
 A folder of recordings is captioned in one run, its files streamed at once, instead of one run a
 file to keep their outputs apart. A transcript is written beside its final name and put in place
 whole once its file is transcribed, so a reader never takes a part for the whole, and a file that
-failed leaves none (what went wrong is said on stderr, as without the flag).
+failed leaves none (what went wrong is said on stderr, as without the flag). A transcript, or
+standard output, that cannot be written (a full disk) is said here, for both ways of transcribing.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import sys
 from pathlib import Path
 from typing import TextIO
+
+STDOUT = "standard output"
 
 
 def suffix(as_json: bool, subtitles: str | None, rows: bool) -> str:
@@ -29,7 +34,9 @@ def prepare(files: list[str], out_dir: Path) -> str | None:
     seen: dict[str, str] = {}
     for file in files:
         name = Path(file).stem
-        if name in seen and seen[name] != file:
+        if seen.get(name) == file:
+            return f"--out-dir: {file} is named twice"
+        if name in seen:
             return f"--out-dir: {seen[name]} and {file} would both be written as {name}"
         seen[name] = file
     if out_dir.exists() and not out_dir.is_dir():
@@ -40,7 +47,46 @@ def prepare(files: list[str], out_dir: Path) -> str | None:
         return f"--out-dir {out_dir}: cannot make it: {exc.strerror}"
     if not os.access(out_dir, os.W_OK | os.X_OK):
         return f"--out-dir {out_dir}: not writable"
+    _clear_leftovers(out_dir)
     return None
+
+
+def _clear_leftovers(out_dir: Path) -> None:
+    """Remove the hidden files that runs on this host killed outright (SIGKILL, the OOM killer) left
+    half written: their process is gone. Another host's (a shared folder) are not ours to judge."""
+    host = socket.gethostname()
+    for path in out_dir.glob(".*.partial"):
+        head, _, pid = path.name.removesuffix(".partial").rpartition(".")
+        if head.endswith(f".{host}") and pid.isdigit() and not _alive(int(pid)):
+            path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:  # 0 and below name process groups, not a process
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+def unwritable(where: str, exc: OSError, file: str | None = None) -> None:
+    """Say that `where` (`file`'s transcript) could not be written (a full disk, a file over its
+    size limit), unless its reader went away (standard output piped to `head`), which asks for
+    no more and is no fault."""
+    if not isinstance(exc, BrokenPipeError):
+        print(f"{file + ': ' if file else ''}cannot write {where}: {exc.strerror or exc}", file=sys.stderr)
+
+
+def silence_stdout() -> None:
+    """Point standard output at /dev/null once it cannot be written, so that the interpreter's own
+    flush at exit does not fail again with a traceback of its own."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 class Transcript:
@@ -49,13 +95,18 @@ class Transcript:
 
     def __init__(self, out_dir: Path, file: str, suffix: str) -> None:
         self.path = out_dir / (Path(file).stem + suffix)
-        self._partial = out_dir / f".{self.path.name}.{os.getpid()}.partial"  # the names of one run's files differ
+        # host and process in its name: the names of one run's files differ, and a run killed outright is known by it
+        self._partial = out_dir / f".{self.path.name}.{socket.gethostname()}.{os.getpid()}.partial"
         self.out: TextIO = open(self._partial, "w", encoding="utf-8")
 
     def keep(self) -> None:
+        """Put the transcript in place; OSError (a full disk) if it cannot be, and then `drop` it."""
         self.out.close()
         os.replace(self._partial, self.path)
 
     def drop(self) -> None:
-        self.out.close()
-        os.unlink(self._partial)
+        try:
+            self.out.close()
+        except OSError:  # what was left to write could not be: it is not wanted either
+            pass
+        self._partial.unlink(missing_ok=True)

@@ -48,7 +48,7 @@ from protocol.auth import Curve
 from protocol.messages import (G711_SUBTYPES, MAX_CHANNELS, OVERLOADED, RATES, SAMPLE_BYTES, Closed, ErrorMsg, Final, Partial,
                                ProtocolError, ServerMessage)
 from speech.audio import RAW_SUFFIXES, g711_levels, not_a_file, raw_format, to_mono
-from streamasr.outdir import Transcript, suffix
+from streamasr.outdir import STDOUT, Transcript, silence_stdout, suffix, unwritable
 from streamasr.subtitles import Conversation, Voiced, Writer
 
 STDIN = "-"  # the file argument that names standard input
@@ -316,6 +316,9 @@ class Output:
     def __init__(self, out: TextIO, as_json: bool, named: bool, subtitles: Writer | None = None,
                  lock: threading.RLock | None = None) -> None:
         self.out = out
+        # the first write that failed (a full disk, standard output's reader gone): nothing more is
+        # written here, and the files written here end their streams instead of failing a thread
+        self.broken: OSError | None = None
         self.as_json = as_json
         self.named = named  # several files: each transcript line begins with its file's name
         self.subtitles = subtitles  # cues instead of text, as each final comes
@@ -329,8 +332,7 @@ class Output:
     def text(self, file: str, text: str) -> None:
         """A transcript line, whole among the other threads' lines (over a partial shown)."""
         with self.lock:
-            self.out.write(self._clear() + (f"{file}: {text}\n" if self.named else f"{text}\n"))
-            self.out.flush()
+            self._put(self._clear() + (f"{file}: {text}\n" if self.named else f"{text}\n"))
 
     def partial(self, file: str, text: str) -> None:
         """A live source's partial, in place of the last one, cut at its start to the terminal's width
@@ -340,15 +342,13 @@ class Output:
         line = f"{file}: {text}" if self.named else text
         width = shutil.get_terminal_size().columns - 1
         with self.lock:
-            self.out.write(self._clear() + (line if len(line) <= width else "…" + line[len(line) - width + 1:]))
-            self.out.flush()
+            self._put(self._clear() + (line if len(line) <= width else "…" + line[len(line) - width + 1:]))
             self.showing = True
 
     def unshow(self) -> None:
         """Take a partial shown off the terminal: its segment's final had no words."""
         with self.lock:
-            self.out.write(self._clear())
-            self.out.flush()
+            self._put(self._clear())
 
     def _clear(self) -> str:
         showing, self.showing = self.showing, False
@@ -357,8 +357,7 @@ class Output:
     def write(self, text: str) -> None:
         """Output as it is (subtitle cues), whole among the other threads'."""
         with self.lock:
-            self.out.write(text)
-            self.out.flush()
+            self._put(text)
 
     def say(self, line: str) -> None:
         """A line on stderr, whole among the other threads' lines."""
@@ -369,8 +368,17 @@ class Output:
     def json(self, obj: dict) -> None:
         if self.as_json:
             with self.lock:
-                self.out.write(json.dumps(obj, ensure_ascii=False) + "\n")
-                self.out.flush()
+                self._put(json.dumps(obj, ensure_ascii=False) + "\n")
+
+    def _put(self, text: str) -> None:
+        """Write and flush, with the lock held; a failure is kept in `broken`, not raised."""
+        if self.broken is not None:
+            return
+        try:
+            self.out.write(text)
+            self.out.flush()
+        except OSError as exc:
+            self.broken = exc
 
 
 def run(
@@ -449,12 +457,12 @@ def run(
         for transcript in transcripts.values():
             transcript.drop()
         raise
-    for file, transcript in transcripts.items():
-        if file in withheld:
-            transcript.drop()
-        else:
-            transcript.keep()
-    out.flush()
+    failed |= not _settle(transcripts, outputs, withheld)
+    if output.broken is not None:
+        unwritable(STDOUT, output.broken)
+        if out is sys.stdout:
+            silence_stdout()
+        failed = True
     return INTERRUPTED if stop.is_set() else 1 if failed or any(job.error for job in jobs) else 0
 
 
@@ -513,6 +521,9 @@ def _conclude(jobs: list[Job], outputs: dict[str, Output]) -> set[str]:
                 continue  # cut short: its transcript would pass for the whole file's
             # a segment the service could not transcribe still had its final (what its partials agreed
             # on) and the stream went on: the transcript is the file's, with that error said
+        if mine.broken is not None:  # its output could not be written, and its stream was ended: said once, by run
+            withheld.add(job.file)
+            continue
         if job.interrupted:  # the part it has is given, and said to be a part
             if not ended or not job.sent_s:
                 print(f"{job.name}: interrupted before it was transcribed", file=sys.stderr)
@@ -535,6 +546,25 @@ def _conclude(jobs: list[Job], outputs: dict[str, Output]) -> set[str]:
         for f in sorted(finals, key=lambda f: (f.start, f.voice)):
             outputs[file].text(file, _said(f.start, f.voice, f.text))
     return withheld
+
+
+def _settle(transcripts: dict[str, Transcript], outputs: dict[str, Output], withheld: set[str]) -> bool:
+    """Put each file's transcript in place, or remove it: its file's transcript is withheld, or
+    it could not be written (said); False when one could not."""
+    whole = True
+    for file, transcript in transcripts.items():
+        broken = outputs[file].broken
+        if broken is None and file not in withheld:
+            try:
+                transcript.keep()
+                continue
+            except OSError as exc:
+                broken = exc
+        transcript.drop()
+        if broken is not None:
+            unwritable(str(transcript.path), broken, file)
+            whole = False
+    return whole
 
 
 def _channel(job: Job) -> dict[str, int | str]:
@@ -597,8 +627,8 @@ def _heard(job: Job, output: Output, until: float) -> None:
 
 def _transcribe(client: Client, job: Job, streaming: Streaming, output: Output, stop: threading.Event) -> None:
     """Open the file, then its stream; send on a helper thread while this one reads events until `closed`."""
-    if stop.is_set():
-        job.interrupted = True
+    if stop.is_set() or output.broken is not None:  # Ctrl-C, or nowhere left to write its transcript
+        job.interrupted = stop.is_set()
         if job.split is not None and job.channel is not None:
             job.split.pipe(job.channel).close()  # read no more: the other channels are not held for it
         return
@@ -617,7 +647,7 @@ def _transcribe(client: Client, job: Job, streaming: Streaming, output: Output, 
             job.error = f"cannot open a stream: {exc}"
             return
         job.started = time.monotonic()
-        sender = threading.Thread(target=_send, args=(job, reader, streaming, stop),
+        sender = threading.Thread(target=_send, args=(job, reader, streaming, output, stop),
                                   name=f"{threading.current_thread().name}-send")
         sender.start()
         try:
@@ -644,10 +674,11 @@ def _open(client: Client, job: Job, reader: Reader, streaming: Streaming, output
                        wait=streaming.open_timeout, on_wait=waiting, cancel=stop)
 
 
-def _send(job: Job, reader: Reader, streaming: Streaming, stop: threading.Event) -> None:
+def _send(job: Job, reader: Reader, streaming: Streaming, output: Output, stop: threading.Event) -> None:
     """Read and send the file block by block, then `end`. A file that fails part-way (cut short,
     corrupt) or whose audio cannot be sent fails this file alone: what was sent is ended, and its
-    transcript, a part's, is not given as the file's. Ctrl-C (`stop`) ends it where it is."""
+    transcript, a part's, is not given as the file's. Ctrl-C (`stop`) ends it where it is, and so
+    does an `output` that can be written no more: the rest would be transcribed for nothing."""
     stream = job.stream
     assert stream is not None
     offline = streaming.offline
@@ -656,6 +687,8 @@ def _send(job: Job, reader: Reader, streaming: Streaming, stop: threading.Event)
         for block in reader.blocks(OFFLINE_BLOCK_MS if offline else streaming.frame_ms):
             if stop.is_set():
                 job.interrupted = True
+                break
+            if output.broken is not None:
                 break
             sent += len(block)
             if not offline and not reader.live:  # a frame exists once its last sample has been "recorded": sent at the end of its span

@@ -25,10 +25,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class Service(LocalService):
-    def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-        """Run the `streamasr` CLI against this instance."""
-        return subprocess.run([sys.executable, "-m", "streamasr.cli", *args], capture_output=True, text=True,
-                              timeout=timeout, env={**os.environ, "STREAMASR_CONFIG": str(self.config_file)})
+    def cli(self, *args: str, timeout: float = 60, **options: Any) -> subprocess.CompletedProcess:
+        """Run the `streamasr` CLI against this instance; `options` go to subprocess.run (its output
+        is captured unless they say where it goes)."""
+        options.setdefault("stdout", subprocess.PIPE)
+        options.setdefault("stderr", subprocess.PIPE)
+        return subprocess.run([sys.executable, "-m", "streamasr.cli", *args], text=True, timeout=timeout,
+                              env={**os.environ, "STREAMASR_CONFIG": str(self.config_file)}, **options)
 
     def supervisor(self) -> Any:
         """supervisord's XML-RPC namespace, with no timeout: stopping a program waits for it to end."""

@@ -7,7 +7,9 @@ import io
 import json
 import os
 import re
+import resource
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -869,10 +871,75 @@ def test_transcribe_writes_each_file_s_transcript_to_a_file_of_its_own(service, 
     local = service.cli("transcribe", "--local", "--out-dir", str(captions), str(second), timeout=180)
     assert local.returncode == 0 and local.stdout == "" and "clubs" in (captions / "second.txt").read_text().lower(), local
     for where, files, why in ((captions, [first, tmp_path / "first.wav"], "would both be written as first"),
+                              (captions, [first, second, first], f"{first} is named twice"),
                               (captions, ["-"], "standard input"), (first, [second], "not a directory"),
                               (first / "captions", [second], "cannot make it")):
         bad = service.cli("transcribe", "--server", service.address, "--out-dir", str(where), *map(str, files))
         assert bad.returncode == 2 and why in bad.stderr, (where, files, bad)
+
+
+def test_a_transcript_that_cannot_be_written_fails_its_file_alone_and_ends_its_stream(service, tmp_path) -> None:
+    """A full disk (here a limit on the size of a file, EFBIG where ENOSPC would come) fails the
+    file whose transcript cannot be written, said with why, and leaves nothing of it; the other
+    files are written whole. Standard output that cannot be written (a full disk, a reader gone)
+    ends the run's streams at once, said unless its reader asked for no more, with exit 1 and no
+    traceback; what it sent is all the service was given. A run killed outright left a hidden
+    part-file: the next run into the folder removes it, and no other host's or live process's."""
+    def size_limited(size: int) -> Callable[[], None]:
+        return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+
+    def closed() -> list[dict[str, Any]]:
+        return [e for e in service.events("ingest-0") if e["event"] == "ingest.stream_closed"]
+
+    def streamed_s(closed_before: int) -> float:
+        """The audio the service was given by the one stream that closed after `closed_before` others."""
+        assert wait_for(lambda: len(closed()) > closed_before, 10)
+        return closed()[closed_before]["audio_s"]
+
+    short, long = tmp_path / "short.raw", tmp_path / "long.wav"
+    goforward().tofile(short)
+    speech = speech_with_pauses(8)  # 30 s, four finals
+    soundfile.write(long, speech, RATE)
+    captions = tmp_path / "captions"
+    captions.mkdir()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    host = socket.gethostname()
+    leftovers = [f".a.jsonl.{host}.{gone.pid}.partial", f".b.jsonl.elsewhere.{gone.pid}.partial", f".c.jsonl.{host}.{os.getpid()}.partial"]
+    for name in leftovers:
+        (captions / name).write_text("{")
+    # a final's row is about 300 bytes: the short file's transcript fits, the long one's four do not
+    run = service.cli("transcribe", "--server", service.address, "--offline", "--json", "--out-dir", str(captions),
+                      str(long), str(short), preexec_fn=size_limited(700))
+    assert run.returncode == 1 and run.stdout == "" and "Traceback" not in run.stderr, run
+    assert f"{long}: cannot write {captions / 'long.jsonl'}: File too large" in run.stderr, run.stderr
+    assert sorted(p.name for p in captions.iterdir()) == sorted(leftovers[1:] + ["short.jsonl"])
+    assert json.loads((captions / "short.jsonl").read_text().splitlines()[-1])["text"] == "Go forward 10 meters."
+
+    local = service.cli("transcribe", "--local", "--json", "--out-dir", str(captions), str(long), str(short),
+                        preexec_fn=size_limited(700), timeout=180)
+    assert local.returncode == 1 and "Traceback" not in local.stderr, local
+    assert f"{long}: cannot write {captions / 'long.json'}: File too large" in local.stderr, local.stderr
+    assert json.loads((captions / "short.json").read_text())["text"] == "Go forward 10 meters."
+    assert sorted(p.name for p in captions.iterdir()) == sorted(leftovers[1:] + ["short.json", "short.jsonl"])
+
+    before = len(closed())
+    with open("/dev/full", "w") as full:
+        realtime = service.cli("transcribe", "--server", service.address, "--json", str(long), stdout=full)
+    assert realtime.returncode == 1 and realtime.stderr == "cannot write standard output: No space left on device\n", realtime
+    assert streamed_s(before) < len(speech) / RATE / 2  # ended at its first row, not streamed on for nothing
+    before = len(closed())
+    reading = subprocess.Popen([sys.executable, "-m", "streamasr.cli", "transcribe", "--server", service.address, "--json", str(long)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "STREAMASR_CONFIG": str(service.config_file)})
+    assert reading.stdout is not None and reading.stderr is not None
+    assert json.loads(reading.stdout.readline())["type"] == "partial"
+    reading.stdout.close()  # as `head -1` does once it has its line
+    assert reading.wait(timeout=60) == 1 and reading.stderr.read() == ""
+    assert streamed_s(before) < len(speech) / RATE / 2
+    with open("/dev/full", "w") as full:
+        local = service.cli("transcribe", "--local", str(short), stdout=full, timeout=180)
+    assert local.returncode == 1 and local.stderr == "cannot write standard output: No space left on device\n", local
 
 
 def two_party_call() -> np.ndarray:
