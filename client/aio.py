@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Sequence
 
 import numpy as np
 import zmq
@@ -33,6 +33,7 @@ from client.core import (
     SAMPLE_BYTES,
     Abandoned,
     Entry,
+    FrontDoors,
     IngestLost,
     Liveness,
     RoomWait,
@@ -100,15 +101,27 @@ async def handshake(ctx: zmq.asyncio.Context, address: str, timeout: float, curv
         raise ServerError(BAD_MESSAGE, f"unexpected {reply.type!r} in answer to hello")
 
 
+async def first_welcome(ctx: zmq.asyncio.Context, doors: FrontDoors, timeout: float, curve: Curve | None = None) -> Welcome:
+    """The welcome of the first of `doors` to give one, as the blocking client's `first_welcome`."""
+    *others, last = doors.in_turn()
+    for address in others:
+        try:
+            return await handshake(ctx, address, doors.try_s(timeout), curve)
+        except (TimeoutError, ServerError, ProtocolError):
+            doors.passed_over()
+    return await handshake(ctx, last, doors.try_s(timeout), curve)
+
+
 class AsyncClient:
     """`async with AsyncClient(address) as client:` or `client = await AsyncClient.connect(address)`.
 
-    `liveness`, `resume_timeout`, `curve` and `reconnects` as in the blocking Client.
+    `address` (one front door or several), `liveness`, `resume_timeout`, `curve` and `reconnects`
+    as in the blocking Client.
     """
 
-    def __init__(self, address: str, *, timeout: float = 10.0, liveness: float = LIVENESS_S,
+    def __init__(self, address: str | Sequence[str], *, timeout: float = 10.0, liveness: float = LIVENESS_S,
                  resume_timeout: float = RESUME_TIMEOUT_S, curve: Curve | None = None) -> None:
-        self.address = address
+        self._doors = FrontDoors(address)
         self.timeout = timeout
         self.resume_timeout = resume_timeout
         self.reconnects = 0
@@ -127,16 +140,21 @@ class AsyncClient:
         self._closed = False
 
     @classmethod
-    async def connect(cls, address: str, *, timeout: float = 10.0, liveness: float = LIVENESS_S,
+    async def connect(cls, address: str | Sequence[str], *, timeout: float = 10.0, liveness: float = LIVENESS_S,
                       resume_timeout: float = RESUME_TIMEOUT_S, curve: Curve | None = None) -> AsyncClient:
         client = cls(address, timeout=timeout, liveness=liveness, resume_timeout=resume_timeout, curve=curve)
         await client.start()
         return client
 
+    @property
+    def address(self) -> str:
+        """The front door that welcomed this client last."""
+        return self._doors.current
+
     async def start(self) -> None:
         """Handshake with the front door and connect to the ingest it names."""
         try:
-            welcome = await handshake(self._ctx, self.address, self.timeout, self._curve)
+            welcome = await first_welcome(self._ctx, self._doors, self.timeout, self._curve)
             self.limits = limits_from(welcome)
             self._connect(welcome)
         except BaseException:
@@ -362,11 +380,13 @@ class AsyncClient:
         while True:
             self._expire(late)
             try:
-                welcome = await handshake(self._ctx, self.address, min(self.timeout, max(deadline - time.monotonic(), 0.1)), self._curve)
+                welcome = await handshake(self._ctx, self.address,
+                                          min(self._doors.try_s(self.timeout), max(deadline - time.monotonic(), 0.1)), self._curve)
                 break
             except (TimeoutError, ServerError, ProtocolError) as exc:  # the front door may be restarting too
                 if time.monotonic() + delay >= deadline:
                     raise StreamError(LOST, f"could not resume within {self.resume_timeout:.0f}s: {exc}") from None
+                self._doors.passed_over()  # with another service to try: its host may be down
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
         self._expire(late)

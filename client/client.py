@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, wait
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import zmq
@@ -35,6 +35,7 @@ from client.core import (
     SAMPLE_BYTES,
     Abandoned,
     Entry,
+    FrontDoors,
     IngestLost,
     Liveness,
     RoomWait,
@@ -170,6 +171,19 @@ def handshake(ctx: zmq.Context, address: str, timeout: float, curve: Curve | Non
         raise ServerError(BAD_MESSAGE, f"unexpected {reply.type!r} in answer to hello")
 
 
+def first_welcome(ctx: zmq.Context, doors: FrontDoors, timeout: float, curve: Curve | None = None,
+                  stop: threading.Event | None = None) -> Welcome:
+    """The welcome of the first of `doors` to give one, tried in turn from the current one, which
+    it becomes; the last one's failure when none does."""
+    *others, last = doors.in_turn()
+    for address in others:
+        try:
+            return handshake(ctx, address, doors.try_s(timeout), curve, stop)
+        except (TimeoutError, ServerError, ProtocolError):
+            doors.passed_over()
+    return handshake(ctx, last, doors.try_s(timeout), curve, stop)
+
+
 def status(address: str, *, timeout: float = 10.0, curve: Curve | None = None) -> StatusReply:
     """The front door's view of the service (ingests, workers, queues)."""
     reply = request(zmq.Context.instance(), address, Status(), timeout, curve)
@@ -183,6 +197,8 @@ def status(address: str, *, timeout: float = 10.0, curve: Curve | None = None) -
 class Client:
     """A connection to the service; open any number of streams on it.
 
+    `address`: the service's front door, or several services' (a list, or comma-separated), tried
+    in turn (`FrontDoors`), so that streams whose service is lost outright resume on another.
     `timeout` bounds the handshake and each `open`. A lost ingest is resumed from, and so is one
     that closes a stream at its shutdown before the stream was complete (a restart, a deploy; a
     stream whose `end` crossed the shutdown, all transcribed, ends with that `closed` "shutdown"):
@@ -194,18 +210,18 @@ class Client:
     `read_key_pair` read them from certificate files) when the service has CURVE on.
     """
 
-    def __init__(self, address: str, *, timeout: float = 10.0, liveness: float = LIVENESS_S,
+    def __init__(self, address: str | Sequence[str], *, timeout: float = 10.0, liveness: float = LIVENESS_S,
                  resume_timeout: float = RESUME_TIMEOUT_S, curve: Curve | None = None) -> None:
-        self.address = address
+        self._doors = FrontDoors(address)
         self.timeout = timeout
         self.resume_timeout = resume_timeout
         self.reconnects = 0
         self._curve = curve
         self._ctx = zmq.Context()
         try:
-            welcome = handshake(self._ctx, address, timeout, curve)
+            welcome = first_welcome(self._ctx, self._doors, timeout, curve)
             self.limits = limits_from(welcome)
-            self.ingest = ingest_endpoint(address, welcome.ingest)
+            self.ingest = ingest_endpoint(self.address, welcome.ingest)
             self._sock, self._monitor = ingest_socket(self._ctx, self.ingest, curve)
         except BaseException:
             self._ctx.term()
@@ -224,6 +240,11 @@ class Client:
         self._ended: Future[Exception] = Future()  # the IO thread ended; its result: what the streams failed with
         self._thread = threading.Thread(target=self._run, name="streamasr-client-io", daemon=True)
         self._thread.start()
+
+    @property
+    def address(self) -> str:
+        """The front door that welcomed this client last."""
+        return self._doors.current
 
     def open(
         self,
@@ -445,7 +466,7 @@ class Client:
         while True:
             self._expire(late)
             try:
-                welcome = handshake(self._ctx, self.address, min(self.timeout, max(deadline - time.monotonic(), 0.1)),
+                welcome = handshake(self._ctx, self.address, min(self._doors.try_s(self.timeout), max(deadline - time.monotonic(), 0.1)),
                                     self._curve, self._stop)
                 break
             except (TimeoutError, ServerError, ProtocolError) as exc:  # the front door may be restarting too
@@ -453,6 +474,7 @@ class Client:
                     raise StreamError(CLOSED, "client closed") from None
                 if time.monotonic() + delay >= deadline:
                     raise StreamError(LOST, f"could not resume within {self.resume_timeout:.0f}s: {exc}") from None
+                self._doors.passed_over()  # with another service to try: its host may be down
                 self._stop.wait(delay)
                 delay = min(delay * 2, 1.0)
         self._expire(late)

@@ -16,7 +16,7 @@ import threading
 import time
 from array import array
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -62,6 +62,7 @@ CLOSED = "closed"  # StreamError code for a stream that ended or a client that w
 LOST = "connection_lost"  # StreamError code when the service could not be reached again to resume
 LIVENESS_S = 10.0  # an ingest silent this long while it owes an answer (ready, ack) is taken for dead
 RESUME_TIMEOUT_S = 60.0  # how long to keep trying to reach the service again before failing the streams
+FAILOVER_TRY_S = 3.0  # a front door that has not welcomed within this is passed over, when there are others
 REOPEN_CODES = (OVERLOADED, TOO_MANY_STREAMS)  # a refused resume worth retrying: the service is busy
 REOPEN_S = 1.0  # a re-open (or `streamasr transcribe`'s open) refused for being busy is sent again after this long...
 MAX_REOPEN_S = 8.0  # ...doubling up to this, until the resume's deadline
@@ -164,6 +165,35 @@ def limits_from(welcome: Welcome) -> Limits:
     """The welcome's limits, ignoring keys a newer server may add."""
     known = {f.name for f in fields(Limits)}
     return Limits(**{k: v for k, v in welcome.limits.items() if k in known})
+
+
+class FrontDoors:
+    """The front doors a client may use, tried in turn: one service's, or several services' on
+    other hosts, so that the streams of a service lost outright (its host down) resume on another
+    (which gives them the headroom of resumed streams when the services share a resume key,
+    `[ingest] resume_key_file`). The one that welcomed last is tried first again: streams whose
+    ingest restarted stay on their service."""
+
+    def __init__(self, address: str | Sequence[str]) -> None:
+        given = address.split(",") if isinstance(address, str) else list(address)
+        self.addresses = [a.strip() for a in given if a.strip()]
+        if not self.addresses:
+            raise ValueError(f"no front door address in {address!r}")
+        self.current = self.addresses[0]
+
+    def in_turn(self) -> list[str]:
+        """Every address, the current one first."""
+        i = self.addresses.index(self.current)
+        return self.addresses[i:] + self.addresses[:i]
+
+    def passed_over(self) -> None:
+        """The current one did not welcome: the next is tried first from now on."""
+        self.current = self.in_turn()[1 % len(self.addresses)]
+
+    def try_s(self, timeout: float) -> float:
+        """How long one hello may wait: `timeout` for a lone front door; with others to try, a
+        silent one (a host that is down) is passed over after FAILOVER_TRY_S."""
+        return timeout if len(self.addresses) == 1 else min(timeout, FAILOVER_TRY_S)
 
 
 def ingest_endpoint(front_door: str, ingest: str) -> str:

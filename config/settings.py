@@ -169,6 +169,10 @@ class IngestConfig:
     # Ops tools (`streamasr status`, the service's readiness wait) are clients of the front door
     # too: with CURVE on they use this key pair file (a *.key_secret), whose public key must be authorized.
     curve_client_key: str = path_setting()
+    # A key file (64 hexadecimal characters) services on several hosts share, so that a stream
+    # whose service was lost outright resumes on another with its resume token, as within one
+    # service; empty = the instance's own, kept in its run directory.
+    resume_key_file: str = path_setting()
     # An ingest whose loop has not turned for this long is stuck (it wakes every half heartbeat):
     # it exits with every thread's stack in its log, and supervisord starts it again. 0 = never.
     stall_after_s: float = setting(60.0, hi=MAX_WATCH_S)

@@ -7,7 +7,9 @@ client may send one (by mistake, to carry its own times), and would pass the lim
 the streams already admitted. So the `ready` of an admitted realtime stream carries a token, an
 HMAC of the stream's id under a key every ingest of the instance shares, and only a resume that
 brings its stream's token back gets the headroom. The key comes from `serve`
-(STREAMASR_RESUME_KEY), which keeps it in the run directory: the streams of a stopped instance
+(STREAMASR_RESUME_KEY), which reads it from `[ingest] resume_key_file` when services on several
+hosts share one (a client given their front doors resumes the streams of a service lost outright
+on another), or else keeps the instance's own in the run directory: the streams of a stopped instance
 resume with their tokens on its next start (an upgrade restarts the whole service while its
 calls go on; its new streams must not take the places of those it served). An ingest started
 without it makes one of its own, so tokens of other ingests are not taken there, and their
@@ -30,6 +32,24 @@ KEY_BYTES = 32
 TOKEN_BYTES = 16  # of the HMAC kept: 128 bits, 32 hex characters on the wire
 
 
+def shared_key(path: str) -> str:
+    """The key of `[ingest] resume_key_file`, which services on several hosts share so that a
+    stream whose service was lost outright resumes on another with its token; ValueError, said
+    before anything starts, when it holds no key."""
+    try:
+        key = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"ingest.resume_key_file {path}: cannot read it: {getattr(exc, 'strerror', None) or exc}") from None
+    if not _is_key(key):
+        raise ValueError(f"ingest.resume_key_file {path}: holds no key ({2 * KEY_BYTES} hexadecimal characters, "
+                         f"as `openssl rand -hex {KEY_BYTES}` writes)")
+    return key
+
+
+def _is_key(text: str) -> bool:
+    return len(text) == 2 * KEY_BYTES and all(c in string.hexdigits for c in text)
+
+
 def instance_key(run: Path) -> str:
     """The key for an instance's ingests, `serve` sets it in their environment: the one its run
     directory keeps, or a new one kept there (a file that holds no key is replaced). Deleting
@@ -39,7 +59,7 @@ def instance_key(run: Path) -> str:
         key = path.read_text().strip()
     except (FileNotFoundError, UnicodeDecodeError):
         key = ""
-    if len(key) == 2 * KEY_BYTES and all(c in string.hexdigits for c in key):
+    if _is_key(key):
         return key
     key = secrets.token_hex(KEY_BYTES)
     partial = path.with_suffix(".tmp")

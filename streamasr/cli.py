@@ -257,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
                                             "partials in place on a terminal; Ctrl-C ends it)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--local", action="store_true", help="run the model in this process")
-    where.add_argument("--server", metavar="ADDR", help="service address (default: the config's)")
+    where.add_argument("--server", metavar="ADDR", help="the service's address (default: the config's), or several services' "
+                       "comma-separated: a stream whose service is lost outright resumes on the next")
     pace = p.add_mutually_exclusive_group()
     pace.add_argument("--realtime", action="store_true", help="stream at the speed of speech (default)")
     pace.add_argument("--offline", action="store_true", help="stream as fast as the service takes it (priority batch)")

@@ -181,6 +181,10 @@ def prepare(cfg: Config) -> dict[str, str]:
         auth.check_server_keys(cfg.ingest.curve_secret_key, cfg.ingest.curve_authorized_keys)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
+    try:
+        shared_key = resume.shared_key(cfg.ingest.resume_key_file) if cfg.ingest.resume_key_file else None
+    except ValueError as exc:  # a setting that cannot work
+        raise settings.ConfigError(str(exc)) from None
     if cfg.model.backend == "tensorrt":
         # Every worker would fail to load it, over and over under supervisord.
         raise settings.ConfigError('model.backend "tensorrt" is not available in this release: the TensorRT backend '
@@ -223,7 +227,7 @@ def prepare(cfg: Config) -> dict[str, str]:
         partial.write_text(settings.dump(cfg))
         os.replace(partial, config_file)
         (run / "logs").mkdir(mode=0o700, exist_ok=True)
-        resume_key = resume.instance_key(run)
+        resume_key = shared_key or resume.instance_key(run)
     except OSError as exc:  # a full or read-only file system
         with contextlib.suppress(OSError):
             partial.unlink(missing_ok=True)

@@ -667,6 +667,9 @@ def test_ops_commands_take_the_servers_curve_keys_from_the_running_instance(tmp_
     ("[ingest]\ndrain_timeout_s = 11\n", "ingest.drain_timeout_s (11 s) and 2 s to exit do not fit in the ingest's stopwaitsecs (12 s"),
     ("[ingest]\nstall_after_s = inf\n", "ingest.stall_after_s must be a finite number, not inf"),
     ("[shm]\nring_seconds = inf\n", "shm.ring_seconds must be a finite number, not inf"),
+    ('[ingest]\nresume_key_file = "/nonexistent/resume.key"\n',
+     "ingest.resume_key_file /nonexistent/resume.key: cannot read it: No such file or directory"),
+    ('[ingest]\nresume_key_file = "/dev/null"\n', "ingest.resume_key_file /dev/null: holds no key (64 hexadecimal characters"),
 ])
 def test_a_setting_that_cannot_work_is_refused_before_anything_starts(tmp_path: Path, setting: str, named: str) -> None:
     """Each process of the service reads the same file: one that fails at start is a service

@@ -107,6 +107,29 @@ def test_one_file_streams_partials_and_finals(service) -> None:
     assert ends == sorted(ends) and ends[-1] == len(pcm)
 
 
+def test_a_client_given_several_front_doors_passes_over_one_that_is_silent(service) -> None:
+    """A front door that does not answer (its host down) is passed over for the next one given,
+    comma-separated or as a list, by either client, and the stream is served there; given alone,
+    it fails the client's start, as before."""
+    silent = f"tcp://127.0.0.1:{free_ports(1)}"
+    with Client(f"{silent}, {service.address}") as client:
+        assert client.address == service.address
+        stream = client.open(language="en")
+        pcm = goforward()
+        for start in range(0, len(pcm), 1600):
+            stream.send(pcm[start : start + 1600])
+        stream.end()
+        assert "forward" in " ".join(e.text for e in drain(stream) if isinstance(e, Final)).lower()
+
+    async def main() -> str:
+        async with AsyncClient([silent, service.address]) as aclient:
+            return aclient.address
+
+    assert asyncio.run(main()) == service.address
+    with pytest.raises(TimeoutError, match=f"no answer from {silent}"):
+        Client(silent, timeout=1.0)
+
+
 @pytest.mark.parametrize(("rate", "encoding", "channels"), [(8000, "pcm_s16le", 1), (44100, "f32le", 1), (48000, "pcm_s16le", 2)])
 def test_other_rates_are_resampled_frame_by_frame(service, rate: int, encoding: str, channels: int) -> None:
     """Telephone audio at 8 kHz, a browser's 44.1 kHz float and a 48 kHz stereo recording with

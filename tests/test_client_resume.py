@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import signal
 import threading
 import time
 import wave
+from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
+import psutil
 import pytest
 
 from client import Client
@@ -72,10 +75,12 @@ def ingest_pid(service: Service) -> tuple[int, str]:
 
 
 def run(service: Service, pcm: np.ndarray, speed: float, on_final: Callable[[Final], None] | None = None,
-        on_sent: Callable[[int], None] | None = None) -> tuple[Client, Stream, list[Final], list[ErrorMsg]]:
+        on_sent: Callable[[int], None] | None = None, doors: list[str] | None = None
+        ) -> tuple[Client, Stream, list[Final], list[ErrorMsg]]:
     """Stream `pcm` paced at `speed` × real time from a sender thread; collect events until `closed`.
-    `on_sent` is called with the frames sent so far after each message."""
-    client = Client(service.address, liveness=5.0)
+    `on_sent` is called with the frames sent so far after each message; `doors`: the front doors
+    the client is given (the service's alone unless told)."""
+    client = Client(doors or service.address, liveness=5.0)
     stream = client.open(language="en", partials=False)
     failures: list[BaseException] = []
 
@@ -106,10 +111,10 @@ def run(service: Service, pcm: np.ndarray, speed: float, on_final: Callable[[Fin
     return client, stream, finals, errors
 
 
-async def run_async(service: Service, pcm: np.ndarray, speed: float, on_final: Callable[[Final], None] | None = None
-                    ) -> tuple[AsyncClient, AsyncStream, list[Final], list[ErrorMsg]]:
+async def run_async(service: Service, pcm: np.ndarray, speed: float, on_final: Callable[[Final], None] | None = None,
+                    doors: list[str] | None = None) -> tuple[AsyncClient, AsyncStream, list[Final], list[ErrorMsg]]:
     """`run` on the asyncio client: a sender task paces the audio while this coroutine reads events."""
-    client = await AsyncClient.connect(service.address, liveness=5.0)
+    client = await AsyncClient.connect(doors or service.address, liveness=5.0)
     finals: list[Final] = []
     errors: list[ErrorMsg] = []
     try:
@@ -177,6 +182,12 @@ def check_resumed(killer: Killer, reconnects: int, resumes: list[int], finals: l
     assert reconnects >= 1 and resumes, "the client never resumed"
     new_pid, state = ingest_pid(killer.service)
     assert (new_pid != killer.pid) == restarted and state in svc.UP_STATES
+    check_one_stream(finals, errors, baseline)
+
+
+def check_one_stream(finals: list[Final], errors: list[ErrorMsg], baseline: tuple[str, list[Final]]) -> None:
+    """The finals read as one undisturbed stream's: no error, nothing repeated, numbered and timed in order,
+    the words as the undisturbed run's."""
     assert errors == []
 
     # nothing repeated, numbered and timed as one stream
@@ -192,6 +203,53 @@ def check_resumed(killer: Killer, reconnects: int, resumes: list[int], finals: l
     base_wer = testdata.wer([reference], [joined(base_finals)])
     resumed_wer = testdata.wer([reference], [joined(finals)])
     assert resumed_wer <= base_wer + 0.05, (resumed_wer, base_wer, joined(finals), joined(base_finals))
+
+
+class Outage:
+    """Takes a whole service down outright at the first final it is shown, once: supervisord and
+    every program killed at once (SIGKILL), as when its host is lost; its shm segment is left, as
+    it would be, and unlinked here for the tests' own check."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.at: float | None = None
+
+    def __call__(self, final: Final) -> None:
+        if self.at is None:
+            self.at = final.end
+            supervisord = psutil.Process(self.service.proc.pid)
+            everything = [supervisord, *supervisord.children(recursive=True)]
+            for process in everything:
+                process.kill()
+            psutil.wait_procs(everything, timeout=10)
+            pool.reclaim(self.service.cfg.instance)
+
+
+def test_a_stream_whose_service_is_lost_outright_resumes_on_another(service_factory: Callable[..., Service], tmp_path: Path,
+                                                                     baseline: tuple[str, list[Final]]) -> None:
+    """Services on two hosts share a resume key (`[ingest] resume_key_file`), and a client is given
+    both front doors. The service its stream is on is lost outright mid-stream: the client finds
+    that front door silent, passes over to the other, and resumes the stream there from the audio
+    it kept, admitted as resuming with its token (as within one service: twice the admission
+    limits); the finals read as one undisturbed stream's. The blocking and the asyncio clients
+    alike, each on a service of its own that is lost, resuming on the one they share."""
+    key = tmp_path / "resume.key"
+    key.write_text(secrets.token_hex(32) + "\n")
+    survivor, *lost = (service_factory(model="whisper-tiny.en", workers=1, ingest={"resume_key_file": str(key)})
+                       for _ in range(3))
+    pcm, _ = speech()
+    outage = Outage(lost[0])
+    client, stream, finals, errors = run(lost[0], pcm, speed=1.0, on_final=outage, doors=[lost[0].address, survivor.address])
+    outage_async = Outage(lost[1])
+    aclient, astream, afinals, aerrors = asyncio.run(run_async(lost[1], pcm, speed=1.0, on_final=outage_async,
+                                                               doors=[lost[1].address, survivor.address]))
+    for outage, client, stream, finals, errors in ((outage, client, stream, finals, errors),
+                                                   (outage_async, aclient, astream, afinals, aerrors)):
+        assert outage.at is not None and outage.service.proc.poll() is not None, "the service was not lost mid-stream"
+        assert client.reconnects >= 1 and stream.resumes and client.address == survivor.address, (client.reconnects, client.address)
+        check_one_stream(finals, errors, baseline)
+        opened = [e for e in survivor.events("ingest-0") if e["event"] == "ingest.stream_opened" and e["stream"] == stream.id]
+        assert [e["resuming"] for e in opened] == [True], opened  # its token taken: the key is shared
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["killed", "restarted"])
