@@ -58,7 +58,9 @@ EVENT_TIMEOUT_S = 120.0  # longest silence from the server before a stream is gi
 CREDIT_TIMEOUT_S = 120.0  # longest an offline stream waits for the window to move
 STALL_POLL_S = 0.5  # how often a stream's reader, waiting for events, looks whether its sender gave up for lack of credit
 OPEN_TIMEOUT_S = 300.0  # how long a file waits for the service to take its stream (`--open-timeout`)
-INTERRUPTED = 128 + signal.SIGINT  # the exit status of a run Ctrl-C ended, as a shell gives a command SIGINT killed
+# Ctrl-C, or SIGTERM (a service manager or job scheduler stopping the run): what is said as the streams end
+STOP_SIGNALS = {signal.SIGINT: "interrupted: ending the streams with the audio sent so far (Ctrl-C again to quit at once)",
+                signal.SIGTERM: "terminated: ending the streams with the audio sent so far (SIGTERM again to quit at once)"}
 
 
 @dataclass(frozen=True)
@@ -441,7 +443,7 @@ def run(
     transcripts: dict[str, Transcript] = {}  # with out_dir: each file's own, put in place once it is transcribed
     stop = threading.Event()  # Ctrl-C: streams end with what they sent, files not begun are left
     try:
-        with client, _interruptible(stop):
+        with client, _interruptible(stop) as taken:
             places = _places(client, parallel, len(jobs), len(live_split))
             if places is None:
                 return 1
@@ -463,7 +465,8 @@ def run(
         if out is sys.stdout:
             silence_stdout()
         failed = True
-    return INTERRUPTED if stop.is_set() else 1 if failed or any(job.error for job in jobs) else 0
+    # a run a signal ended exits as a shell says a command that signal killed did (130 for Ctrl-C)
+    return 128 + taken[0] if taken else 1 if failed or any(job.error for job in jobs) else 0
 
 
 def _places(client: Client, parallel: int | None, streams: int, live_split: int) -> int | None:
@@ -586,11 +589,13 @@ def _clock(seconds: float) -> str:
 
 
 @contextmanager
-def _interruptible(stop: threading.Event) -> Iterator[None]:
-    """Ctrl-C sets `stop` (said once on stderr); a second one quits at once, as Ctrl-C does. Off
-    the main thread (an application's) signals are its own, and `stop` is never set here."""
+def _interruptible(stop: threading.Event) -> Iterator[list[int]]:
+    """Ctrl-C or SIGTERM sets `stop` (said once on stderr) and is kept in the list yielded; a
+    second quits at once, as that signal does. Off the main thread (an application's) signals are
+    its own, and `stop` is never set here."""
+    taken: list[int] = []
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield taken
         return
 
     def interrupted(signum: int, _frame: object) -> None:
@@ -598,14 +603,16 @@ def _interruptible(stop: threading.Event) -> Iterator[None]:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
+        taken.append(signum)
         stop.set()
-        print("interrupted: ending the streams with the audio sent so far (Ctrl-C again to quit at once)", file=sys.stderr)
+        print(STOP_SIGNALS[signum], file=sys.stderr)
 
-    before = signal.signal(signal.SIGINT, interrupted)
+    before = {signum: signal.signal(signum, interrupted) for signum in STOP_SIGNALS}
     try:
-        yield
+        yield taken
     finally:
-        signal.signal(signal.SIGINT, before)
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
 
 
 def _stream(client: Client, job: Job, streaming: Streaming, output: Output, stop: threading.Event) -> None:

@@ -715,29 +715,36 @@ def test_a_call_that_hangs_up_while_it_waits_for_room_withdraws_its_open(service
     assert opened == ["first", "b"], opened
 
 
-def test_ctrl_c_ends_a_transcription_with_what_it_sent_and_keeps_its_transcript(service, tmp_path) -> None:
+@pytest.mark.parametrize(("signum", "said_first"), [
+    (signal.SIGINT, "interrupted: ending the streams with the audio sent so far (Ctrl-C again to quit at once)"),
+    (signal.SIGTERM, "terminated: ending the streams with the audio sent so far (SIGTERM again to quit at once)"),
+], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_ends_a_transcription_with_what_it_sent_and_keeps_its_transcript(service, tmp_path, signum: signal.Signals,
+                                                                                 said_first: str) -> None:
     """Ctrl-C while `streamasr transcribe` streams ends the streams with the audio sent so far:
     their transcript is given, said to be a part (how much of the file), a file not begun is said
     to be left, and the exit status is a SIGINT's (130), with no traceback. The stream ends as an
     `end` ends it, not as a client gone: the ingest closes it with reason `end`. A second Ctrl-C
-    quits at once."""
+    quits at once. SIGTERM (a service manager or a job scheduler stopping the run) alike, its
+    exit status 143."""
     path = tmp_path / "long.wav"
     soundfile.write(path, speech_with_pauses(10), RATE, subtype="PCM_16")  # about 30 s, a final every 3 s
     argv = [sys.executable, "-m", "streamasr.cli", "transcribe", "--server", service.address, "--json", "--parallel", "1",
             str(path), str(path)]
+    logged_before = len(service.events("ingest-0"))
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     rows = []
     for line in proc.stdout:  # the first file's first final: it is well under way
         rows.append(json.loads(line))
         if rows[-1]["type"] == "final" and rows[-1]["text"].strip():
             break
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     out, err = proc.communicate(timeout=120)
     rows += [json.loads(line) for line in out.splitlines()]
-    assert proc.returncode == 130, (proc.returncode, err)
+    assert proc.returncode == 128 + signum, (proc.returncode, err)
     assert "Traceback" not in err, err
     said = [line for line in err.splitlines() if "no room for the stream" not in line]  # a busy moment of the shared service
-    assert said[0] == "interrupted: ending the streams with the audio sent so far (Ctrl-C again to quit at once)", said
+    assert said[0] == said_first, said
     assert said[2:] == [f"{path}: interrupted before it was transcribed"], said
     part = re.fullmatch(rf"{re.escape(str(path))}: interrupted: the transcript of its first ([0-9.]+) s of ([0-9.]+) s", said[1])
     assert part, said
@@ -749,7 +756,7 @@ def test_ctrl_c_ends_a_transcription_with_what_it_sent_and_keeps_its_transcript(
     assert abs(summary["audio_s"] - sent_s) < 0.2, (summary, sent_s)
     assert "forward" in summary["text"].lower() and summary["segments"] == len(finals), summary
     assert all(r["end"] <= sent_s + 0.1 for r in rows if r["type"] == "final"), rows
-    closed = [e for e in service.events("ingest-0") if e["event"] in ("ingest.stream_closed", "ingest.stream_dropped")
+    closed = [e for e in service.events("ingest-0")[logged_before:] if e["event"] in ("ingest.stream_closed", "ingest.stream_dropped")
               and abs(e.get("audio_s", 0) - summary["audio_s"]) < 0.01]
     assert [(e["event"], e["reason"]) for e in closed] == [("ingest.stream_closed", "end")], closed
 
@@ -757,13 +764,13 @@ def test_ctrl_c_ends_a_transcription_with_what_it_sent_and_keeps_its_transcript(
     for line in proc.stdout:
         if json.loads(line)["type"] == "partial":
             break
-    proc.send_signal(signal.SIGINT)
-    for said_line in proc.stderr:  # said once the first Ctrl-C is taken
-        if said_line.startswith("interrupted: ending the streams"):
+    proc.send_signal(signum)
+    for said_line in proc.stderr:  # said once the first signal is taken
+        if said_line.rstrip("\n") == said_first:
             break
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     proc.communicate(timeout=30)
-    assert proc.returncode == -signal.SIGINT
+    assert proc.returncode == -signum
 
 
 def speak_into(pipe: Any, audio: np.ndarray, fed: threading.Event) -> None:
