@@ -84,7 +84,7 @@ def run(
                 continue
             transcript = Transcript(out_dir, path, suffix(as_json, subtitles, rows=False))
             try:
-                transcript.out.write(written)
+                transcript.write(written)
                 transcript.keep()
             except OSError as exc:  # this file's alone: the next may be smaller, or the disk freed
                 transcript.drop()

@@ -13,7 +13,6 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import TextIO
 
 STDOUT = "standard output"
 
@@ -91,22 +90,36 @@ def silence_stdout() -> None:
 
 class Transcript:
     """One file's transcript on its way into `out_dir`: written to a hidden file beside its final
-    name, then put in place whole (`keep`) or removed (`drop`)."""
+    name, then put in place whole (`keep`) or removed (`drop`). Each write opens that file and
+    closes it again, so a run of thousands of files holds none open while they wait their turn,
+    or once they are done while the others are."""
 
-    def __init__(self, out_dir: Path, file: str, suffix: str) -> None:
+    def __init__(self, out_dir: Path, file: str, suffix: str, header: str = "") -> None:
         self.path = out_dir / (Path(file).stem + suffix)
         # host and process in its name: the names of one run's files differ, and a run killed outright is known by it
         self._partial = out_dir / f".{self.path.name}.{socket.gethostname()}.{os.getpid()}.partial"
-        self.out: TextIO = open(self._partial, "w", encoding="utf-8")
+        self._header = header  # what the file begins with (WebVTT's), written with its first text
+        self._begun = False
+
+    def write(self, text: str) -> int:
+        """Add `text`, flushed and closed; OSError (a full disk) if it cannot be."""
+        with open(self._partial, "a" if self._begun else "w", encoding="utf-8") as out:
+            out.write(text if self._begun else self._header + text)
+        self._begun = True
+        return len(text)
+
+    def flush(self) -> None:
+        """Each write is on disk already."""
+
+    def isatty(self) -> bool:
+        return False
 
     def keep(self) -> None:
-        """Put the transcript in place; OSError (a full disk) if it cannot be, and then `drop` it."""
-        self.out.close()
+        """Put the transcript in place (its header alone when nothing was written); OSError (a
+        full disk) if it cannot be, and then `drop` it."""
+        if not self._begun:
+            self.write("")
         os.replace(self._partial, self.path)
 
     def drop(self) -> None:
-        try:
-            self.out.close()
-        except OSError:  # what was left to write could not be: it is not wanted either
-            pass
         self._partial.unlink(missing_ok=True)

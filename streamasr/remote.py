@@ -315,7 +315,7 @@ class Job:
 class Output:
     """Serializes lines from the reader threads."""
 
-    def __init__(self, out: TextIO, as_json: bool, named: bool, subtitles: Writer | None = None,
+    def __init__(self, out: TextIO | Transcript, as_json: bool, named: bool, subtitles: Writer | None = None,
                  lock: threading.RLock | None = None) -> None:
         self.out = out
         # the first write that failed (a full disk, standard output's reader gone): nothing more is
@@ -495,11 +495,9 @@ def _outputs(jobs: list[Job], output: Output, out_dir: Path | None, transcripts:
     outputs = dict.fromkeys((job.file for job in jobs), output)
     if out_dir is not None:
         for file in outputs:
-            transcripts[file] = Transcript(out_dir, file, suffix(as_json, subtitles, rows=True))
             cues = Writer(subtitles) if subtitles else None
-            outputs[file] = Output(transcripts[file].out, as_json, named=False, subtitles=cues, lock=output.lock)
-            if cues is not None:
-                outputs[file].write(cues.header())
+            transcripts[file] = Transcript(out_dir, file, suffix(as_json, subtitles, rows=True), cues.header() if cues else "")
+            outputs[file] = Output(transcripts[file], as_json, named=False, subtitles=cues, lock=output.lock)
     for file in {job.file for job in jobs if job.channel is not None}:
         if (cues := outputs[file].subtitles) is not None:
             conversation = Conversation(cues, [job.channel for job in jobs if job.file == file and job.channel is not None])

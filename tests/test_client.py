@@ -908,6 +908,23 @@ def test_transcribe_writes_each_file_s_transcript_to_a_file_of_its_own(service, 
         assert bad.returncode == 2 and why in bad.stderr, (where, files, bad)
 
 
+def test_a_folder_of_more_recordings_than_the_open_files_limit_is_transcribed(service, tmp_path) -> None:
+    """A folder of recordings may hold thousands of files: `--out-dir` holds a transcript file
+    open only while it writes to it, so a run of more files than the limit on open files (here
+    128, a shell's is often 1024) is transcribed, each file its transcript."""
+    folder = tmp_path / "calls"
+    folder.mkdir()
+    names = [folder / f"{i:03d}.raw" for i in range(150)]
+    for name in names:
+        np.zeros(RATE // 2, np.int16).tofile(name)  # half a second of quiet: no decode, a quick stream
+    out = tmp_path / "transcripts"
+    run = service.cli("transcribe", "--server", service.address, "--offline", "--json", "--out-dir", str(out), *map(str, names),
+                      preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128)), timeout=300)
+    assert run.returncode == 0 and run.stderr == "", run
+    assert sorted(p.name for p in out.iterdir()) == [f"{i:03d}.jsonl" for i in range(150)]
+    assert all(json.loads((out / f"{i:03d}.jsonl").read_text())["audio_s"] == 0.5 for i in range(150))
+
+
 def test_a_transcript_that_cannot_be_written_fails_its_file_alone_and_ends_its_stream(service, tmp_path) -> None:
     """A full disk (here a limit on the size of a file, EFBIG where ENOSPC would come) fails the
     file whose transcript cannot be written, said with why, and leaves nothing of it; the other

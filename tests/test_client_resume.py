@@ -238,17 +238,17 @@ def test_a_stream_whose_service_is_lost_outright_resumes_on_another(service_fact
     survivor, *lost = (service_factory(model="whisper-tiny.en", workers=1, ingest={"resume_key_file": str(key)})
                        for _ in range(3))
     pcm, _ = speech()
-    outage = Outage(lost[0])
-    client, stream, finals, errors = run(lost[0], pcm, speed=1.0, on_final=outage, doors=[lost[0].address, survivor.address])
-    outage_async = Outage(lost[1])
-    aclient, astream, afinals, aerrors = asyncio.run(run_async(lost[1], pcm, speed=1.0, on_final=outage_async,
+    outages = [Outage(service) for service in lost]
+    client, stream, finals, errors = run(lost[0], pcm, speed=1.0, on_final=outages[0], doors=[lost[0].address, survivor.address])
+    aclient, astream, afinals, aerrors = asyncio.run(run_async(lost[1], pcm, speed=1.0, on_final=outages[1],
                                                                doors=[lost[1].address, survivor.address]))
-    for outage, client, stream, finals, errors in ((outage, client, stream, finals, errors),
-                                                   (outage_async, aclient, astream, afinals, aerrors)):
+    runs = [(client.reconnects, client.address, stream.id, stream.resumes, finals, errors),
+            (aclient.reconnects, aclient.address, astream.id, astream.resumes, afinals, aerrors)]
+    for outage, (reconnects, address, stream_id, resumes, finals, errors) in zip(outages, runs):
         assert outage.at is not None and outage.service.proc.poll() is not None, "the service was not lost mid-stream"
-        assert client.reconnects >= 1 and stream.resumes and client.address == survivor.address, (client.reconnects, client.address)
+        assert reconnects >= 1 and resumes and address == survivor.address, (reconnects, address)
         check_one_stream(finals, errors, baseline)
-        opened = [e for e in survivor.events("ingest-0") if e["event"] == "ingest.stream_opened" and e["stream"] == stream.id]
+        opened = [e for e in survivor.events("ingest-0") if e["event"] == "ingest.stream_opened" and e["stream"] == stream_id]
         assert [e["resuming"] for e in opened] == [True], opened  # its token taken: the key is shared
 
 
