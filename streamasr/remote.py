@@ -441,7 +441,7 @@ def run(
     if output.subtitles is not None and out_dir is None:
         output.write(output.subtitles.header())
     transcripts: dict[str, Transcript] = {}  # with out_dir: each file's own, put in place once it is transcribed
-    stop = threading.Event()  # Ctrl-C: streams end with what they sent, files not begun are left
+    stop = threading.Event()  # Ctrl-C or SIGTERM: streams end with what they sent, files not begun are left
     try:
         with client, _interruptible(stop) as taken:
             places = _places(client, parallel, len(jobs), len(live_split))
