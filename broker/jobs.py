@@ -87,6 +87,7 @@ class JobResult:
     finished: float = 0.0
     error: str | None = None
     language: str = ""  # the language the decode transcribed in: the job's, or the one detected ("" with no decode)
+    words: list[tuple[float, float, str]] = field(default_factory=list)  # a final's timed words, as segments
 
     def to_wire(self) -> tuple[Any, ...]:
         return _RESULT_ROW(self)

@@ -105,6 +105,9 @@ class ModelConfig:
     # dropped more often, which finals put right); "full": the 30 s window
     partial_window: Literal["short", "full"] = "short"
     quick_first_partial: bool = True  # a segment's first partial on the short window: text on screen sooner
+    # each final's words with their times (Whisper's alignment heads): a decoder pass per final,
+    # and the finals' encoded audio kept for it (docs/PERFORMANCE.md, "Word times")
+    word_times: bool = True
     null_text: str = "null model"  # text the null backend returns
 
     @property

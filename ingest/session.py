@@ -435,7 +435,8 @@ class Session:
                 self.metrics.inc("finals_revised_total")
             seg.result = m.Final(stream=self.opened.stream, seg=seg.index, text=text, start=self._time(seg.start),
                                  end=self._time(job.end), avg_logprob=res.avg_logprob, no_speech_prob=res.no_speech_prob,
-                                 revised=revised, language=res.language or None, parts=self._parts(seg, job, res, text))
+                                 revised=revised, language=res.language or None, parts=self._parts(seg, job, res, text),
+                                 words=self._words(seg, job, res, text))
         # finals leave in segment order even when workers finish them out of order
         while self.next_final in self.segments and self.segments[self.next_final].result is not None:
             done = self.segments.pop(self.next_final)
@@ -474,6 +475,17 @@ class Session:
         parts = [[round(min(start + s_start, end), 3), round(min(start + s_end, end), 3), s_text.strip()]
                  for s_start, s_end, s_text in res.segments if s_text.strip()]
         return parts or None
+
+    def _words(self, seg: _Segment, job: Job, res: JobResult, text: str) -> list[list[Any]] | None:
+        """The decode's timed words, in the stream's seconds within the final's span, when the
+        final's text is the decode's, as its parts."""
+        if not text or not res.text.strip() or not res.words:
+            return None
+        if not all(_segment_row(row) for row in res.words):  # a worker of another build: the final goes without words
+            self.log.warning("ingest.final_words_unreadable", job=res.job_id, seg=seg.index, words=repr(res.words)[:200])
+            return None
+        start, end = self._time(seg.start), self._time(job.end)
+        return [[round(min(start + w_start, end), 3), round(min(start + w_end, end), 3), word] for w_start, w_end, word in res.words]
 
     @staticmethod
     def _hallucinated(res: JobResult) -> bool:

@@ -205,6 +205,10 @@ class Final:
     # Whisper's own segments of the text, [start, end, text] each in the stream's seconds: a long
     # final's phrases timed by the model (a caption's cues); nil when the text is not its decode's
     parts: list[list[Any]] | None = None
+    # its words, [start, end, word] each in the stream's seconds, a word with the space before it
+    # (joined, they are the text): timed by the model's alignment heads; nil as `parts`, or when
+    # the service does not time words
+    words: list[list[Any]] | None = None
 
 
 @dataclass(slots=True)

@@ -45,6 +45,9 @@ class DecodeResult:
     tokens: int = 0
     fell_back: bool = False  # the greedy decode needed Whisper's temperature fallback (it looped)
     temperature: float = 0.0  # above 0: this text is the fallback's sample at that temperature
+    # a final's words with their times, as `segments` (with the space before each), when the
+    # backend times words (`[model] word_times`); empty otherwise
+    words: list[Segment] = field(default_factory=list)
 
 
 class Backend(ABC):

@@ -46,6 +46,7 @@ from typing import Sequence
 
 import numpy as np
 
+from speech import words
 from speech.backend import MAX_WINDOW_S, MIN_REST_S, SAMPLE_RATE, DecodeRequest, DecodeResult, Segment
 from speech.graphio import Group, GraphIO
 from speech.mel import FRAMES_PER_SECOND, N_FRAMES, LogMel
@@ -104,6 +105,7 @@ class DecodeOptions:
     suppress_silence: bool = True  # no_speech_prob > 0.6 and avg_logprob < -1 -> empty result
     temperature_increment: float = 0.2  # fallback temperatures: this step up to 1.0; 0 = no fallback
     best_of: int = 5  # samples per request at each fallback temperature
+    word_times: bool = False  # a final's words timed by the alignment heads (`speech.words`)
 
     @property
     def fallback_temperatures(self) -> list[float]:
@@ -170,7 +172,8 @@ def short_window_frames(n_samples: int) -> int:
 
 class WhisperDecoder:
     def __init__(self, encoder, decoder, tokenizer: WhisperTokenizer, dims: dict, options: DecodeOptions):
-        self.io = GraphIO(encoder, decoder, dims)  # the sessions' inputs and outputs, in kept buffers
+        # the sessions' inputs and outputs, in kept buffers; the encoded audio kept for word times
+        self.io = GraphIO(encoder, decoder, dims, keep_encoded=options.word_times)
         self.tk = tokenizer
         self.opt = options
         self.vocab = dims["vocab"]
@@ -275,11 +278,16 @@ class WhisperDecoder:
         toks = a_toks[:-1] + [min(t + k, last) if t >= tb else t for t in b_toks]
         segments = a.segments + [Segment(min(round(s.start + shift, 2), round(s.end + shift, 3)), round(s.end + shift, 3), s.text)
                                  for s in b.segments]
+        timed: list[Segment] = []  # words for the whole text, or none: the rest's follow the first's
+        if a.words and b.words:
+            after = a.words[-1].end
+            timed = a.words + [Segment(round(max(w.start + shift, after), 3), round(max(w.end + shift, after), 3), w.text)
+                               for w in b.words]
         res = DecodeResult(
             text=self.tk.decode([t for t in toks if t < self.tk.eot]).strip(), segments=segments, language=a.language,
             avg_logprob=(a.avg_logprob * (a.tokens + 1) + b.avg_logprob * (b.tokens + 1)) / (a.tokens + b.tokens + 2),
             no_speech_prob=a.no_speech_prob, tokens=a.tokens + b.tokens, fell_back=a.fell_back or b.fell_back,
-            temperature=max(a.temperature, b.temperature),
+            temperature=max(a.temperature, b.temperature), words=timed,
         )
         return res, toks
 
@@ -462,7 +470,28 @@ class WhisperDecoder:
         for i, r in enumerate(reqs):
             row, capped = finals[i]
             out.append((self._result(r, row, languages[i], float(no_speech[i])), capped, list(row.tokens)))
+        if self.io.keep_encoded:
+            self._time_words(reqs, out)
         return out
+
+    def _time_words(self, reqs: list[DecodeRequest], out: list[tuple[DecodeResult, bool, list[int]]]) -> None:
+        """The words of the group's finals, timed against the audio the group encoded (one
+        decoder prefill for them all, `speech.words`). A decode that reached its cap is left
+        without: it is decoded again."""
+        tk = self.tk
+        todo = [i for i, (r, (res, capped, _)) in enumerate(zip(reqs, out)) if not r.partial and res.text and not capped]
+        if not todo:
+            return
+        texts = [[t for t in out[i][2] if t < tk.eot] for i in todo]
+        heads = [tk.sot_sequence(out[i][0].language) for i in todo]
+        feeds = [head + [tk.no_timestamps] + text + [tk.eot] for head, text in zip(heads, texts)]
+        scores = self.io.align(todo, feeds)
+        width = scores.shape[2]
+        for k, i in enumerate(todo):
+            samples = int(np.asarray(reqs[i].audio).shape[-1])
+            first = width - len(feeds[k]) + len(heads[k])  # the row predicting the first text token (rows are left-padded)
+            rows = scores[k, :, first : width - 1, : min(words.frames_of(samples), scores.shape[3])]
+            out[i][0].words = words.timed(rows, texts[k], tk, samples / SAMPLE_RATE, out[i][0].language)
 
     def _detect(self, logits: np.ndarray, rows: list[int], languages: list[str | None]) -> None:
         """Set languages[i] for each of `rows` to its most likely language token in (n, V) `logits`."""

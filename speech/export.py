@@ -8,7 +8,10 @@ Two graphs (opset 17), both with a dynamic batch dimension:
   sliced to T/2 frames, so a partial decode can encode a shortened audio context.
 * ``decoder.onnx``: ``tokens`` (B, T) int64, ``positions`` (B, T) int64, ``mask`` (B, 1, T, P+T)
   additive float32, ``past_k_i``/``past_v_i`` (B, H, P, Dh), ``cross_k_i``/``cross_v_i`` ->
-  ``logits`` (B, V) of the last position and ``present_k_i``/``present_v_i`` (B, H, P+T, Dh).
+  ``logits`` (B, V) of the last position, ``present_k_i``/``present_v_i`` (B, H, P+T, Dh) and
+  ``alignment`` (B, A, T, frames): the cross-attention scores (before the softmax) of the
+  model's A alignment heads, the heads whose attention follows the speech, from which
+  `speech.words` times each word of a final. A decoding step leaves that output unbound.
   Positions and the mask come from the caller, so rows of a batch may hold prompts of
   different lengths (padding columns are masked) and T > 1 prefills a prompt in one call.
 
@@ -29,7 +32,7 @@ from onnx import TensorProto, helper, numpy_helper
 from speech.ct2 import CT2Model
 
 OPSET = 17
-EXPORTER_VERSION = 3
+EXPORTER_VERSION = 4
 ALLOWED_OPS = frozenset(
     {
         "Add", "Concat", "Conv", "Div", "Erf", "Gather", "LayerNormalization", "MatMul", "Mul",
@@ -179,7 +182,18 @@ def build_encoder(m: CT2Model) -> onnx.ModelProto:
     return _model(graph)
 
 
-def build_decoder(m: CT2Model) -> onnx.ModelProto:
+def alignment_heads(config: dict, dims: dict[str, int]) -> list[list[int]]:
+    """The model's alignment heads, [layer, head] each: those its `config.json` names (CTranslate2
+    writes Whisper's table there), else every head of the decoder's second half, as Whisper does
+    for a model it has no table for."""
+    given = config.get("alignment_heads")
+    if given and all(0 <= layer < dims["n_dec"] and 0 <= head < dims["dec_heads"] for layer, head in given):
+        return [[int(layer), int(head)] for layer, head in given]
+    return [[layer, head] for layer in range(dims["n_dec"] // 2, dims["n_dec"]) for head in range(dims["dec_heads"])]
+
+
+def build_decoder(m: CT2Model, heads: list[list[int]]) -> onnx.ModelProto:
+    """The decoder; `heads` ([layer, head] each) are the alignment heads its `alignment` output gives."""
     dm = model_dims(m)
     d, h, L = dm["d"], dm["dec_heads"], dm["n_dec"]
     dh = d // h
@@ -202,6 +216,7 @@ def build_decoder(m: CT2Model) -> onnx.ModelProto:
     for i in range(L):
         inputs.append(helper.make_tensor_value_info(f"cross_k_{i}", TensorProto.FLOAT, ["batch", h, dh, "frames"]))
         inputs.append(helper.make_tensor_value_info(f"cross_v_{i}", TensorProto.FLOAT, ["batch", h, "frames", dh]))
+    aligning: list[str] = []  # each layer's alignment heads' cross-attention scores
     for i in range(L):
         s = f"decoder/layer_{i}"
         a = g.layer_norm(x, m, s + "/self_attention/layer_norm")
@@ -222,11 +237,16 @@ def build_decoder(m: CT2Model) -> onnx.ModelProto:
         a = g.layer_norm(x, m, c + "/layer_norm")
         q = g.linear(a, m.get(c + "/linear_0/weight") * scale, m.get(c + "/linear_0/bias") * scale, s + ".cross_q")
         q = g.heads(q, h, dh, [0, 2, 1, 3])
-        pr = g.op("Softmax", [g.op("MatMul", [q, f"cross_k_{i}"])], axis=-1)
+        scores = g.op("MatMul", [q, f"cross_k_{i}"])
+        if mine := [head for layer, head in heads if layer == i]:
+            aligning.append(g.op("Gather", [scores, g.const(mine)], axis=1))
+        pr = g.op("Softmax", [scores], axis=-1)
         o = g.merge_heads(g.op("MatMul", [pr, f"cross_v_{i}"]), d)
         o = g.linear(o, m.get(c + "/linear_2/weight"), m.get(c + "/linear_2/bias"), s + ".cross_out")
         x = g.op("Add", [x, o])
         x = g.ffn(x, m, s + "/ffn")
+    g.op("Concat", aligning, axis=1, out="alignment")
+    outputs.append(helper.make_tensor_value_info("alignment", TensorProto.FLOAT, ["batch", len(heads), "tokens", "frames"]))
     last = g.op("Slice", [x, g.const([-1]), g.const([np.iinfo(np.int64).max]), g.const([1])])
     last = g.op("Squeeze", [last, g.const([1])])
     last = g.layer_norm(last, m, "decoder/layer_norm")

@@ -14,7 +14,9 @@ The caches go back and forth between two sides: a step reads the past from one s
 the present (past and the step's new keys and values, the graph's Concat) to the other, since an
 ONNX Runtime output must not alias an input. Dropping or repeating rows (finished rows, beam
 search) copies them to the other side the same way. One group of requests is decoded at a time,
-so the sides are this object's state.
+so the sides are this object's state. With `keep_encoded` the encoder writes its cross-attention
+keys and values to a third buffer that no row change overwrites, so once a group is decoded its
+finals can be aligned word by word (`align`) without encoding their audio again.
 """
 
 from __future__ import annotations
@@ -70,9 +72,11 @@ class Group:
 class GraphIO:
     """Runs the encoder and decoder sessions for `speech.decoding` on kept buffers."""
 
-    def __init__(self, encoder, decoder, dims: dict) -> None:
+    def __init__(self, encoder, decoder, dims: dict, keep_encoded: bool = False) -> None:
         self.enc = encoder  # onnxruntime.InferenceSession
         self.dec = decoder
+        self.aligning = len(dims.get("alignment_heads", ()))  # the alignment heads the decoder gives (0: none)
+        self.keep_encoded = keep_encoded and self.aligning > 0
         self.layers = int(dims["n_dec"])
         self.heads = int(dims["dec_heads"])
         self.dh = int(dims["d"]) // self.heads
@@ -85,6 +89,10 @@ class GraphIO:
         self.present_names = [f"present_{kv}_{i}" for i in range(self.layers) for kv in "kv"]
         self._enc_io = encoder.io_binding()
         self._dec_io = decoder.io_binding()
+        self._align_io = decoder.io_binding()  # its own: a step binds no alignment output
+        self._home: list[np.ndarray] = []  # with keep_encoded: the group's encoded requests, per cross name
+        self._on_home = False  # the group's rows are still the encoded requests, read from `_home`
+        self._scores = np.empty(0, np.float32)  # `align`'s output
         # an additive causal mask for a prefill: position i attends columns <= i
         self._causal = np.triu(np.full((self.n_ctx, self.n_ctx), NEG, np.float32), 1)
         self._arange = np.arange(self.n_ctx, dtype=np.int64)
@@ -123,9 +131,13 @@ class GraphIO:
         io = self._enc_io
         io.bind_cpu_input("mel", np.ascontiguousarray(mel))
         self._frames = frames
-        for name, pair in zip(self.cross_names, self._cross):
+        size = b * self.heads * self.n_audio * self.dh
+        if self.keep_encoded and (not self._home or self._home[0].size < size):
+            self._home = [np.empty(size, np.float32) for _ in self.cross_names]
+        self._on_home = self.keep_encoded
+        for j, (name, pair) in enumerate(zip(self.cross_names, self._cross)):
             pair.i = 0
-            view = self._cross_view(pair.cur, name, b)
+            view = self._cross_view(self._source(j, pair), name, b)
             io.bind_output(name, "cpu", 0, np.float32, view.shape, _address(view))
         self.enc.run_with_iobinding(io)
         for pair in self._kv:
@@ -141,14 +153,62 @@ class GraphIO:
             return _view(flat, (rows, self.heads, self.dh, self._frames))
         return _view(flat, (rows, self.heads, self._frames, self.dh))
 
+    def _source(self, j: int, pair: _Pair) -> np.ndarray:
+        """Where the group's cross-attention input `j` is read from now."""
+        return self._home[j] if self._on_home else pair.cur
+
     def _bind_cross(self, rows: int) -> None:
-        for name, pair in zip(self.cross_names, self._cross):
-            self._dec_io.bind_cpu_input(name, self._cross_view(pair.cur, name, rows))
+        for j, (name, pair) in enumerate(zip(self.cross_names, self._cross)):
+            self._dec_io.bind_cpu_input(name, self._cross_view(self._source(j, pair), name, rows))
 
     # ------------------------------------------------------------------------------------ decoder
     def step(self, feed: Sequence[Sequence[int]], group: Group, into: int) -> np.ndarray:
         """Feed each row its tokens (left-padded to one length); returns the last position's
         logits (rows, V), written to logits buffer `into`."""
+        b, p = group.rows, group.past
+        io = self._dec_io
+        t = self._inputs(feed, group, io)
+        logits = self.logits(into, b)
+        io.bind_output("logits", "cpu", 0, np.float32, logits.shape, _address(logits))
+        for past, present, pair in zip(self.past_names, self.present_names, self._kv):
+            io.bind_cpu_input(past, _view(pair.cur, (b, self.heads, p, self.dh)))
+            out = _view(pair.other, (b, self.heads, p + t, self.dh))
+            io.bind_output(present, "cpu", 0, np.float32, out.shape, _address(out))
+        self.dec.run_with_iobinding(io)
+        for pair in self._kv:
+            pair.flip()
+        group.past = p + t
+        return logits
+
+    def align(self, rows: Sequence[int], feed: Sequence[Sequence[int]]) -> np.ndarray:
+        """The alignment heads' cross-attention scores (n, A, T, frames) of each of `feed`'s token
+        sequences, read from position 0 (left-padded to one length T, as a prefill), against the
+        encoded audio of the last group's request `rows[i]`: Whisper's forced alignment of a text
+        to its audio. Valid until the next call; with `keep_encoded` only, once the group is decoded."""
+        assert self.keep_encoded
+        n = len(rows)
+        picked = np.asarray(rows, np.int64)
+        io = self._align_io
+        for j, (name, pair) in enumerate(zip(self.cross_names, self._cross)):
+            home = self._cross_view(self._home[j], name, int(picked.max()) + 1)
+            cross = np.take(home, picked, axis=0, out=self._cross_view(pair.other, name, n), mode="clip")
+            io.bind_cpu_input(name, cross)
+        group = Group(rows=n)
+        _view(self._count.cur, (n,))[:] = 0
+        t = self._inputs(feed, group, io)
+        for past, pair in zip(self.past_names, self._kv):
+            io.bind_cpu_input(past, _view(pair.cur, (n, self.heads, 0, self.dh)))
+        size = n * self.aligning * t * self._frames
+        if self._scores.size < size:
+            self._scores = np.empty(size, np.float32)
+        scores = _view(self._scores, (n, self.aligning, t, self._frames))
+        io.bind_output("alignment", "cpu", 0, np.float32, scores.shape, _address(scores))
+        self.dec.run_with_iobinding(io)
+        return scores
+
+    def _inputs(self, feed: Sequence[Sequence[int]], group: Group, io) -> int:
+        """Bind to `io` the tokens, positions and mask of feeding `feed` to `group` (each row
+        left-padded to one length, which is returned); the group's counts and mask columns follow."""
         b, p = group.rows, group.past
         t = max(1, max(len(x) for x in feed))
         if t > self.n_ctx or p + t > self.cache_len:
@@ -181,21 +241,10 @@ class GraphIO:
                 bias[r, p : p + pad] = NEG
                 bias[r, p + pad : p + t] = 0.0
                 count[r] += len(x)
-        io = self._dec_io
         io.bind_cpu_input("tokens", tokens)
         io.bind_cpu_input("positions", positions)
         io.bind_cpu_input("mask", mask)
-        logits = self.logits(into, b)
-        io.bind_output("logits", "cpu", 0, np.float32, logits.shape, _address(logits))
-        for past, present, pair in zip(self.past_names, self.present_names, self._kv):
-            io.bind_cpu_input(past, _view(pair.cur, (b, self.heads, p, self.dh)))
-            out = _view(pair.other, (b, self.heads, p + t, self.dh))
-            io.bind_output(present, "cpu", 0, np.float32, out.shape, _address(out))
-        self.dec.run_with_iobinding(io)
-        for pair in self._kv:
-            pair.flip()
-        group.past = p + t
-        return logits
+        return t
 
     def restart(self, group: Group) -> None:
         """Forget the group's decoded positions, keep its encoded audio: the next step's tokens
@@ -215,9 +264,11 @@ class GraphIO:
         for pair in self._kv:
             np.take(_view(pair.cur, (b, *kv)), rows, axis=0, out=_view(pair.other, (n, *kv)), mode="clip")
             pair.flip()
-        for name, pair in zip(self.cross_names, self._cross):
-            np.take(self._cross_view(pair.cur, name, b), rows, axis=0, out=self._cross_view(pair.other, name, n), mode="clip")
+        for j, (name, pair) in enumerate(zip(self.cross_names, self._cross)):
+            np.take(self._cross_view(self._source(j, pair), name, b), rows, axis=0, out=self._cross_view(pair.other, name, n),
+                    mode="clip")
             pair.flip()
+        self._on_home = False
         for pair, width in ((self._bias, self.cache_len), (self._count, 1)):
             np.take(_view(pair.cur, (b, width)), rows, axis=0, out=_view(pair.other, (n, width)), mode="clip")
             pair.flip()

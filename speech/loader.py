@@ -13,6 +13,7 @@ and renamed into place under an fcntl lock, so concurrent workers never see a pa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import fcntl
 import hashlib
 import importlib.util
@@ -279,15 +280,17 @@ def _export_fp32(files: ModelFiles, out: Path) -> None:
     import onnx
 
     from speech.ct2 import CT2Model
-    from speech.export import build_decoder, build_encoder, check_ops, model_dims
+    from speech.export import alignment_heads, build_decoder, build_encoder, check_ops, model_dims
 
     try:
         m = CT2Model(files.model_bin)
-        dims = model_dims(m)
+        dims: dict = model_dims(m)
     except ValueError as exc:  # cut short, corrupt, or another model than Whisper: the message names the file
         raise ModelError(str(exc)) from None
+    config = files.dir / "config.json"
+    dims["alignment_heads"] = alignment_heads(json.loads(config.read_text()) if config.exists() else {}, dims)
     (out / "dims.json").write_text(json.dumps(dims))
-    for name, build in (("encoder", build_encoder), ("decoder", build_decoder)):
+    for name, build in (("encoder", build_encoder), ("decoder", functools.partial(build_decoder, heads=dims["alignment_heads"]))):
         model = build(m)
         check_ops(model)
         onnx.save(model, str(out / f"{name}.onnx"))

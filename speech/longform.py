@@ -34,10 +34,11 @@ def transcribe(backend: Backend, audio: np.ndarray, language: str | None = None,
     return _transcribe_text(backend, audio, language, prompt)
 
 
-def _finish(text: str, segments, language, logprobs, no_speech, n_tokens) -> DecodeResult:
+def _finish(text: str, segments, language, logprobs, no_speech, n_tokens, words=None) -> DecodeResult:
     return DecodeResult(
         text=text,
         segments=segments,
+        words=words or [],
         language=language or "en",
         avg_logprob=float(np.mean(logprobs)) if logprobs else 0.0,
         no_speech_prob=float(np.mean(no_speech)) if no_speech else 0.0,
@@ -52,6 +53,7 @@ def _transcribe_tokens(backend, audio, language, prompt) -> DecodeResult:
     seek = 0
     history: list[int] = tk.encode(" " + prompt.strip()) if prompt else []
     segments: list[Segment] = []
+    timed: list[Segment] | None = []  # the kept segments' words, while the backend times them
     # the kept segments' text tokens, decoded together as Whisper's text is: joining the segments'
     # texts with spaces would put spaces into Chinese or Japanese, whose words have none
     text_tokens: list[int] = []
@@ -104,7 +106,23 @@ def _transcribe_tokens(backend, audio, language, prompt) -> DecodeResult:
         # Whisper's seek, however early in the window the last segment closed; only a window whose
         # text closed nothing before 0.00 (never seen) moves half a second, so as not to decode it again
         seek += (advance or SAMPLE_RATE // 2) if advance < len(chunk) else len(chunk)
-    return _finish(tk.decode(text_tokens).strip(), segments, language, logprobs, no_speech, n_tokens)
+        if timed is not None and res.words:
+            _add_words(timed, res.words, offset, dur, tk.decode([t for t in used if t < tk.eot]))
+        else:
+            timed = None  # a window without word times: the text's words are not all timed
+    return _finish(tk.decode(text_tokens).strip(), segments, language, logprobs, no_speech, n_tokens, timed)
+
+
+def _add_words(timed: list[Segment], words: list[Segment], offset: float, dur: float, kept: str) -> None:
+    """Append the words of a window's kept text (its first words: the rest is decoded again in
+    the next window) at absolute times, each after the one before."""
+    text = ""
+    for w in words:
+        if not kept.strip().startswith((text + w.text).strip()):
+            break
+        text += w.text
+        after = timed[-1].end if timed else 0.0
+        timed.append(Segment(round(max(offset + min(w.start, dur), after), 3), round(max(offset + min(w.end, dur), after), 3), w.text))
 
 
 def _add(segments: list[Segment], offset: float, start: float, end: float, text: str, dur: float) -> bool:

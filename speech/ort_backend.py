@@ -61,11 +61,11 @@ class OrtWhisperBackend(Backend):
         self.encoder, self.decoder = self._sessions(self.graph_dir)
         self.tokenizer = WhisperTokenizer(files.dir)
         self.dims = self._dims()
-        self.decoding = self._decoding(self.encoder, self.decoder)
+        self.decoding = self._decoding(self.encoder, self.decoder, cfg.word_times)
         self.partial_decoding = self.decoding
         self.name = f"{files.name}/{cfg.precision}/onnxruntime"
-        if partial_graphs:
-            self.partial_decoding = self._decoding(*self._sessions(partial_graphs[0]))
+        if partial_graphs:  # partials have no word times: their graphs keep no encoded audio for them
+            self.partial_decoding = self._decoding(*self._sessions(partial_graphs[0]), word_times=False)
             self.name += f" ({cfg.partials_precision} partials)"
         self.multilingual = self.tokenizer.multilingual
         if warmup:
@@ -78,12 +78,13 @@ class OrtWhisperBackend(Backend):
         return (ort.InferenceSession(str(graph_dir / "encoder.onnx"), so, providers=providers),
                 ort.InferenceSession(str(graph_dir / "decoder.onnx"), so, providers=providers))
 
-    def _decoding(self, encoder: ort.InferenceSession, decoder: ort.InferenceSession) -> WhisperDecoder:
+    def _decoding(self, encoder: ort.InferenceSession, decoder: ort.InferenceSession, word_times: bool) -> WhisperDecoder:
         cfg = self.cfg
         return WhisperDecoder(encoder, decoder, self.tokenizer, self.dims,
                               DecodeOptions(beam_size=max(1, int(cfg.beam_size)), partial_window=cfg.partial_window,
                                             quick_first_partial=cfg.quick_first_partial,
-                                            temperature_increment=cfg.temperature_increment, best_of=cfg.best_of))
+                                            temperature_increment=cfg.temperature_increment, best_of=cfg.best_of,
+                                            word_times=word_times))
 
     def _dims(self) -> dict:
         path = self.graph_dir / "dims.json"

@@ -134,6 +134,28 @@ class WhisperTokenizer:
         text = self.tok.decode([i for i in ids if i < self.eot], skip_special_tokens=False)
         return _CUT_END.sub(r"\1", _CUT_START.sub(r"\1", text))
 
+    def characters(self, ids: list[int]) -> list[tuple[str, list[int]]]:
+        """Text tokens `ids` in runs that each decode to whole characters, with their text: a
+        character many scripts need several tokens for stays whole (a run cut short at the end
+        joins the run before it, its part left out as `decode` leaves it)."""
+        full = self.tok.decode(ids, skip_special_tokens=False)
+        runs: list[tuple[str, list[int]]] = []
+        run: list[int] = []
+        offset = 0
+        for i in ids:
+            run.append(i)
+            text = self.tok.decode(run, skip_special_tokens=False)
+            if "\ufffd" not in text or full[offset + text.index("\ufffd")] == "\ufffd":
+                runs.append((text, run))
+                offset += len(text)
+                run = []
+        if run:
+            if not runs:
+                return [(self.decode(run), run)]
+            text, before = runs.pop()
+            runs.append((self.decode(before + run), before + run))
+        return runs
+
     def language_code(self, language: str | None) -> str | None:
         """The model's code for `language` (see `language_base`), or None when it has none: a
         request's language is then detected."""

@@ -6,11 +6,14 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from config.settings import ModelConfig
-from streamasr.outdir import STDOUT, Transcript, silence_stdout, suffix, unwritable
+from streamasr.outdir import Transcript, stdout_unwritable, suffix, unwritable
 from streamasr.subtitles import Writer
+
+if TYPE_CHECKING:
+    from speech.backend import DecodeResult
 
 
 def run(
@@ -59,13 +62,15 @@ def run(
                 continue
             if subtitles:
                 writer = Writer(subtitles)
-                written = writer.header() + "".join(writer.final(s.start, s.end, s.text) for s in result.segments)
+                written = writer.header() + "".join(writer.final(s.start, s.end, s.text, None, words)
+                                                    for s, words in zip(result.segments, _by_segment(result)))
             elif as_json:
                 obj = {
                     "file": path,
                     "text": result.text,
                     "language": result.language,
                     "segments": [{"start": s.start, "end": s.end, "text": s.text} for s in result.segments],
+                    "words": [{"start": w.start, "end": w.end, "word": w.text} for w in result.words],
                     "duration": round(len(audio) / SAMPLE_RATE, 3),
                 }
                 written = json.dumps(obj, ensure_ascii=False) + "\n"
@@ -77,9 +82,7 @@ def run(
                     out.write(written)
                     out.flush()
                 except OSError as exc:  # nothing more can be given: the files left are not transcribed
-                    unwritable(STDOUT, exc)
-                    if out is sys.stdout:
-                        silence_stdout()
+                    stdout_unwritable(out, exc)
                     return 1
                 continue
             transcript = Transcript(out_dir, path, suffix(as_json, subtitles, rows=False))
@@ -93,3 +96,18 @@ def run(
     finally:
         backend.close()
     return status
+
+
+def _by_segment(result: DecodeResult) -> list[list[list[Any]]]:
+    """The result's timed words as rows, in runs of its segments' words (a segment's cues are
+    timed by them where they hold its text)."""
+    runs: list[list[list[Any]]] = []
+    words = iter(result.words)
+    for segment in result.segments:
+        run: list[list[Any]] = []
+        count = 0
+        while count < len(segment.text.split()) and (word := next(words, None)) is not None:
+            run.append([word.start, word.end, word.text])
+            count += len(word.text.split())
+        runs.append(run)
+    return runs

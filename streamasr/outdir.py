@@ -13,8 +13,7 @@ import os
 import socket
 import sys
 from pathlib import Path
-
-STDOUT = "standard output"
+from typing import TextIO
 
 
 def suffix(as_json: bool, subtitles: str | None, rows: bool) -> str:
@@ -80,12 +79,15 @@ def unwritable(where: str, exc: OSError, file: str | None = None) -> None:
         print(f"{file + ': ' if file else ''}cannot write {where}: {exc.strerror or exc}", file=sys.stderr)
 
 
-def silence_stdout() -> None:
-    """Point standard output at /dev/null once it cannot be written, so that the interpreter's own
-    flush at exit does not fail again with a traceback of its own."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
+def stdout_unwritable(out: TextIO, exc: OSError) -> None:
+    """Say that the run's output could not be written, as `unwritable` does; when that output is
+    standard output, point it at /dev/null so that the interpreter's own flush at exit does not
+    fail again with a traceback of its own."""
+    unwritable("standard output", exc)
+    if out is sys.stdout:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 class Transcript:

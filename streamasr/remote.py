@@ -48,7 +48,7 @@ from protocol.auth import Curve
 from protocol.messages import (G711_SUBTYPES, MAX_CHANNELS, OVERLOADED, RATES, SAMPLE_BYTES, Closed, ErrorMsg, Final, Partial,
                                ProtocolError, ServerMessage)
 from speech.audio import RAW_SUFFIXES, g711_levels, not_a_file, raw_format, to_mono
-from streamasr.outdir import STDOUT, Transcript, silence_stdout, suffix, unwritable
+from streamasr.outdir import Transcript, stdout_unwritable, suffix, unwritable
 from streamasr.subtitles import Conversation, Voiced, Writer
 
 STDIN = "-"  # the file argument that names standard input
@@ -461,9 +461,7 @@ def run(
         raise
     failed |= not _settle(transcripts, outputs, withheld)
     if output.broken is not None:
-        unwritable(STDOUT, output.broken)
-        if out is sys.stdout:
-            silence_stdout()
+        stdout_unwritable(out, output.broken)
         failed = True
     # a run a signal ended exits as a shell says a command that signal killed did (130 for Ctrl-C)
     return 128 + taken[0] if taken else 1 if failed or any(job.error for job in jobs) else 0
@@ -752,10 +750,10 @@ def _show(job: Job, ev: ServerMessage, output: Output) -> None:
         final = isinstance(ev, Final)
         if final and output.subtitles is not None:
             if job.conversation is None:
-                output.write(output.subtitles.final(ev.start, ev.end, ev.text.strip(), ev.parts))
+                output.write(output.subtitles.final(ev.start, ev.end, ev.text.strip(), ev.parts, ev.words))
             elif ev.text.strip() and job.speaker is not None and job.channel is not None:
                 with output.lock:
-                    output.write(job.conversation.said(job.channel, Voiced(job.speaker, ev.start, ev.end, ev.text.strip(), ev.parts)))
+                    output.write(job.conversation.said(job.channel, Voiced(job.speaker, ev.start, ev.end, ev.text.strip(), ev.parts, ev.words)))
         elif job.file == STDIN:  # a live source has no end to wait for
             text = ev.text.strip()
             if not final:
@@ -772,6 +770,7 @@ def _show(job: Job, ev: ServerMessage, output: Output) -> None:
         if final:
             row["revised"] = ev.revised
             row["parts"] = ev.parts
+            row["words"] = ev.words
         output.json(row)
     elif isinstance(ev, ErrorMsg):
         if ev.code != OVERLOADED:  # refused audio is resent by the client; only a slower stream results

@@ -5,10 +5,13 @@ final is cut into cues of at most two lines of MAX_LINE characters and MAX_CUE_S
 boundaries (text without spaces, as Chinese and Japanese are written, at characters, in lines of
 MAX_LINE_UNSPACED). A final's `parts` (Whisper's own segments of it, timed by the model) are
 joined into cues while they fit one, so a cue starts and ends where the model heard its phrases
-(a part too short to read alone joins the one before); within a part, or a final without parts,
-a cue is timed by its share of the characters, an estimate, and the final's own start and end
-are kept exactly. A call with each party on its own channel, each a stream, gives one track of
-both parties' cues in the order they start, each said to be its speaker's, written as they speak.
+(a part too short to read alone joins the one before); within a part, a cue starts where its
+first word was heard, by the final's `words` (timed by the model), or without them by its share
+of the characters, an estimate; the final's own start and end are kept exactly. Words a pause
+of PAUSE_S parts are not shown in one cue, and a cue before such a pause leaves the screen
+HOLD_S after its last word. A call with each party on its own channel, each a stream, gives one
+track of both parties' cues in the order they start, each said to be its speaker's, written as
+they speak.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ MAX_LINE_UNSPACED = 16  # for text written without spaces: Chinese and Japanese 
 MAX_LINES = 2
 MAX_CUE_S = 7.0
 MIN_PART_S = 1.5  # a part shorter than this ("he was.") is read with the one before, not as a cue of its own
+PAUSE_S = 1.0  # words this far apart are not shown in one cue
+HOLD_S = 1.0  # a cue timed by its words shows at most this long past its last word when a pause follows
 TIME_SLACK = 0.001  # parts' times are rounded to the millisecond, the final's are not
 CLOSING = "，。、！？；：」』）》,.!?;:)"  # kept with the character before them in text without spaces
 
@@ -76,56 +81,100 @@ def _lines(units: list[str], sep: str) -> tuple[str, ...]:
     return tuple(sep.join(run) for run in _balanced(units, sep, MAX_LINES))
 
 
-def cues(start: float, end: float, text: str) -> list[Cue]:
-    """One final's cues: as few as hold its text in two lines each and show none longer than MAX_CUE_S."""
+def cues(start: float, end: float, text: str, times: list[tuple[float, float]] | None = None) -> list[Cue]:
+    """One final's cues: as few as hold its text in two lines each and show none longer than
+    MAX_CUE_S. `times`: when each of the text's words was heard (text with spaces only)."""
     units, sep = _units(text.strip())
     if not units:
         return []
+    if times is not None and (not sep or len(times) != len(units)):
+        times = None
+    if times is not None and (pauses := [i for i in range(1, len(units)) if times[i][0] - times[i - 1][1] >= PAUSE_S]):
+        # a cue does not show across a pause: the words on each side are cued apart
+        edges = [0, *pauses, len(units)]
+        return [cue for a, b in zip(edges, edges[1:])
+                for cue in cues(start if a == 0 else times[a][0],
+                                end if b == len(units) else min(times[b][0], times[b - 1][1] + HOLD_S),
+                                sep.join(units[a:b]), times[a:b])]
     length = len(sep.join(units))
     count = min(len(units), max(math.ceil(length / (_width(sep) * MAX_LINES - 6)), math.ceil((end - start) / MAX_CUE_S), 1))
     while True:  # balanced by characters, a run of long words can still overflow its lines or its time
-        out = _timed(start, end, length, sep, _balanced(units, sep, count))
+        out = _timed(start, end, length, sep, _balanced(units, sep, count), times)
         if count >= len(units) or all(c.end - c.start <= MAX_CUE_S and max(map(len, c.lines)) <= _width(sep) for c in out):
             return out
         count += 1
 
 
-def phrased(start: float, end: float, text: str, parts: list[list[Any]] | None) -> list[Cue]:
+def word_times(start: float, end: float, text: str, words: list[list[Any]] | None) -> list[tuple[float, float]] | None:
+    """When each word of `text` (split at spaces) was heard, from a final's timed `words`
+    ([start, end, word] rows, the space before each word in it); None unless they hold the text
+    word for word, in order, each starting within the final's span (its end may pass the span's,
+    which was timed apart from the words)."""
+    try:
+        rows = [(float(w[0]), float(w[1]), w[2]) for w in words or ()]
+        heard = "".join(w for _, _, w in rows).split()
+    except (TypeError, ValueError, LookupError):  # not [start, end, word] rows: a service of another build
+        return None
+    if not rows or heard != text.split() or not all(start - TIME_SLACK <= a <= min(b, end + TIME_SLACK) for a, b, _ in rows):
+        return None
+    if any(b > a + TIME_SLACK for (_, b, _), (a, _, _) in zip(rows, rows[1:])):
+        return None
+    return [(a, b) for a, b, w in rows for _ in w.split()]
+
+
+def phrased(start: float, end: float, text: str, parts: list[list[Any]] | None,
+            words: list[list[Any]] | None = None) -> list[Cue]:
     """A final's cues from its parts: adjacent parts joined while together they make one cue (a
-    part under MIN_PART_S always), each group cut and timed as `cues` does within its own span.
-    Without parts, or with parts that do not hold the final's text word for word, the final's
-    cues by character share."""
+    part under MIN_PART_S always), each group cut and timed as `cues` does within its own span,
+    by the final's timed `words` where they hold its text. Without parts, or with parts that do
+    not hold the final's text word for word, the final's cues as `cues` gives them."""
+    heard = word_times(start, end, text, words)
     try:
         texts = [p[2].strip() for p in parts or ()]
         times = [(float(p[0]), float(p[1])) for p in parts or ()]
     except (TypeError, ValueError, LookupError, AttributeError):  # not [start, end, text] rows: a service of another build
-        return cues(start, end, text)
+        return cues(start, end, text, heard)
     if not all(start - TIME_SLACK <= a < b <= end + TIME_SLACK for a, b in times) or any(
             b > a for (_, b), (a, _) in zip(times, times[1:])):
-        return cues(start, end, text)  # parts that do not each take a span of their own, in order
+        return cues(start, end, text, heard)  # parts that do not each take a span of their own, in order
     if " ".join(texts).split() == text.split():
         sep = " "
     elif "".join(texts) == "".join(text.split()):
         sep = ""  # text written without spaces
     else:
-        return cues(start, end, text)
+        return cues(start, end, text, heard)
     groups: list[tuple[float, float, str]] = []
     for (p_start, p_end), p_text in zip(times, texts):
         if groups and (p_end - p_start < MIN_PART_S or len(cues(groups[-1][0], p_end, groups[-1][2] + sep + p_text)) == 1):
             groups[-1] = (groups[-1][0], p_end, groups[-1][2] + sep + p_text)
         else:
             groups.append((p_start, p_end, p_text))
-    return [cue for g_start, g_end, g_text in groups for cue in cues(g_start, g_end, g_text)]
-
-
-def _timed(start: float, end: float, length: int, sep: str, runs: list[list[str]]) -> list[Cue]:
-    """Each run a cue, timed by its share of the characters."""
     out: list[Cue] = []
-    done = 0
-    for run in runs:
-        at = start + (end - start) * done / length
-        done = min(done + len(sep.join(run)) + len(sep), length)
-        out.append(Cue(at, start + (end - start) * done / length, _lines(run, sep)))
+    done = 0  # the final's words the groups before took
+    for g_start, g_end, g_text in groups:
+        n = len(g_text.split())
+        out += cues(g_start, g_end, g_text, heard[done : done + n] if heard and sep else None)
+        done += n
+    return out
+
+
+def _timed(start: float, end: float, length: int, sep: str, runs: list[list[str]],
+           times: list[tuple[float, float]] | None = None) -> list[Cue]:
+    """Each run a cue, from `start` to `end`, each after the first starting when its first word was
+    heard (`times`, one per unit), or by its share of the characters. A cue shows until the next
+    one starts, or with word times, at most HOLD_S past its last word: a pause shows no cue."""
+    bounds = [start]
+    done = chars = 0
+    for run in runs[:-1]:
+        done += len(run)
+        chars = min(chars + len(sep.join(run)) + len(sep), length)
+        at = times[done][0] if times else start + (end - start) * chars / length
+        bounds.append(min(max(at, bounds[-1]), end))
+    bounds.append(end)
+    out = [Cue(a, b, _lines(run, sep)) for a, b, run in zip(bounds, bounds[1:], runs)]
+    if times:
+        last = itertools.accumulate(len(run) for run in runs)
+        out[:-1] = [Cue(c.start, min(c.end, max(c.start, times[n - 1][1] + HOLD_S)), c.lines) for c, n in zip(out[:-1], last)]
     return out
 
 
@@ -166,6 +215,7 @@ class Voiced:
     end: float
     text: str
     parts: list[list[Any]] | None = None
+    words: list[list[Any]] | None = None
 
 
 class Writer:
@@ -178,8 +228,9 @@ class Writer:
     def header(self) -> str:
         return VTT_HEADER if self.fmt == "vtt" else ""
 
-    def final(self, start: float, end: float, text: str, parts: list[list[Any]] | None = None) -> str:
-        return self.write([(cue, None) for cue in phrased(start, end, text, parts)])
+    def final(self, start: float, end: float, text: str, parts: list[list[Any]] | None = None,
+              words: list[list[Any]] | None = None) -> str:
+        return self.write([(cue, None) for cue in phrased(start, end, text, parts, words)])
 
     def write(self, voiced: list[tuple[Cue, str | None]]) -> str:
         """Cues in this format, each with who speaks it, if anyone."""
@@ -205,7 +256,7 @@ class Conversation:
 
     def said(self, speaker: int, final: Voiced) -> str:
         """The cues that can be written now that `speaker` said `final`."""
-        for cue in phrased(final.start, final.end, final.text, final.parts):
+        for cue in phrased(final.start, final.end, final.text, final.parts, final.words):
             heapq.heappush(self._held, (cue.start, next(self._order), speaker, cue, final.voice))
         return self._release()
 

@@ -14,6 +14,10 @@ import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 DATA_ENV = "STREAMASR_TESTDATA"
 DEFAULT_DATA = Path("/usr/share/pocketsphinx/test/data")
@@ -34,6 +38,31 @@ def spoken(text: str, wav: Path, voice: str | None = None) -> Path:
     """`text` synthesized by espeak-ng into `wav`, in `voice` (a language code) or its default one."""
     subprocess.run(["espeak-ng", *(["-v", voice] if voice else []), "-w", str(wav), text], check=True, capture_output=True)
     return wav
+
+
+# words said one by one a fifth to half a second apart, and where each starts: known word times
+SPACED_WORDS = (("please", 0.25), ("open", 0.9), ("the", 1.5), ("window", 2.0), ("before", 2.7), ("lunch", 3.4))
+
+
+def spaced_words(folder: Path, words: tuple[tuple[str, float], ...] = SPACED_WORDS,
+                 seconds: float = 4.0) -> tuple[np.ndarray, list[tuple[float, float]]]:
+    """`words` synthesized one by one, each trimmed to its sound and put at its start in 16 kHz
+    float audio of `seconds`, and where each was said (start, end): speech whose word times are
+    known, to measure word timing by."""
+    import numpy as np
+
+    from speech.audio import load_audio
+
+    audio = np.zeros(round(seconds * 16_000), np.float32)
+    spans = []
+    for word, start in words:
+        clip = load_audio(str(spoken(word, folder / f"{word}.wav")))
+        loud = np.flatnonzero(np.abs(clip) > 0.02)
+        clip = clip[loud[0] : loud[-1]]
+        at = round(start * 16_000)
+        audio[at : at + len(clip)] = clip
+        spans.append((start, start + len(clip) / 16_000))
+    return audio, spans
 
 
 def _read_transcription(path: Path) -> dict[str, str]:

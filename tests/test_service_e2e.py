@@ -75,6 +75,18 @@ def _check_finals(by_file: dict[str, list[dict]]) -> None:
             assert f["latency_ms"] >= 0
             assert f["language"] == "en", (path, f)  # opened without one: an English-only model's
             _check_parts(f)
+            _check_words(f)
+
+
+def _check_words(final: dict) -> None:
+    """A final's words joined are its text; each starts within the final's span, after the one before."""
+    if not final["text"].strip():
+        assert final["words"] is None, final
+        return
+    words = final["words"]
+    assert words and "".join(w[2] for w in words).strip() == final["text"], final
+    assert all(final["start"] - 0.001 <= a <= min(b, final["end"] + 0.001) for a, b, _ in words), final
+    assert all(b <= a for (_, b, _), (a, _, _) in zip(words, words[1:])), final
 
 
 def _check_parts(final: dict) -> None:
@@ -158,7 +170,8 @@ def test_a_file_gives_the_same_finals_in_real_time_and_as_a_batch(service, tmp_p
 
 def test_a_long_final_says_when_its_phrases_were_spoken(service, tmp_path: Path) -> None:
     """Three sentences read with short breaths between them are one segment, so one final; its
-    parts (Whisper's own segments) time its sentences, and its subtitles start a cue at each."""
+    parts (Whisper's own segments) and its words time its sentences, and its subtitles start a
+    cue at each."""
     clips = [u for u in UTTERANCES if u.name.endswith(("-0870", "-0920", "-0930"))]  # three sentences
     pieces, starts, at = [], [], 0.0
     for clip in clips:
@@ -179,6 +192,10 @@ def test_a_long_final_says_when_its_phrases_were_spoken(service, tmp_path: Path)
     assert len(parts) >= 3, final
     for start in starts[1:]:  # a part begins within a second of each sentence
         assert any(abs(p[0] - start) < 1.0 for p in parts), (starts, parts)
+    _check_words(final)
+    for clip, start in zip(clips[1:], starts[1:]):  # each sentence's first word is timed within 0.4 s of where it is said
+        first = clip.reference.split()[0]
+        assert min(abs(a - start) for a, _, w in final["words"] if w.strip(" .,").lower() == first) < 0.4, (starts, final["words"])
     subtitles = service.cli("transcribe", "--server", service.address, "--offline", "--subtitles", "srt", str(reading))
     assert subtitles.returncode == 0, subtitles.stderr
     cue_starts = [int(h) * 3600 + int(mi) * 60 + int(sec) + int(ms) / 1000

@@ -464,30 +464,34 @@ def test_a_final_judged_a_hallucination_drops_the_words_its_partials_agreed_on(l
     assert (final.text, final.revised) == ("", True)
 
 
-def test_a_final_s_parts_are_its_decode_s_segments_on_the_stream_s_clock(long_pool: RingPool) -> None:
-    """A final carries the decode's own segments moved onto the stream's clock and kept within
-    the final's span; a final whose text is not its decode's (the committed words kept when the
-    decode heard none, noise dropped) has none; segments a worker of another build sends that are
-    not [start, end, text] rows leave the final without parts, said in the log, and the final
-    goes out all the same."""
+def test_a_final_s_parts_and_words_are_its_decode_s_on_the_stream_s_clock(long_pool: RingPool) -> None:
+    """A final carries the decode's own segments and timed words moved onto the stream's clock
+    and kept within the final's span; a final whose text is not its decode's (the committed words
+    kept when the decode heard none, noise dropped) has neither; segments or words a worker of
+    another build sends that are not [start, end, text] rows leave the final without them, said
+    in the log, and the final goes out all the same."""
     s = session(long_pool, offset=32_000)  # a resumed stream: its times go on from 2 s
     feed(s, [0.0] * 5 + [0.9] * 20 + [0.0] * 20)
     [job] = [j for j in s.jobs_out if j.final]
     start, end = 2 + job.start / 16_000, 2 + job.end / 16_000
-    answer(s, final=True, text=" Turn left. Then stop.", segments=[[0.0, 0.52, " Turn left."], [0.52, 99.0, " Then stop."]])
+    answer(s, final=True, text=" Turn left. Then stop.", segments=[[0.0, 0.52, " Turn left."], [0.52, 99.0, " Then stop."]],
+           words=[[0.0, 0.2, " Turn"], [0.2, 0.52, " left."], [0.52, 0.8, " Then"], [0.8, 99.0, " stop."]])
     [final] = finals(s)
     assert final.parts == [[round(start, 3), round(start + 0.52, 3), "Turn left."], [round(start + 0.52, 3), round(end, 3), "Then stop."]]
+    assert final.words == [[round(start, 3), round(start + 0.2, 3), " Turn"], [round(start + 0.2, 3), round(start + 0.52, 3), " left."],
+                           [round(start + 0.52, 3), round(start + 0.8, 3), " Then"], [round(start + 0.8, 3), round(end, 3), " stop."]]
     long_pool.release(s.ring)
 
-    for segments in ([[0.0, "0.5", "Turn left."]], [[0.3, 0.1, "Turn left."]], [[0.0, float("nan"), "x"]], [["Turn left."]], "x"):
-        s = session(long_pool)
-        feed(s, [0.0] * 5 + [0.9] * 20 + [0.0] * 20)
-        with capture_logs() as logs:
-            answer(s, final=True, text="Turn left.", segments=segments)
-        [final] = finals(s)
-        assert (final.text, final.parts) == ("Turn left.", None), segments
-        assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["ingest.final_parts_unreadable"], segments
-        long_pool.release(s.ring)
+    for rows in ([[0.0, "0.5", "Turn left."]], [[0.3, 0.1, "Turn left."]], [[0.0, float("nan"), "x"]], [["Turn left."]], "x"):
+        for field, event in (("segments", "ingest.final_parts_unreadable"), ("words", "ingest.final_words_unreadable")):
+            s = session(long_pool)
+            feed(s, [0.0] * 5 + [0.9] * 20 + [0.0] * 20)
+            with capture_logs() as logs:
+                answer(s, final=True, text="Turn left.", **{field: rows})
+            [final] = finals(s)
+            assert (final.text, final.parts if field == "segments" else final.words) == ("Turn left.", None), rows
+            assert [e["event"] for e in logs if e["log_level"] == "warning"] == [event], rows
+            long_pool.release(s.ring)
 
     s = session(long_pool)
     feed(s, [0.0] * 5 + [0.9] * 20)
@@ -495,9 +499,9 @@ def test_a_final_s_parts_are_its_decode_s_segments_on_the_stream_s_clock(long_po
     feed(s, [0.9] * 16)
     answer(s, final=False, text="turn left now")
     feed(s, [0.0] * 20)
-    answer(s, final=True, text="", segments=[])
+    answer(s, final=True, text="", segments=[], words=[])
     [final] = finals(s)
-    assert final.text == "turn left" and final.parts is None  # the partials' committed words, no decode's times
+    assert final.text == "turn left" and final.parts is None and final.words is None  # the partials' committed words, no decode's times
 
 
 @pytest.mark.parametrize("priority", ["realtime", "batch"])

@@ -18,7 +18,7 @@ from speech.backend import SAMPLE_RATE, DecodeRequest, DecodeResult, Segment
 from speech.decoding import DecodeOptions, WhisperDecoder, window_token_cap
 from speech.loader import resolve_model
 from speech.tokenizer import WhisperTokenizer
-from streamasr.testdata import normalize, spoken, utterances, wer
+from streamasr.testdata import SPACED_WORDS, normalize, spaced_words, spoken, utterances, wer
 
 PARITY_POINTS = 0.005  # |WER ours - WER faster-whisper|, same weights, greedy, fp32
 WER_BOUND = {("tiny", "fp32"): 0.08, ("tiny", "int8"): 0.10, ("base", "fp32"): 0.08, ("base", "int8"): 0.10}
@@ -439,6 +439,36 @@ def test_no_segment_ends_after_the_audio_it_was_heard_in(tiny, dev):
     assert sum(len(r.segments) for r in results) >= len(dev)
 
 
+def test_each_word_is_timed_where_it_was_said(tiny, dev, tmp_path):
+    """Words said one by one at known times, a fifth to half a second apart, decoded as one
+    final: each word's time holds the middle of where it was said, and starts and ends within
+    0.4 s of it; the words joined are the text. A partial has none, nor has a model that does not
+    time words. Audio of several 30 s windows (`--local`'s long form) has its words on its own
+    clock, in order, joined its text."""
+    audio, spans = spaced_words(tmp_path)
+    said = [word for word, _ in SPACED_WORDS]
+    res = tiny.transcribe_batch([DecodeRequest(audio=audio)])[0]
+    assert normalize(res.text) == " ".join(said), res.text
+    assert "".join(w.text for w in res.words).strip() == res.text and len(res.words) == len(said), res.words
+    for w, (start, end) in zip(res.words, spans):
+        assert w.start <= (start + end) / 2 <= w.end, (w, start, end)
+        assert abs(w.start - start) < 0.4 and abs(w.end - end) < 0.4, (w, start, end)
+    assert tiny.transcribe_batch([DecodeRequest(audio=audio, partial=True)])[0].words == []
+    from speech.ort_backend import OrtWhisperBackend
+
+    untimed = OrtWhisperBackend(ModelConfig(name="whisper-tiny.en", precision="fp32", partial_precision="", word_times=False),
+                                warmup=False)
+    assert untimed.transcribe_batch([DecodeRequest(audio=audio)])[0].words == []
+
+    gap = np.zeros(SAMPLE_RATE // 2, np.float32)
+    reading = np.concatenate([piece for _, a in dev[:5] * 3 for piece in (a, gap)])
+    assert len(reading) > 2 * 30 * SAMPLE_RATE
+    whole = longform.transcribe(tiny, reading)
+    assert "".join(w.text for w in whole.words).strip() == whole.text, whole.words
+    assert all(a.end <= b.start for a, b in zip(whole.words, whole.words[1:])), whole.words
+    assert whole.words[-1].start > 60 and whole.words[-1].end <= len(reading) / SAMPLE_RATE
+
+
 def test_partial_short_window(tiny, dev):
     u, a = dev[0]
     full = tiny.transcribe_batch([DecodeRequest(audio=a)])[0]
@@ -475,7 +505,7 @@ def test_a_model_of_128_mel_bins_decodes_on_features_of_its_size(tiny, dev):
     import onnxruntime as ort
 
     from speech.ct2 import CT2Model
-    from speech.export import build_decoder, build_encoder, model_dims
+    from speech.export import alignment_heads, build_decoder, build_encoder, model_dims
     from speech.mel import _hz_to_mel, _mel_to_hz
 
     def centres(n: int) -> np.ndarray:
@@ -491,7 +521,7 @@ def test_a_model_of_128_mel_bins_decodes_on_features_of_its_size(tiny, dev):
     dims = model_dims(m)
     assert dims["n_mels"] == 128
     encoder, decoder = (ort.InferenceSession(g.SerializeToString(), providers=["CPUExecutionProvider"])
-                        for g in (build_encoder(m), build_decoder(m)))
+                        for g in (build_encoder(m), build_decoder(m, alignment_heads(tiny.tokenizer.config, dims))))
     assert encoder.get_inputs()[0].shape[1] == 128
     decoding = WhisperDecoder(encoder, decoder, tiny.tokenizer, dims, DecodeOptions())
     libri = [(u, a) for u, a in dev if u.name.startswith("librivox/")][:4]
@@ -642,7 +672,8 @@ def test_local_run_json(tmp_path, capsys):
     lines = out.getvalue().splitlines()
     assert len(lines) == 1
     obj = json.loads(lines[0])
-    assert set(obj) == {"file", "text", "language", "segments", "duration"}
+    assert set(obj) == {"file", "text", "language", "segments", "words", "duration"}
+    assert "".join(w["word"] for w in obj["words"]).strip() == obj["text"], obj
     assert obj["file"] == goforward and obj["language"] == "en"
     assert normalize(obj["text"]) == "go forward ten meters"
     assert obj["segments"] and set(obj["segments"][0]) == {"start", "end", "text"}
@@ -673,7 +704,7 @@ def test_a_final_cut_in_mid_speech_keeps_its_last_words(tiny, dev):
     then often opens the next segment and stops (`<|22.74|><|22.74|>`, end of text): to its mind
     the words after that timestamp belong to the next 30 s window. Whisper's transcribe goes on
     decoding from that timestamp; a final that stopped there lost those words from the transcript,
-    which is the final."""
+    which is the final. Its words are timed across both decodes."""
     gap = np.zeros(SAMPLE_RATE // 4, np.float32)
     libri = [a for u, a in dev if u.name.startswith("librivox/")]
     speech = np.concatenate([x for a in libri for x in (a, gap)])
@@ -686,9 +717,12 @@ def test_a_final_cut_in_mid_speech_keeps_its_last_words(tiny, dev):
     assert res.segments and res.segments[-1].end > 24.5, res.segments
     starts = [s.start for s in res.segments]
     assert starts == sorted(starts) and all(s.start <= s.end <= 25.0 for s in res.segments), res.segments
+    # its words are the decode's and the rest's, in order: the last ones said after 22.7 s
+    assert "".join(w.text for w in res.words).strip() == res.text, res.words
+    assert all(a.end <= b.start for a, b in zip(res.words, res.words[1:])) and res.words[-1].start > 22.7, res.words
     # batched with another final, it says the same
     batched, other = tiny.transcribe_batch([DecodeRequest(audio=audio), DecodeRequest(audio=libri[1])])
-    assert (batched.text, batched.segments) == (res.text, res.segments)
+    assert (batched.text, batched.segments, batched.words) == (res.text, res.segments, res.words)
     assert normalize(other.text) == normalize(tiny.transcribe_batch([DecodeRequest(audio=libri[1])])[0].text)
 
 

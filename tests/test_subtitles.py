@@ -65,6 +65,35 @@ def test_a_final_s_parts_time_its_cues_where_the_model_heard_them() -> None:
     assert Writer("srt").final(3.0, 28.0, text, parts).startswith("1\n00:00:03,400 --> 00:00:05,000\nGo forward. Ten meters.\n\n2\n00:00:06,200")
 
 
+def test_a_final_s_words_time_its_cues_where_they_were_heard() -> None:
+    """A long final whose words were timed (the model's alignment): each cue after the first starts
+    when its first word was heard, not at its share of the characters, and a cue before a pause
+    leaves the screen a second after its last word: here the speaker says the first half fast,
+    pauses, then says the rest. Words that do not hold the final's text, or run backwards, are
+    not trusted: the characters' shares time the cues, as without words."""
+    words = LONG.split()
+    half = len(words) // 2
+    # the first half in the first 3 s, then a pause, then the rest from 12 s to 21 s
+    times = [3.0 + 3.0 * i / half for i in range(half)] + [12.0 + 9.0 * i / (len(words) - half) for i in range(len(words) - half)]
+    timed = [[t, t + 0.1, " " + w] for t, w in zip(times, words)]
+    got = phrased(3.0, 21.5, LONG, None, timed)
+    by_share = cues(3.0, 21.5, LONG)
+    assert " ".join(line for c in got for line in c.lines) == LONG and len(got) > 2
+    assert got[0].start == 3.0 and got[-1].end == 21.5 and all(0 < c.end - c.start <= MAX_CUE_S for c in got), got
+    at = -1
+    for cue, after in zip(got, got[1:]):
+        first, last = words.index(after.lines[0].split()[0], at + 1), words.index(cue.lines[-1].split()[-1], at + 1)
+        assert after.start == times[first], (after, times[first])
+        assert cue.end == min(after.start, times[last] + 0.1 + 1.0), (cue, times[last])
+        at = last
+    assert any(a.end < b.start for a, b in zip(got, got[1:]))  # the pause shows no cue
+    assert phrased(3.0, 28.0, LONG, [[3.0, 21.5, LONG]], timed) == got  # within a part as well
+    assert phrased(3.0, 21.5, LONG, None, timed[:-1]) == by_share  # a word left out
+    assert phrased(3.0, 21.5, LONG, None, [timed[1], timed[0], *timed[2:]]) == by_share  # out of order
+    assert phrased(3.0, 21.5, LONG, None, [["x"]]) == by_share  # not rows
+    assert Writer("srt").final(3.0, 21.5, LONG, None, timed) == Writer("srt").write([(c, None) for c in got])
+
+
 def test_a_conversation_is_one_track_of_its_speakers_cues_written_in_the_order_they_start() -> None:
     """Two parties' finals, each channel a stream of its own, come out as one track while they speak:
     a cue is written once the other party can have no final that starts before it (its stream's

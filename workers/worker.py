@@ -595,6 +595,7 @@ class Worker:
                 segments=[(s.start, s.end, s.text) for s in out.segments],
                 avg_logprob=out.avg_logprob, no_speech_prob=out.no_speech_prob,
                 worker=self.identity, batch_size=len(taken), started=started, finished=finished, language=out.language,
+                words=[(w.start, w.end, w.text) for w in out.words],
             ))
         log.debug("worker.batch", size=len(taken), seconds=round(finished - started, 4))
         return results
