@@ -92,6 +92,7 @@ class GraphIO:
         self._align_io = decoder.io_binding()  # its own: a step binds no alignment output
         self._home: list[np.ndarray] = []  # with keep_encoded: the group's encoded requests, per cross name
         self._on_home = False  # the group's rows are still the encoded requests, read from `_home`
+        self._encoded = 0  # the requests `_home` holds
         self._scores = np.empty(0, np.float32)  # `align`'s output
         # an additive causal mask for a prefill: position i attends columns <= i
         self._causal = np.triu(np.full((self.n_ctx, self.n_ctx), NEG, np.float32), 1)
@@ -135,6 +136,7 @@ class GraphIO:
         if self.keep_encoded and (not self._home or self._home[0].size < size):
             self._home = [np.empty(size, np.float32) for _ in self.cross_names]
         self._on_home = self.keep_encoded
+        self._encoded = b
         for j, (name, pair) in enumerate(zip(self.cross_names, self._cross)):
             pair.i = 0
             view = self._cross_view(self._source(j, pair), name, b)
@@ -187,12 +189,11 @@ class GraphIO:
         to its audio. Valid until the next call; with `keep_encoded` only, once the group is decoded."""
         assert self.keep_encoded
         n = len(rows)
-        picked = np.asarray(rows, np.int64)
         io = self._align_io
+        whole = list(rows) == list(range(self._encoded))  # every request of the group, in order: no copy
         for j, (name, pair) in enumerate(zip(self.cross_names, self._cross)):
-            home = self._cross_view(self._home[j], name, int(picked.max()) + 1)
-            cross = np.take(home, picked, axis=0, out=self._cross_view(pair.other, name, n), mode="clip")
-            io.bind_cpu_input(name, cross)
+            home = self._cross_view(self._home[j], name, self._encoded)
+            io.bind_cpu_input(name, home if whole else np.take(home, rows, axis=0, out=self._cross_view(pair.other, name, n)))
         group = Group(rows=n)
         _view(self._count.cur, (n,))[:] = 0
         t = self._inputs(feed, group, io)
