@@ -105,9 +105,9 @@ def _by_segment(result: DecodeResult) -> list[list[list[Any]]]:
     words = iter(result.words)
     for segment in result.segments:
         run: list[list[Any]] = []
-        count = 0
-        while count < len(segment.text.split()) and (word := next(words, None)) is not None:
+        letters = 0  # a segment's words are as many letters as its text, spaces aside
+        while letters < len("".join(segment.text.split())) and (word := next(words, None)) is not None:
             run.append([word.start, word.end, word.text])
-            count += len(word.text.split())
+            letters += len("".join(word.text.split()))
         runs.append(run)
     return runs

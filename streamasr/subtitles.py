@@ -7,9 +7,9 @@ MAX_LINE_UNSPACED). A final's `parts` (Whisper's own segments of it, timed by th
 joined into cues while they fit one, so a cue starts and ends where the model heard its phrases
 (a part too short to read alone joins the one before); within a part, a cue starts where its
 first word was heard, by the final's `words` (timed by the model), or without them by its share
-of the characters, an estimate; the final's own start and end are kept exactly. Words a pause
-of PAUSE_S parts are not shown in one cue, and a cue before such a pause leaves the screen
-HOLD_S after its last word. A call with each party on its own channel, each a stream, gives one
+of the characters, an estimate; the final's own start and end are kept exactly. Words PAUSE_S
+or more apart are not shown in one cue, and a cue before such a pause leaves the screen HOLD_S
+after its last word. A call with each party on its own channel, each a stream, gives one
 track of both parties' cues in the order they start, each said to be its speaker's, written as
 they speak.
 """
@@ -107,9 +107,10 @@ def cues(start: float, end: float, text: str, times: list[tuple[float, float]] |
 
 def word_times(start: float, end: float, text: str, words: list[list[Any]] | None) -> list[tuple[float, float]] | None:
     """When each word of `text` (split at spaces) was heard, from a final's timed `words`
-    ([start, end, word] rows, the space before each word in it); None unless they hold the text
-    word for word, in order, each starting within the final's span (its end may pass the span's,
-    which was timed apart from the words)."""
+    ([start, end, word] rows, the space before each word in it; a word of the text may be several
+    of them, "ill" and "-disposed"): from its first's start to its last's end. None unless they
+    hold the text word for word, in order, each starting within the final's span (its end may
+    pass the span's, which was timed apart from the words)."""
     try:
         rows = [(float(w[0]), float(w[1]), w[2]) for w in words or ()]
         heard = "".join(w for _, _, w in rows).split()
@@ -119,7 +120,12 @@ def word_times(start: float, end: float, text: str, words: list[list[Any]] | Non
         return None
     if any(b > a + TIME_SLACK for (_, b, _), (a, _, _) in zip(rows, rows[1:])):
         return None
-    return [(a, b) for a, b, w in rows for _ in w.split()]
+    owner = [k for k, (_, _, w) in enumerate(rows) for c in w if not c.isspace()]  # each letter's row
+    times, at = [], 0
+    for unit in heard:
+        times.append((rows[owner[at]][0], rows[owner[at + len(unit) - 1]][1]))
+        at += len(unit)
+    return times
 
 
 def phrased(start: float, end: float, text: str, parts: list[list[Any]] | None,

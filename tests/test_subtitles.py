@@ -91,6 +91,8 @@ def test_a_final_s_words_time_its_cues_where_they_were_heard() -> None:
     assert phrased(3.0, 21.5, LONG, None, timed[:-1]) == by_share  # a word left out
     assert phrased(3.0, 21.5, LONG, None, [timed[1], timed[0], *timed[2:]]) == by_share  # out of order
     assert phrased(3.0, 21.5, LONG, None, [["x"]]) == by_share  # not rows
+    t = timed[4][0]  # " ill-disposed": the model's words may split one of the text's in two
+    assert phrased(3.0, 21.5, LONG, None, [*timed[:4], [t, t + 0.05, " ill"], [t + 0.05, t + 0.1, "-disposed"], *timed[5:]]) == got
     assert Writer("srt").final(3.0, 21.5, LONG, None, timed) == Writer("srt").write([(c, None) for c in got])
 
 
