@@ -471,10 +471,8 @@ class Session:
         if not all(_segment_row(row) for row in res.segments):  # a worker of another build: the final goes without parts
             self.log.warning("ingest.final_parts_unreadable", job=res.job_id, seg=seg.index, segments=repr(res.segments)[:200])
             return None
-        start, end = self._time(seg.start), self._time(job.end)
-        parts = [[round(min(start + s_start, end), 3), round(min(start + s_end, end), 3), s_text.strip()]
-                 for s_start, s_end, s_text in res.segments if s_text.strip()]
-        return parts or None
+        parts = self._on_stream_clock(seg, job, res.segments)
+        return [[start, end, text.strip()] for start, end, text in parts if text.strip()] or None
 
     def _words(self, seg: _Segment, job: Job, res: JobResult, text: str) -> list[list[Any]] | None:
         """The decode's timed words, in the stream's seconds within the final's span, when the
@@ -484,8 +482,13 @@ class Session:
         if not all(_segment_row(row) for row in res.words):  # a worker of another build: the final goes without words
             self.log.warning("ingest.final_words_unreadable", job=res.job_id, seg=seg.index, words=repr(res.words)[:200])
             return None
+        return self._on_stream_clock(seg, job, res.words)
+
+    def _on_stream_clock(self, seg: _Segment, job: Job, rows: list[Any]) -> list[list[Any]]:
+        """A decode's [start, end, text] rows (its segments, its words), timed in the final's
+        audio, in the stream's seconds (to the millisecond) within the final's span."""
         start, end = self._time(seg.start), self._time(job.end)
-        return [[round(min(start + w_start, end), 3), round(min(start + w_end, end), 3), word] for w_start, w_end, word in res.words]
+        return [[round(min(start + a, end), 3), round(min(start + b, end), 3), text] for a, b, text in rows]
 
     @staticmethod
     def _hallucinated(res: JobResult) -> bool:

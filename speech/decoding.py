@@ -278,11 +278,8 @@ class WhisperDecoder:
         toks = a_toks[:-1] + [min(t + k, last) if t >= tb else t for t in b_toks]
         segments = a.segments + [Segment(min(round(s.start + shift, 2), round(s.end + shift, 3)), round(s.end + shift, 3), s.text)
                                  for s in b.segments]
-        timed: list[Segment] = []  # words for the whole text, or none: the rest's follow the first's
-        if a.words and b.words:
-            after = a.words[-1].end
-            timed = a.words + [Segment(round(max(w.start + shift, after), 3), round(max(w.end + shift, after), 3), w.text)
-                               for w in b.words]
+        # words for the whole text, or none: the rest's follow the first's
+        timed = a.words + words.moved(b.words, shift, a.words[-1].end) if a.words and b.words else []
         res = DecodeResult(
             text=self.tk.decode([t for t in toks if t < self.tk.eot]).strip(), segments=segments, language=a.language,
             avg_logprob=(a.avg_logprob * (a.tokens + 1) + b.avg_logprob * (b.tokens + 1)) / (a.tokens + b.tokens + 2),

@@ -20,6 +20,7 @@ import math
 import numpy as np
 
 from speech.backend import MAX_WINDOW_S, MIN_REST_S, SAMPLE_RATE, Backend, DecodeRequest, DecodeResult, Segment
+from speech.words import moved
 
 WINDOW = int(MAX_WINDOW_S * SAMPLE_RATE)
 TIME_PRECISION = 0.02
@@ -113,16 +114,16 @@ def _transcribe_tokens(backend, audio, language, prompt) -> DecodeResult:
     return _finish(tk.decode(text_tokens).strip(), segments, language, logprobs, no_speech, n_tokens, timed)
 
 
-def _add_words(timed: list[Segment], words: list[Segment], offset: float, dur: float, kept: str) -> None:
+def _add_words(timed: list[Segment], window: list[Segment], offset: float, dur: float, kept: str) -> None:
     """Append the words of a window's kept text (its first words: the rest is decoded again in
-    the next window) at absolute times, each after the one before."""
-    text = ""
-    for w in words:
+    the next window) at absolute times, after the words before them."""
+    text, count = "", 0
+    for w in window:
         if not kept.strip().startswith((text + w.text).strip()):
             break
         text += w.text
-        after = timed[-1].end if timed else 0.0
-        timed.append(Segment(round(max(offset + min(w.start, dur), after), 3), round(max(offset + min(w.end, dur), after), 3), w.text))
+        count += 1
+    timed += moved(window[:count], offset, timed[-1].end if timed else 0.0, dur)
 
 
 def _add(segments: list[Segment], offset: float, start: float, end: float, text: str, dur: float) -> bool:

@@ -16,6 +16,7 @@ in the request's audio, in steps of one encoder frame (20 ms).
 
 from __future__ import annotations
 
+import math
 import string
 from typing import Sequence
 
@@ -32,6 +33,13 @@ APPEND = "\"'.。,，!！?？:：”)]}、"  # punctuation that joins the word b
 SENTENCE_ENDS = ".。!！?？"
 UNSPACED = frozenset({"zh", "ja", "th", "lo", "my", "yue"})  # languages written without spaces between words
 MAX_MEDIAN_S = 0.7  # the median word length taken is at most this
+
+
+def moved(words: list[Segment], shift: float, after: float, within: float = math.inf) -> list[Segment]:
+    """`words` timed in audio that starts `shift` seconds on (each time first held `within` its
+    own audio's seconds), none before `after`: the end of the words that come before them."""
+    return [Segment(round(max(shift + min(w.start, within), after), 3), round(max(shift + min(w.end, within), after), 3), w.text)
+            for w in words]
 
 
 def frames_of(samples: int) -> int:
